@@ -1,0 +1,73 @@
+"""Parse a hybrid layer pattern (``*-M-M-M-``) into a per-sublayer plan.
+
+One character per sublayer, each wrapped pre-norm + residual:
+
+====== ===============================================================
+symbol sublayer
+====== ===============================================================
+``*``  MLA attention
+``M``  the configured linear mixer (``mixer: mamba2 | gdn | kda``)
+``G``  Gated DeltaNet, whatever ``mixer`` says
+``K``  Kimi Delta Attention, whatever ``mixer`` says
+``S``  Mamba2 (selective SSM), whatever ``mixer`` says
+``-``  SwiGLU MLP
+====== ===============================================================
+
+The explicit letters let one stack mix mixer types, e.g. ``*-G-S-K-``.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from hybridlm.config.errors import ConfigError
+
+MIXERS = ("mamba2", "gdn", "kda")
+SYMBOLS = {"*": "mla", "-": "mlp", "G": "gdn", "K": "kda", "S": "mamba2"}
+MIXER_SYMBOL = {"gdn": "G", "kda": "K", "mamba2": "S"}
+SEQUENCE_MIXERS = ("mla", "gdn", "kda", "mamba2")
+
+
+def attention_positions(num_mixer_blocks: int, ratio: float) -> List[int]:
+    """Mixer-block indices that become MLA for a given attention ratio, spread evenly from block 0.
+
+    ratio 0.25 over 12 blocks gives [0, 4, 8], the seed's ``*-M-M-M-*-M-M-M-*-M-M-M-``.
+    """
+    n_attn = round(ratio * num_mixer_blocks)
+    if n_attn == 0:
+        return []
+    return sorted({(i * num_mixer_blocks) // n_attn for i in range(n_attn)})
+
+
+def pattern_from_ratio(num_layers: int, ratio: float) -> str:
+    """Alternating mixer / MLP sublayers with MLA placed by :func:`attention_positions`."""
+    if num_layers % 2:
+        raise ConfigError(f"num_layers: {num_layers} must be even to build a pattern from hybrid_attention_ratio "
+                          "(mixer and MLP sublayers alternate); give hybrid_override_pattern instead")
+    n_blocks = num_layers // 2
+    attn = set(attention_positions(n_blocks, ratio))
+    return "".join(("*" if b in attn else "M") + "-" for b in range(n_blocks))
+
+
+def parse_pattern(pattern: str, num_layers: Optional[int], mixer: str,
+                  attention_ratio: Optional[float] = None) -> List[str]:
+    """Validate ``pattern`` and return the layer plan, e.g. ``["mla", "mlp", "gdn", "mlp"]``."""
+    if mixer not in MIXERS:
+        raise ConfigError(f"mixer: unknown mixer {mixer!r}; expected one of {', '.join(MIXERS)}")
+    if not isinstance(pattern, str) or not pattern:
+        raise ConfigError("hybrid_override_pattern: must be a non-empty string such as '*-M-M-M-'")
+    for i, ch in enumerate(pattern):
+        if ch != "M" and ch not in SYMBOLS:
+            raise ConfigError(f"hybrid_override_pattern: unknown symbol {ch!r} at position {i}; "
+                              f"expected one of * M G K S - (pattern {pattern!r})")
+    if num_layers is not None and len(pattern) != num_layers:
+        raise ConfigError(f"hybrid_override_pattern: length {len(pattern)} does not match num_layers {num_layers}")
+    plan = [mixer if ch == "M" else SYMBOLS[ch] for ch in pattern]
+    if attention_ratio is not None:
+        n_seq = sum(kind in SEQUENCE_MIXERS for kind in plan)
+        n_attn = plan.count("mla")
+        if n_seq == 0 or round(attention_ratio * n_seq) != n_attn:
+            raise ConfigError(f"hybrid_attention_ratio: {attention_ratio} disagrees with hybrid_override_pattern, "
+                              f"which has {n_attn} MLA of {n_seq} sequence-mixer sublayers")
+    if not any(kind in SEQUENCE_MIXERS for kind in plan):
+        raise ConfigError("hybrid_override_pattern: has no sequence mixer (*, M, G, K or S); tokens could not interact")
+    return plan
