@@ -1,0 +1,148 @@
+"""Process-group setup shared by every stage.
+
+``init_distributed()`` works in three situations without any flags:
+
+* launched by ``deepspeed`` (single- or multi-node via a hostfile) or ``torchrun``: the launcher
+  exports ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``;
+* launched by ``mpirun``: DeepSpeed reads the MPI environment itself (needs ``mpi4py``);
+* a plain ``python script.py``: we export a one-process world (rank 0, a free local port) so
+  DeepSpeed does not go looking for MPI.
+
+On CUDA the backend is NCCL and each process binds ``cuda:LOCAL_RANK``; without CUDA it is gloo on
+the CPU accelerator.  Calling it again returns the same :class:`DistInfo`.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_INFO: Optional[DistInfo] = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bind to port 0 and let the OS choose)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _launched() -> bool:
+    return "RANK" in os.environ or any(v in os.environ for v in _MPI_RANK_VARS)
+
+
+def _disable_shm_comm_build() -> None:
+    """Stop DeepSpeed from JIT-compiling its CPU shared-memory collective op (~200 s per process).
+
+    ``deepspeed.comm`` only uses that op when ``deepspeed.ops.__compatible_ops__`` says it is
+    buildable; training here goes through plain gloo/NCCL collectives and never needs it.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def init_distributed(timeout_minutes: int = 30) -> DistInfo:
+    """Initialise ``torch.distributed`` through DeepSpeed (idempotent) and return this process's place."""
+    global _INFO
+    if _INFO is not None and dist.is_available() and dist.is_initialized():
+        return _INFO
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        # Must be set before DeepSpeed first resolves its accelerator; harmless if it already did
+        # (it auto-detects the CPU accelerator when no CUDA device exists).
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not _launched():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+
+    _disable_shm_comm_build()
+    import datetime
+
+    import deepspeed
+
+    if not (dist.is_available() and dist.is_initialized()):
+        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    else:  # someone else created the group: let DeepSpeed's comm layer adopt it
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+        backend = str(dist.get_backend())
+
+    _INFO = DistInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+        backend=backend,
+    )
+    return _INFO
+
+
+def get_dist_info() -> DistInfo:
+    """The :class:`DistInfo` of an initialised process (initialising a one-process world if needed)."""
+    return init_distributed()
+
+
+def is_main() -> bool:
+    """True on global rank 0, and in a process that never initialised distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    return dist.get_rank() == 0
+
+
+def world_size() -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
+
+
+def barrier() -> None:
+    """Wait for every rank; a no-op in a one-process world."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_flag(flag: bool) -> bool:
+    """True on every rank if ``flag`` is true on any rank (one tiny all-reduce)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return bool(flag)
+    device = _INFO.device if _INFO is not None else torch.device("cpu")
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

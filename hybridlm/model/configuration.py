@@ -1,0 +1,186 @@
+"""``HybridConfig``: the transformers config of a hybrid stack, plus typed per-mixer arguments.
+
+Mixer settings live in nested dicts (``mla``, ``gdn``, ``kda``, ``mamba2``) so the saved ``config.json``
+stays plain JSON; :meth:`HybridConfig.mixer_args` returns them as validated dataclasses.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import List, Optional
+
+from transformers import PretrainedConfig
+
+from hybridlm.config.errors import ConfigError
+from hybridlm.config.structured import build_dataclass
+from hybridlm.model.pattern import MIXERS, parse_pattern, pattern_from_ratio
+from hybridlm.ops.backend import BACKENDS
+
+
+def _divides(where: str, what: str, n: int, total_name: str, total: int) -> None:
+    if n <= 0 or total % n:
+        raise ConfigError(f"{where}: {what} {n} does not divide {total_name} {total}")
+
+
+@dataclass
+class MLAArgs:
+    num_heads: int = 16
+    q_lora_rank: Optional[int] = 672   # 0 / null: a full-rank q projection
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 32
+    v_head_dim: Optional[int] = None  # default hidden_size / num_heads
+    rope_theta: float = 500000.0
+    latent_norm: bool = True           # RMSNorm on the q / kv latents (off for exact SVD upcycling)
+    norm_eps: float = 1e-6
+
+    def finalize(self, hidden: int, where: str) -> None:
+        if self.v_head_dim is None:
+            _divides(where, "num_heads", self.num_heads, "hidden_size", hidden)
+            self.v_head_dim = hidden // self.num_heads
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"{where}.qk_rope_head_dim: {self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
+        for name in ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{where}.{name}: must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class DeltaRuleArgs:
+    num_heads: int = 4
+    head_dim: Optional[int] = None     # default hidden_size / num_heads
+    num_v_heads: Optional[int] = None  # default num_heads; a multiple of num_heads (grouped value heads)
+    head_v_dim: Optional[int] = None   # default head_dim
+    conv_size: int = 4
+    norm_eps: float = 1e-6
+    gate_rank: Optional[int] = None    # KDA only: low-rank gate bottleneck, default head_v_dim
+
+    def finalize(self, hidden: int, where: str) -> None:
+        if self.head_dim is None:
+            _divides(f"{where}.num_heads", "num_heads", self.num_heads, "hidden_size", hidden)
+            self.head_dim = hidden // self.num_heads
+        self.num_v_heads = self.num_v_heads or self.num_heads
+        self.head_v_dim = self.head_v_dim or self.head_dim
+        if self.num_v_heads % self.num_heads:
+            raise ConfigError(f"{where}.num_v_heads: {self.num_v_heads} is not a multiple of num_heads {self.num_heads}")
+        if self.conv_size < 1:
+            raise ConfigError(f"{where}.conv_size: must be >= 1, got {self.conv_size}")
+
+
+@dataclass
+class Mamba2Args:
+    d_state: int = 64
+    head_dim: int = 64
+    n_groups: int = 8
+    expand: int = 2
+    d_inner: Optional[int] = None  # default expand * hidden_size
+    d_xb: Optional[int] = None     # MambaInLlama: x / B width before repeating across heads
+    conv_size: int = 4
+    conv_bias: bool = True
+    norm_eps: float = 1e-6
+
+    def finalize(self, hidden: int, where: str) -> None:
+        self.d_inner = self.d_inner or self.expand * hidden
+        _divides(f"{where}.head_dim", "head_dim", self.head_dim, "d_inner", self.d_inner)
+        n_heads = self.d_inner // self.head_dim
+        _divides(f"{where}.n_groups", "n_groups", self.n_groups, "the number of heads", n_heads)
+        if self.d_xb is not None:
+            _divides(f"{where}.d_xb", "d_xb", self.d_xb, "d_inner", self.d_inner)
+            _divides(f"{where}.d_xb", "head_dim", self.head_dim, "d_xb", self.d_xb)
+            _divides(f"{where}.d_xb", "d_inner / d_xb", self.d_inner // self.d_xb,
+                     "n_groups * d_state", self.n_groups * self.d_state)
+
+
+MIXER_ARGS = {"mla": MLAArgs, "gdn": DeltaRuleArgs, "kda": DeltaRuleArgs, "mamba2": Mamba2Args}
+
+
+class HybridConfig(PretrainedConfig):
+    model_type = "hybrid_lm"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 128256,
+        hidden_size: int = 1024,
+        intermediate_size: int = 4096,
+        num_layers: Optional[int] = None,
+        hybrid_override_pattern: Optional[str] = None,
+        hybrid_attention_ratio: Optional[float] = None,
+        mixer: str = "gdn",
+        mla: Optional[dict] = None,
+        gdn: Optional[dict] = None,
+        kda: Optional[dict] = None,
+        mamba2: Optional[dict] = None,
+        rms_norm_eps: float = 1e-6,
+        initializer_range: float = 0.02,
+        tie_word_embeddings: bool = True,
+        backend: str = "auto",
+        loss_chunks: int = 8,
+        bos_token_id: Optional[int] = None,
+        eos_token_id: Optional[int] = None,
+        pad_token_id: Optional[int] = None,
+        **kwargs,
+    ):
+        kwargs.pop("num_hidden_layers", None)  # derived, written by to_dict for HF utilities
+        kwargs.pop("layer_plan", None)
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.mixer = mixer
+        self.rms_norm_eps = rms_norm_eps
+        self.initializer_range = initializer_range
+        self.backend = backend
+        self.loss_chunks = loss_chunks
+        if backend not in BACKENDS:
+            raise ConfigError(f"backend: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "loss_chunks"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if hybrid_override_pattern is None:
+            if hybrid_attention_ratio is None or num_layers is None:
+                raise ConfigError("hybrid_override_pattern: missing; give a pattern such as '*-M-M-M-' "
+                                  "or num_layers with hybrid_attention_ratio")
+            if not 0.0 <= hybrid_attention_ratio <= 1.0:
+                raise ConfigError(f"hybrid_attention_ratio: {hybrid_attention_ratio} is not in [0, 1]")
+            hybrid_override_pattern = pattern_from_ratio(num_layers, hybrid_attention_ratio)
+        self.layer_plan: List[str] = parse_pattern(hybrid_override_pattern, num_layers, mixer, hybrid_attention_ratio)
+        self.hybrid_override_pattern = hybrid_override_pattern
+        self.hybrid_attention_ratio = hybrid_attention_ratio
+        self.num_layers = len(self.layer_plan)
+        self._mixer_args = {}
+        for name, given in (("mla", mla), ("gdn", gdn), ("kda", kda), ("mamba2", mamba2)):
+            args = build_dataclass(MIXER_ARGS[name], given or {}, name)
+            args.finalize(hidden_size, name)
+            self._mixer_args[name] = args
+            setattr(self, name, dataclasses.asdict(args))
+        super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+        self.tie_word_embeddings = tie_word_embeddings
+
+    @classmethod
+    def from_user_dict(cls, values: dict, where: str = "model") -> "HybridConfig":
+        """Build from a YAML model section; an unknown key is an error rather than a silent extra attribute."""
+        import inspect
+        known = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known keys: {', '.join(sorted(known))})")
+        return cls(**values)
+
+    @property
+    def num_hidden_layers(self) -> int:  # what transformers' generic utilities read
+        return self.num_layers
+
+    def mixer_args(self, name: str):
+        if name not in MIXER_ARGS:
+            raise KeyError(name)
+        return self._mixer_args[name]
+
+    def to_dict(self):
+        out = super().to_dict()
+        out.pop("_mixer_args", None)
+        out.pop("layer_plan", None)
+        return out
+
+
+__all__ = ["HybridConfig", "MLAArgs", "DeltaRuleArgs", "Mamba2Args", "MIXERS"]

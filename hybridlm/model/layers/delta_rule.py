@@ -1,0 +1,98 @@
+"""Shared body of the two delta-rule mixers (Gated DeltaNet, Kimi Delta Attention).
+
+x -> q, k, v projections -> depthwise causal conv + SiLU -> L2-normalised q, k; beta = sigmoid(b_proj x);
+a log-decay gate g <= 0 -> gated delta rule -> per-head gated RMSNorm -> o_proj.
+Subclasses define the gate (scalar per head for GDN, per key channel for KDA) and the output gate.
+Grouped value heads (num_v_heads a multiple of num_heads) share each q/k head, as in fla.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridlm.model.layers.conv import ShortConv
+from hybridlm.model.layers.init import init_A_log, init_dt_bias
+from hybridlm.ops.backend import use_triton
+from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, l2_normalize
+from hybridlm.ops.elementwise import gated_rms_norm, short_conv
+
+
+class DeltaRuleMixer(nn.Module):
+    gate_per_key_channel: bool = False  # KDA: True
+    output_gate_activation: str = "swish"
+
+    def __init__(self, config, args, layer_idx: int = 0):
+        super().__init__()
+        d = config.hidden_size
+        self.layer_idx = layer_idx
+        self.backend = config.backend
+        self.num_heads, self.head_k_dim = args.num_heads, args.head_dim
+        self.num_v_heads, self.head_v_dim = args.num_v_heads, args.head_v_dim
+        self.key_dim = self.num_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.norm_eps = args.norm_eps
+        self.q_proj = nn.Linear(d, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.value_dim, bias=False)
+        self.q_conv1d = ShortConv(self.key_dim, args.conv_size)
+        self.k_conv1d = ShortConv(self.key_dim, args.conv_size)
+        self.v_conv1d = ShortConv(self.value_dim, args.conv_size)
+        self.b_proj = nn.Linear(d, self.num_v_heads, bias=False)
+        gate_dim = self.num_v_heads * (self.head_k_dim if self.gate_per_key_channel else 1)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(gate_dim))
+        for p in (self.A_log, self.dt_bias):
+            p._no_weight_decay = True
+        self.build_gate_projections(d, args)
+        self.o_norm_weight = nn.Parameter(torch.ones(self.head_v_dim))
+        self.o_proj = nn.Linear(self.value_dim, d, bias=False)
+        self.reset_recurrent_parameters()
+
+    # -- subclass hooks ------------------------------------------------------------------------
+    def build_gate_projections(self, d: int, args) -> None:
+        raise NotImplementedError
+
+    def gate_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Pre-activation decay input, ``[B, T, HV]`` or ``[B, T, HV * K]``."""
+        raise NotImplementedError
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def triton_delta_rule(self, q, k, v, a, b):
+        raise NotImplementedError
+
+    # -------------------------------------------------------------------------------------------
+    def reset_recurrent_parameters(self) -> None:
+        init_A_log(self.A_log, 1.0 if self.gate_per_key_channel else 1e-9, 16.0)
+        init_dt_bias(self.dt_bias)
+
+    def log_decay(self, a: torch.Tensor) -> torch.Tensor:
+        """g = -exp(A_log) * softplus(a + dt_bias), in fp32, shaped for the recurrence."""
+        B, T = a.shape[:2]
+        a = a.float().view(B, T, self.num_v_heads, -1) + self.dt_bias.float().view(self.num_v_heads, -1)
+        g = -self.A_log.float().exp().view(-1, 1) * F.softplus(a)
+        return g if self.gate_per_key_channel else g.squeeze(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        triton = use_triton(self.backend, x)
+        q = short_conv(self.q_proj(x), self.q_conv1d.weight, self.q_conv1d.bias, "silu", triton)
+        k = short_conv(self.k_proj(x), self.k_conv1d.weight, self.k_conv1d.bias, "silu", triton)
+        v = short_conv(self.v_proj(x), self.v_conv1d.weight, self.v_conv1d.bias, "silu", triton)
+        q = q.view(B, T, self.num_heads, self.head_k_dim)
+        k = k.view(B, T, self.num_heads, self.head_k_dim)
+        v = v.view(B, T, self.num_v_heads, self.head_v_dim)
+        a, b = self.gate_input(x), self.b_proj(x)
+        if triton:
+            o = self.triton_delta_rule(q, k, v, a, b)
+        else:
+            groups = self.num_v_heads // self.num_heads
+            q, k = (l2_normalize(t.float()).repeat_interleave(groups, dim=2) for t in (q, k))
+            o, _ = chunk_gated_recurrence(q, k, v, self.log_decay(a), torch.sigmoid(b.float()),
+                                          scale=self.head_k_dim ** -0.5)
+        gate = self.output_gate(x).view(B, T, self.num_v_heads, self.head_v_dim)
+        o = gated_rms_norm(o, gate, self.o_norm_weight, self.norm_eps,
+                           activation=self.output_gate_activation, triton=triton)
+        return self.o_proj(o.reshape(B, T, self.value_dim).to(x.dtype))

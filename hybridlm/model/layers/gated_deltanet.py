@@ -1,0 +1,30 @@
+"""Gated DeltaNet mixer: one scalar forget gate per value head, delta-rule state update, swish output gate."""
+from torch import nn
+
+from hybridlm.model.layers.delta_rule import DeltaRuleMixer
+
+
+class GatedDeltaNet(DeltaRuleMixer):
+    gate_per_key_channel = False
+    output_gate_activation = "swish"
+
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__(config, config.mixer_args("gdn"), layer_idx)
+
+    def build_gate_projections(self, d, args):
+        self.a_proj = nn.Linear(d, self.num_v_heads, bias=False)
+        self.g_proj = nn.Linear(d, self.value_dim, bias=False)
+
+    def gate_input(self, x):
+        return self.a_proj(x)
+
+    def output_gate(self, x):
+        return self.g_proj(x)
+
+    def triton_delta_rule(self, q, k, v, a, b):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        o, _ = chunk_gated_delta_rule(
+            q=q, k=k, v=v, g=a, beta=b, scale=self.head_k_dim ** -0.5,
+            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+            use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias)
+        return o

@@ -1,0 +1,34 @@
+"""Kimi Delta Attention mixer: a forget gate per key channel from a low-rank projection, sigmoid output gate."""
+from torch import nn
+
+from hybridlm.model.layers.delta_rule import DeltaRuleMixer
+
+
+class KimiDeltaAttention(DeltaRuleMixer):
+    gate_per_key_channel = True
+    output_gate_activation = "sigmoid"
+
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__(config, config.mixer_args("kda"), layer_idx)
+
+    def build_gate_projections(self, d, args):
+        rank = args.gate_rank or self.head_v_dim  # fla uses head_v_dim as the bottleneck
+        self.f_proj = nn.Sequential(nn.Linear(d, rank, bias=False),
+                                    nn.Linear(rank, self.num_v_heads * self.head_k_dim, bias=False))
+        self.g_proj = nn.Sequential(nn.Linear(d, rank, bias=False),
+                                    nn.Linear(rank, self.value_dim, bias=True))
+
+    def gate_input(self, x):
+        return self.f_proj(x)
+
+    def output_gate(self, x):
+        return self.g_proj(x)
+
+    def triton_delta_rule(self, q, k, v, a, b):
+        from fla.ops.kda import chunk_kda
+        B, T = a.shape[:2]
+        o, _ = chunk_kda(
+            q=q, k=k, v=v, g=a.view(B, T, self.num_v_heads, self.head_k_dim), beta=b,
+            scale=self.head_k_dim ** -0.5, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias)
+        return o

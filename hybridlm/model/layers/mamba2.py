@@ -1,0 +1,83 @@
+"""Mamba2 mixer without ``mamba_ssm``.
+
+in_proj -> [z | x | B | C | dt]; depthwise causal conv + SiLU over [x | B | C]; dt = softplus(dt + dt_bias);
+the SSD scan; + D * x skip; RMSNorm(y * silu(z)) per group; out_proj.
+
+The SSD with scalar decay per head equals simple gated linear attention with q = C, k = B, v = x * dt,
+log-decay g = A * dt (A = -exp(A_log)) and scale 1, so the Triton path is fla's ``chunk_simple_gla`` and
+the torch path is :func:`hybridlm.ops.chunked_recurrence.chunk_gated_recurrence` without a delta rule.
+``d_xb`` (MambaInLlama) projects x and B to fewer channels and repeats them across heads after the conv,
+mirroring grouped-query attention.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridlm.model.layers.conv import ShortConv
+from hybridlm.model.layers.init import init_A_log, init_dt_bias
+from hybridlm.ops.backend import use_triton
+from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence
+from hybridlm.ops.elementwise import gated_rms_norm, short_conv
+
+
+class Mamba2(nn.Module):
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__()
+        a = config.mixer_args("mamba2")
+        d = config.hidden_size
+        self.layer_idx = layer_idx
+        self.backend = config.backend
+        self.d_inner = a.expand * d if a.d_inner is None else a.d_inner
+        self.head_dim, self.d_state, self.n_groups = a.head_dim, a.d_state, a.n_groups
+        self.num_heads = self.d_inner // self.head_dim
+        self.d_xb = self.d_inner if a.d_xb is None else a.d_xb  # x and B width before repetition
+        self.xb_repeat = self.d_inner // self.d_xb
+        self.d_b = self.n_groups * self.d_state // self.xb_repeat  # B channels before repetition
+        self.norm_eps = a.norm_eps
+        self.conv_dim = self.d_xb + self.d_b + self.n_groups * self.d_state
+        self.in_proj = nn.Linear(d, self.d_inner + self.conv_dim + self.num_heads, bias=False)
+        self.conv1d = ShortConv(self.conv_dim, a.conv_size, bias=a.conv_bias)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        for p in (self.A_log, self.dt_bias, self.D):
+            p._no_weight_decay = True
+        self.norm_weight = nn.Parameter(torch.ones(self.d_inner))
+        self.out_proj = nn.Linear(self.d_inner, d, bias=False)
+        self.reset_recurrent_parameters()
+
+    def reset_recurrent_parameters(self) -> None:
+        init_A_log(self.A_log)
+        init_dt_bias(self.dt_bias)
+        with torch.no_grad():
+            self.D.fill_(1.0)
+
+    def _repeat_heads(self, t: torch.Tensor, groups: int, per_head: int) -> torch.Tensor:
+        """[B, T, groups * per_head] -> [B, T, num_heads, per_head], each group serving consecutive heads."""
+        B, T, _ = t.shape
+        return t.view(B, T, groups, per_head).repeat_interleave(self.num_heads // groups, dim=2)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        Bsz, T, _ = hidden.shape
+        triton = use_triton(self.backend, hidden)
+        z, xbc, dt = self.in_proj(hidden).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        xbc = short_conv(xbc, self.conv1d.weight, self.conv1d.bias, "silu", triton)
+        x, b, c = xbc.split([self.d_xb, self.d_b, self.n_groups * self.d_state], dim=-1)
+        x = self._repeat_heads(x, self.d_xb // self.head_dim, self.head_dim)            # [B,T,H,P]
+        b = self._repeat_heads(b, self.d_b // self.d_state, self.d_state)               # [B,T,H,N]
+        c = self._repeat_heads(c, self.n_groups, self.d_state)                          # [B,T,H,N]
+        dt = F.softplus(dt.float() + self.dt_bias.float())                              # [B,T,H]
+        g = -self.A_log.float().exp() * dt
+        v = x.float() * dt.unsqueeze(-1)
+        if triton:
+            from fla.ops.simple_gla import chunk_simple_gla
+            y, _ = chunk_simple_gla(q=c, k=b, v=v.to(x.dtype), g=g, scale=1.0)
+        else:
+            y, _ = chunk_gated_recurrence(c, b, v, g, beta=None, scale=1.0)
+        y = y.float() + self.D.float().view(-1, 1) * x.float()
+        y = gated_rms_norm(y.reshape(Bsz, T, self.d_inner), z, self.norm_weight, self.norm_eps,
+                           activation="swish", norm_before_gate=False,
+                           group_size=self.d_inner // self.n_groups, triton=triton)
+        return self.out_proj(y.to(hidden.dtype))

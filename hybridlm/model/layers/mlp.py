@@ -1,0 +1,19 @@
+"""SwiGLU feed-forward sublayer: down(silu(gate(x)) * up(x))."""
+import torch
+from torch import nn
+
+from hybridlm.ops.backend import use_triton
+from hybridlm.ops.elementwise import swiglu
+
+
+class SwiGLUMLP(nn.Module):
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+        self.backend = config.backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), triton=use_triton(self.backend, x)))

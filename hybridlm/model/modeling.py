@@ -1,0 +1,148 @@
+"""The hybrid causal LM: embeddings -> [pre-norm sublayer + residual] x num_layers -> norm -> LM head.
+
+``HybridForCausalLM`` is a transformers ``PreTrainedModel``: ``save_pretrained`` / ``from_pretrained``
+work and loading is strict (see :meth:`HybridForCausalLM.from_pretrained`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from hybridlm.model.configuration import HybridConfig
+from hybridlm.model.layers import SUBLAYERS, RMSNorm
+from hybridlm.model.layers.conv import ShortConv
+from hybridlm.model.loss import IGNORE_INDEX, linear_cross_entropy
+from hybridlm.ops.backend import use_triton
+
+
+class HybridBlock(nn.Module):
+    """One sublayer of the pattern with its pre-norm and residual: ``x + sublayer(norm(x))``."""
+
+    def __init__(self, config: HybridConfig, kind: str, layer_idx: int):
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.backend)
+        self.mixer = SUBLAYERS[kind](config, layer_idx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mixer(self.norm(x))
+
+
+class HybridPreTrainedModel(PreTrainedModel):
+    config_class = HybridConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["HybridBlock"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, ShortConv):
+            module.reset_parameters()
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        if hasattr(module, "reset_recurrent_parameters"):
+            module.reset_recurrent_parameters()
+            for name in ("o_norm_weight", "norm_weight"):
+                if hasattr(module, name):
+                    nn.init.ones_(getattr(module, name))
+
+
+class HybridModel(HybridPreTrainedModel):
+    def __init__(self, config: HybridConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(HybridBlock(config, kind, i) for i, kind in enumerate(config.layer_plan))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.backend)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(self, input_ids: Optional[torch.LongTensor] = None,
+                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                x = self._gradient_checkpointing_func(layer.__call__, x)
+            else:
+                x = layer(x)
+        return self.norm(x)
+
+
+class HybridForCausalLM(HybridPreTrainedModel):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: HybridConfig):
+        super().__init__(config)
+        self.model = HybridModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        shift_labels: Optional[torch.LongTensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        logits_to_keep: int = 0,
+        return_logits: Optional[bool] = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """``labels`` follow transformers (aligned with ``input_ids``, shifted here); ``shift_labels`` are
+        already the next-token targets. With either, the loss is computed chunk-wise and logits are not
+        returned unless ``return_logits=True``. ``logits_to_keep=k`` keeps only the last k positions."""
+        hidden = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds)
+        loss = None
+        if labels is not None and shift_labels is None:
+            shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        if shift_labels is not None:
+            loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight,
+                                        shift_labels.reshape(-1), self.config.loss_chunks,
+                                        triton=use_triton(self.config.backend, hidden))
+            if not return_logits:
+                return CausalLMOutputWithPast(loss=loss, logits=None)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        return CausalLMOutputWithPast(loss=loss, logits=self.lm_head(hidden).float())
+
+
+def _strict_from_pretrained(cls, *args, **kwargs):
+    """``from_pretrained`` that refuses missing or unexpected weights instead of silently re-initialising them."""
+    want_info = kwargs.pop("output_loading_info", False)
+    model, info = PreTrainedModel.from_pretrained.__func__(cls, *args, output_loading_info=True, **kwargs)
+    problems = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if problems:
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        detail = "; ".join(f"{k}: {', '.join(map(str, v[:5]))}{' ...' if len(v) > 5 else ''}" for k, v in problems.items())
+        raise ValueError(f"{source}: checkpoint does not match {cls.__name__} ({detail})")
+    return (model, info) if want_info else model
+
+
+HybridPreTrainedModel.from_pretrained = classmethod(_strict_from_pretrained)

@@ -1,0 +1,84 @@
+"""Small fused pieces shared by the mixers, each with a torch path and an fla Triton path.
+
+Every function takes ``triton: bool`` (decided once per forward by :func:`hybridlm.ops.backend.use_triton`)
+so both paths compute the same function and can be compared directly.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, triton: bool = False) -> torch.Tensor:
+    if triton:
+        from fla.modules.layernorm import rms_norm as fla_rms_norm
+        return fla_rms_norm(x, weight, None, eps=eps)
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (x * weight.float()).to(dtype)
+
+
+def _gate(z: torch.Tensor, activation: str) -> torch.Tensor:
+    return torch.sigmoid(z) if activation == "sigmoid" else F.silu(z)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   activation: str = "swish", norm_before_gate: bool = True,
+                   group_size: Optional[int] = None, triton: bool = False) -> torch.Tensor:
+    """RMSNorm over groups of the last dim of ``x``, gated by ``act(z)`` before or after normalising.
+
+    GDN / KDA: norm first, then gate (``norm(x) * act(z)``) per head; Mamba2: gate first
+    (``norm(x * silu(z))``) per group of ``group_size`` channels.
+    """
+    if triton:
+        if norm_before_gate and group_size is None:
+            from fla.modules.fused_norm_gate import rms_norm_gated
+            return rms_norm_gated(x, z, weight, None, activation=activation, eps=eps)
+        if activation in ("swish", "silu"):
+            from fla.modules.layernorm_gated import rmsnorm_fn
+            return rmsnorm_fn(x, weight, None, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
+    dtype = x.dtype
+    x, z = x.float(), z.float()
+    if not norm_before_gate:
+        x = x * _gate(z, activation)
+    shape = x.shape
+    if group_size is not None:
+        x = x.reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    x = x.reshape(shape) * weight.float()
+    if norm_before_gate:
+        x = x * _gate(z, activation)
+    return x.to(dtype)
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               activation: Optional[str] = "silu", triton: bool = False) -> torch.Tensor:
+    """Depthwise causal convolution over time: x ``[B, T, D]``, weight ``[D, W]``; output ``[B, T, D]``."""
+    if triton:
+        from fla.modules.convolution import causal_conv1d
+        y, _ = causal_conv1d(x=x, weight=weight, bias=bias, activation=activation)
+        return y
+    W = weight.shape[-1]
+    y = F.conv1d(F.pad(x.transpose(1, 2), (W - 1, 0)), weight.unsqueeze(1), bias, groups=weight.shape[0])
+    y = y.transpose(1, 2)
+    return F.silu(y) if activation in ("silu", "swish") else y
+
+
+def conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+              bias: Optional[torch.Tensor] = None, activation: Optional[str] = "silu"):
+    """One decoding step of :func:`short_conv`: x ``[B, D]``, conv_state ``[B, D, W]`` (last W inputs)."""
+    conv_state = torch.cat([conv_state[..., 1:], x.unsqueeze(-1)], dim=-1)
+    y = (conv_state * weight).sum(-1)
+    if bias is not None:
+        y = y + bias
+    return (F.silu(y) if activation in ("silu", "swish") else y), conv_state
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, triton: bool = False) -> torch.Tensor:
+    if triton:
+        from fla.modules.activations import swiglu as fla_swiglu
+        return fla_swiglu(gate, up)
+    return F.silu(gate) * up
