@@ -150,7 +150,11 @@ class HybridConfig(PretrainedConfig):
         self._mixer_args = {}
         for name, given in (("mla", mla), ("gdn", gdn), ("kda", kda), ("mamba2", mamba2)):
             args = build_dataclass(MIXER_ARGS[name], given or {}, name)
-            args.finalize(hidden_size, name)
+            try:
+                args.finalize(hidden_size, name)
+            except ConfigError:
+                if name in self.layer_plan:  # defaults of a mixer the stack does not use may not fit it
+                    raise
             self._mixer_args[name] = args
             setattr(self, name, dataclasses.asdict(args))
         super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,

@@ -1,0 +1,254 @@
+"""Read packed token shards (written by ``prepare``) and cut them into training / validation batches.
+
+``PackedTokens`` memory-maps one split's shards after checking them against ``meta.json``.
+``PackedBatches`` serves an endless, resumable, rank-sharded stream of ``seq_len + 1`` token windows.
+``validation_batches`` returns a fixed, finite, unshuffled list of batches for evaluation.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+import torch
+
+from hybridlm.config.errors import ConfigError
+from hybridlm.data.prepare import FORMAT, FORMAT_VERSION, META, SPLITS
+
+DTYPES = ("uint16", "uint32")
+
+
+def read_meta(path) -> Dict[str, Any]:
+    """``path/meta.json`` parsed and checked for shape; ConfigError naming the file otherwise."""
+    root = Path(path).expanduser()
+    meta_file = root / META
+    if not root.is_dir():
+        raise ConfigError(f"{root}: no such directory (expected a dataset written by `python -m pretrain.prepare`)")
+    if not meta_file.is_file():
+        raise ConfigError(f"{meta_file}: missing (expected the meta.json that `python -m pretrain.prepare` writes "
+                          f"last; the directory is not a complete prepared dataset)")
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{meta_file}: not valid JSON ({e}); re-run prepare") from None
+
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise ConfigError(f"{meta_file}: expected {what}; the file is corrupt, re-run prepare")
+
+    need(isinstance(meta, dict) and meta.get("format") == FORMAT, f'"format": "{FORMAT}"')
+    need(meta.get("version") == FORMAT_VERSION, f'"version": {FORMAT_VERSION}, got {meta.get("version")!r}')
+    need(meta.get("dtype") in DTYPES, f'"dtype" one of {", ".join(DTYPES)}, got {meta.get("dtype")!r}')
+    tok = meta.get("tokenizer")
+    need(isinstance(tok, dict) and isinstance(tok.get("vocab_size"), int) and isinstance(tok.get("eos_id"), int),
+         '"tokenizer" with integer "vocab_size" and "eos_id"')
+    splits = meta.get("splits")
+    need(isinstance(splits, dict) and all(s in splits for s in SPLITS), f'"splits" with {" and ".join(SPLITS)}')
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for name in SPLITS:
+        split = splits[name]
+        need(isinstance(split, dict) and isinstance(split.get("shards"), list)
+             and isinstance(split.get("num_tokens"), int), f'splits.{name} with "shards" and "num_tokens"')
+        total = 0
+        for i, sh in enumerate(split["shards"]):
+            ok = isinstance(sh, dict) and isinstance(sh.get("file"), str) and isinstance(sh.get("num_tokens"), int) \
+                and isinstance(sh.get("num_bytes"), int)
+            need(ok, f"splits.{name}.shards[{i}] with file, num_tokens and num_bytes")
+            rel = Path(sh["file"])
+            need(not rel.is_absolute() and ".." not in rel.parts, f"splits.{name}.shards[{i}].file inside the dataset")
+            need(sh["num_bytes"] == sh["num_tokens"] * itemsize,
+                 f"splits.{name}.shards[{i}]: num_bytes = num_tokens * {itemsize}")
+            total += sh["num_tokens"]
+        need(total == split["num_tokens"], f"splits.{name}.num_tokens = the sum over its shards ({total})")
+    return meta
+
+
+class PackedTokens:
+    """The concatenated token stream of one split (``train`` or ``val``), memory-mapped read-only.
+
+    Every shard listed in meta.json must exist with exactly the recorded byte size (a truncated copy or an
+    interrupted rsync is caught here, not as garbage mid-training); ``verify_checksums`` also re-hashes them.
+    """
+
+    def __init__(self, path, split: str = "train", verify_checksums: bool = False):
+        if split not in SPLITS:
+            raise ConfigError(f"split: expected one of {', '.join(SPLITS)}, got {split!r}")
+        self.root = Path(path).expanduser()
+        self.split = split
+        self.meta = read_meta(self.root)
+        self.dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
+        info = self.meta["splits"][split]
+        self.num_docs = int(info.get("num_docs", 0))
+        self.vocab_size = int(self.meta["tokenizer"]["vocab_size"])
+        self.eos_id = int(self.meta["tokenizer"]["eos_id"])
+        self._maps: List[np.memmap] = []
+        for sh in info["shards"]:
+            f = self.root / sh["file"]
+            if not f.is_file():
+                raise ConfigError(f"{f}: missing (listed in {self.root / META}); re-run prepare")
+            size = f.stat().st_size
+            if size != sh["num_bytes"]:
+                raise ConfigError(f"{f}: {size} bytes, expected {sh['num_bytes']} from meta.json "
+                                  f"(truncated or modified); re-run prepare")
+            if verify_checksums and sh.get("sha256"):
+                if _sha256(f) != sh["sha256"]:
+                    raise ConfigError(f"{f}: sha256 differs from meta.json (corrupt); re-run prepare")
+            if sh["num_tokens"]:  # np.memmap cannot map an empty file
+                self._maps.append(np.memmap(f, dtype=self.dtype, mode="r", shape=(sh["num_tokens"],)))
+        self._starts = np.cumsum([0] + [m.shape[0] for m in self._maps])
+
+    @property
+    def name(self) -> str:
+        return f"{self.root}[{self.split}]"
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` as int64, crossing shard boundaries as needed."""
+        if start < 0 or length < 0 or start + length > len(self):
+            raise IndexError(f"{self.name}: range [{start}, {start + length}) outside [0, {len(self)})")
+        out = np.empty(length, dtype=np.int64)
+        done = 0
+        i = int(np.searchsorted(self._starts, start, side="right")) - 1
+        while done < length:
+            lo = start + done - int(self._starts[i])
+            take = min(length - done, self._maps[i].shape[0] - lo)
+            out[done:done + take] = self._maps[i][lo:lo + take]
+            done += take
+            i += 1
+        return out
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(len(self))
+            arr = self.read(start, max(0, stop - start))
+            return arr if step == 1 else arr[::step]
+        i = int(idx) + (len(self) if int(idx) < 0 else 0)
+        return int(self.read(i, 1)[0])
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ConfigError(f"{name}: expected an integer >= {low}, got {value!r}")
+
+
+def _window_batch(tokens: PackedTokens, window_ids: np.ndarray, seq_len: int) -> Dict[str, torch.Tensor]:
+    w = seq_len + 1
+    arr = np.stack([tokens.read(int(i) * w, w) for i in window_ids])
+    arr = torch.from_numpy(arr)
+    return {"input_ids": arr[:, :-1].contiguous(), "labels": arr[:, 1:].contiguous()}
+
+
+class PackedBatches:
+    """Endless iterator of ``{"input_ids", "labels"}`` LongTensors ``[micro_batch_size, seq_len]``.
+
+    The stream is cut into ``num_windows`` non-overlapping windows of ``seq_len + 1`` tokens (inputs are
+    ``w[:-1]``, labels ``w[1:]``). Each epoch visits them in a permutation seeded by ``(seed, epoch)``;
+    consecutive runs of ``micro_batch_size * world_size`` windows form a global batch and rank ``r`` takes
+    its entries ``r, r + world_size, ...``. The tail that does not fill a global batch is skipped that
+    epoch (a different tail each epoch). ``state_dict`` is (epoch, windows consumed), so a resumed
+    run continues with exactly the batches an uninterrupted one would see, even with another world size.
+    """
+
+    def __init__(self, tokens: PackedTokens, seq_len: int, micro_batch_size: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0):
+        _check_int("seq_len", seq_len, 1)
+        _check_int("micro_batch_size", micro_batch_size, 1)
+        _check_int("world_size", world_size, 1)
+        _check_int("rank", rank, 0)
+        _check_int("seed", seed, 0)
+        if rank >= world_size:
+            raise ConfigError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
+        self.tokens, self.seq_len, self.micro_batch_size = tokens, seq_len, micro_batch_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.num_windows = len(tokens) // (seq_len + 1)
+        if self.num_windows == 0:
+            raise ConfigError(f"{tokens.name}: {len(tokens)} tokens, fewer than one window of seq_len + 1 = "
+                              f"{seq_len + 1}; lower data.seq_len or add data")
+        self.global_batch = micro_batch_size * world_size
+        self.steps_per_epoch = self.num_windows // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise ConfigError(f"{tokens.name}: {self.num_windows} windows of {seq_len + 1} tokens, fewer than one "
+                              f"global batch of micro_batch_size * world_size = {self.global_batch}")
+        self.epoch = 0
+        self.position = 0  # windows of the current epoch's order already handed out (all ranks together)
+        self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        """Input tokens trained on per epoch, all ranks together (the skipped tail excluded)."""
+        return self.steps_per_epoch * self.global_batch * self.seq_len
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The window permutation of ``epoch`` (same on every rank)."""
+        if epoch != self._order_epoch:
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            self._order_epoch = epoch
+        return self._order
+
+    def __iter__(self) -> "PackedBatches":
+        return self
+
+    def __next__(self) -> Dict[str, torch.Tensor]:
+        if self.position + self.global_batch > self.steps_per_epoch * self.global_batch:
+            self.epoch, self.position = self.epoch + 1, 0
+        chunk = self.order(self.epoch)[self.position:self.position + self.global_batch]
+        self.position += self.global_batch
+        return _window_batch(self.tokens, chunk[self.rank::self.world_size], self.seq_len)
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "seq_len": self.seq_len,
+                "num_windows": self.num_windows}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        """Continue where ``state`` left off; the data, seq_len and seed must be those it was saved with."""
+        for key in ("seed", "seq_len", "num_windows"):
+            if key in state and state[key] != getattr(self, key):
+                raise ConfigError(f"data state: saved {key} = {state[key]}, but now {getattr(self, key)} "
+                                  f"(resume with the same data, data.seq_len and seed)")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= self.num_windows:
+            raise ConfigError(f"data state: epoch {epoch} / position {position} out of range")
+        self.epoch, self.position = epoch, position
+
+
+def validation_batches(tokens: PackedTokens, seq_len: int, micro_batch_size: int, max_batches: int,
+                       rank: int = 0, world_size: int = 1) -> List[Dict[str, torch.Tensor]]:
+    """At most ``max_batches`` batches of the split's leading windows, in order, the same on every call.
+
+    Ranks share each global batch as in training. When the split is small the per-rank batch shrinks so
+    that every rank still gets the same number (>= 1) of equal batches.
+    """
+    _check_int("seq_len", seq_len, 1)
+    _check_int("micro_batch_size", micro_batch_size, 1)
+    _check_int("max_batches", max_batches, 1)
+    _check_int("world_size", world_size, 1)
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
+    num_windows = len(tokens) // (seq_len + 1)
+    if num_windows < world_size:
+        raise ConfigError(f"{tokens.name}: {len(tokens)} tokens make {num_windows} windows of {seq_len + 1}, "
+                          f"fewer than one per rank ({world_size}); lower data.seq_len or raise val_fraction")
+    mbs = min(micro_batch_size, num_windows // world_size)
+    g = mbs * world_size
+    n = min(max_batches, num_windows // g)
+    return [_window_batch(tokens, np.arange(b * g + rank, (b + 1) * g, world_size), seq_len) for b in range(n)]
+
+
+def open_splits(path, seq_len: int, micro_batch_size: int, val_max_batches: int, rank: int = 0,
+                world_size: int = 1, seed: int = 0) -> Tuple[PackedBatches, List[Dict[str, torch.Tensor]]]:
+    """(training batch iterator, validation batch list) of a prepared dataset directory."""
+    train = PackedBatches(PackedTokens(path, "train"), seq_len, micro_batch_size, rank, world_size, seed)
+    val = validation_batches(PackedTokens(path, "val"), seq_len, micro_batch_size, val_max_batches, rank, world_size)
+    return train, val

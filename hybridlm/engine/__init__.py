@@ -1,0 +1,51 @@
+"""The shared training engine: distributed setup, optimisation config, LR schedule, DeepSpeed engine."""
+from hybridlm.engine.checkpoint import CheckpointError, get_rng_state, seed_everything, set_rng_state
+from hybridlm.engine.config import OptimConfig
+from hybridlm.engine.distributed import (
+    DistInfo,
+    all_reduce_flag,
+    barrier,
+    free_port,
+    get_dist_info,
+    init_distributed,
+    is_main,
+    world_size,
+)
+from hybridlm.engine.engine import (
+    Engine,
+    EvalResult,
+    LossFn,
+    NonFiniteLossError,
+    StepResult,
+    build_param_groups,
+    deepspeed_config,
+    no_weight_decay,
+)
+from hybridlm.engine.schedule import lr_at, lr_lambda, lr_lambda_from_config
+
+__all__ = [
+    "CheckpointError",
+    "DistInfo",
+    "Engine",
+    "EvalResult",
+    "LossFn",
+    "NonFiniteLossError",
+    "OptimConfig",
+    "StepResult",
+    "all_reduce_flag",
+    "barrier",
+    "build_param_groups",
+    "deepspeed_config",
+    "free_port",
+    "get_dist_info",
+    "get_rng_state",
+    "init_distributed",
+    "is_main",
+    "lr_at",
+    "lr_lambda",
+    "lr_lambda_from_config",
+    "no_weight_decay",
+    "seed_everything",
+    "set_rng_state",
+    "world_size",
+]

@@ -1,0 +1,222 @@
+"""Filesystem and RNG helpers for atomic, resumable checkpoints.
+
+Layout of a save directory::
+
+    <dir>/latest              one line: the tag of the newest complete checkpoint (the commit point)
+    <dir>/step_<N>/           one complete checkpoint (DeepSpeed files + our files)
+        manifest.json         written last, before the rename: every file and its size
+        rng_state_rank<R>.pt  python / numpy / torch (and CUDA) RNG state of rank R
+    <dir>/.tmp_step_<N>/      a save in progress (or left behind by a crash: removed by the next save)
+
+A checkpoint becomes visible only by ``rename(.tmp_step_N -> step_N)`` followed by replacing
+``latest`` (write a temporary file, fsync, ``os.replace``), so a process killed at any point leaves
+``latest`` naming a complete checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from hybridlm.config.errors import ConfigError
+
+LATEST = "latest"
+MANIFEST = "manifest.json"
+TMP_PREFIX = ".tmp_"
+TRASH_PREFIX = ".trash_"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint path that is missing, incomplete or unreadable (one line naming the path)."""
+
+
+def step_tag(step: int) -> str:
+    return f"step_{int(step)}"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_state_rank{rank:05d}.pt"
+
+
+# ----------------------------------------------------------------------------------------- fsync
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Persist a directory's entries (renames, creations).  Not every platform allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+    """fsync every file below ``root`` and then every directory, deepest first."""
+    dirs = []
+    for dirpath, _dirnames, filenames in os.walk(root):
+        dirs.append(dirpath)
+        for name in filenames:
+            fsync_file(os.path.join(dirpath, name))
+    for d in reversed(dirs):
+        fsync_dir(d)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see either the old or the new content."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f"{TMP_PREFIX}{os.path.basename(path)}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(directory)
+
+
+def remove_tree(path: str) -> None:
+    """Delete a directory so that a crash part-way never leaves something that looks complete."""
+    if not os.path.exists(path):
+        return
+    parent, name = os.path.split(os.path.abspath(path))
+    if not name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+        trash = os.path.join(parent, f"{TRASH_PREFIX}{name}.{os.getpid()}")
+        os.rename(path, trash)
+        path = trash
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# -------------------------------------------------------------------------------- manifest / list
+
+
+def write_manifest(tag_dir: str, meta: Dict[str, Any]) -> None:
+    files = {}
+    for dirpath, _dirnames, filenames in os.walk(tag_dir):
+        for name in filenames:
+            if name == MANIFEST or name.startswith(TMP_PREFIX):
+                continue
+            full = os.path.join(dirpath, name)
+            files[os.path.relpath(full, tag_dir)] = os.path.getsize(full)
+    atomic_write_text(os.path.join(tag_dir, MANIFEST), json.dumps({**meta, "files": files}, indent=1, sort_keys=True))
+
+
+def read_manifest(tag_dir: str) -> Dict[str, Any]:
+    """The manifest of a complete checkpoint, after checking every listed file is present and whole."""
+    path = os.path.join(tag_dir, MANIFEST)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {tag_dir}: incomplete (no {MANIFEST}; the save did not finish)")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {tag_dir}: unreadable {MANIFEST} ({e})") from None
+    for rel, size in sorted(files.items()):
+        full = os.path.join(tag_dir, rel)
+        if not os.path.isfile(full):
+            raise CheckpointError(f"checkpoint {tag_dir}: missing file {rel}")
+        if os.path.getsize(full) != size:
+            raise CheckpointError(
+                f"checkpoint {tag_dir}: file {rel} has {os.path.getsize(full)} bytes, expected {size} (truncated?)"
+            )
+    return manifest
+
+
+def list_step_dirs(save_dir: str) -> List[Tuple[int, str]]:
+    """``(step, path)`` of every ``step_<N>`` directory, oldest first."""
+    if not os.path.isdir(save_dir):
+        return []
+    out = []
+    for name in os.listdir(save_dir):
+        m = _STEP_RE.match(name)
+        if m and os.path.isdir(os.path.join(save_dir, name)):
+            out.append((int(m.group(1)), os.path.join(save_dir, name)))
+    return sorted(out)
+
+
+def read_latest(save_dir: str) -> Optional[str]:
+    """The tag named by ``<save_dir>/latest``, or None when there is no such file."""
+    path = os.path.join(save_dir, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        tag = f.read().strip()
+    if not tag or os.sep in tag or tag in (".", ".."):
+        raise CheckpointError(f"checkpoint {path}: does not name a checkpoint tag (content {tag!r})")
+    return tag
+
+
+def prune(save_dir: str, keep_last: int, protect: str) -> List[str]:
+    """Delete all but the newest ``keep_last`` ``step_<N>`` directories (never ``protect``)."""
+    removed = []
+    steps = list_step_dirs(save_dir)
+    for _step, path in steps[: max(0, len(steps) - keep_last)]:
+        if os.path.basename(path) == protect:
+            continue
+        remove_tree(path)
+        removed.append(path)
+    return removed
+
+
+def remove_stale_temporaries(save_dir: str) -> None:
+    """Remove what crashed saves left behind (``.tmp_*`` / ``.trash_*`` entries)."""
+    if not os.path.isdir(save_dir):
+        return
+    for name in os.listdir(save_dir):
+        if name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+            full = os.path.join(save_dir, name)
+            if os.path.isdir(full):
+                shutil.rmtree(full, ignore_errors=True)
+            else:
+                try:
+                    os.remove(full)
+                except OSError:
+                    pass
+
+
+# ------------------------------------------------------------------------------------------- RNG
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python ``random``, numpy and torch (CPU and every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds all CUDA devices
+
+
+def get_rng_state() -> Dict[str, Any]:
+    state: Dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"])
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["torch_cuda"])

@@ -1,0 +1,503 @@
+"""The one training engine: DeepSpeed ZeRO-1 (or 2), AdamW, warmup+cosine, clipping, NaN skipping.
+
+Every stage (pre-training, layer distillation, KD, DPO) builds an :class:`Engine` around the
+model it trains and a ``loss_fn(model, batch) -> (loss, metrics)``.  A KD stage's ``loss_fn``
+closes over a frozen teacher, DPO's over a frozen reference model; only the parameters of the
+model handed to the engine (optionally only ``trainable``) are optimised.
+
+Skipping a step with a non-finite loss
+--------------------------------------
+Stepping AdamW with zeroed gradients is *not* a skip: the moments decay, ``step`` advances and
+weight decay still moves the parameters.  The engine instead uses DeepSpeed's own overflow path
+(``DeepSpeedZeroOptimizer.step`` / ``BF16_Optimizer.step``): when the global gradient norm is not
+finite, DeepSpeed clears the gradients and returns *before* calling the wrapped optimizer, so the
+fp32 master weights, the low-precision weights, the AdamW state (``exp_avg``, ``exp_avg_sq``,
+``step``) are untouched, and ``DeepSpeedEngine._take_model_step`` then does not advance the LR
+scheduler and counts the step in ``skipped_steps``.  DeepSpeed checks the norm in fp32 ZeRO
+unconditionally and in bf16 because we set ``bf16.check_grad_overflow`` (and, with fp32 gradient
+accumulation, ZeRO-1 runs ``BF16_Optimizer``, which always checks).
+
+A non-finite loss almost always yields non-finite gradients, but not necessarily (e.g. a constant
+``inf`` term), and one rank's NaN must skip the step on every rank.  So before the *last*
+micro-batch's backward the engine all-reduces, in one small tensor, the sum of the micro-batch
+losses, the count of non-finite losses, the token count and the metrics (all needed for logging
+anyway), and multiplies that last loss by ``where(any_nonfinite, nan, 1)``.  Multiplying by 1 is
+exact, so healthy steps are bitwise unchanged; when any rank saw a non-finite loss, every rank's
+gradients become NaN, the all-reduced norm is NaN on every rank, and DeepSpeed skips the update
+everywhere.  This decision stays on the device (no host sync); after the step the engine checks
+that DeepSpeed really skipped (``skipped_steps`` advanced) and raises otherwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridlm.config.errors import ConfigError
+from hybridlm.engine import checkpoint as ckpt
+from hybridlm.engine.checkpoint import CheckpointError
+from hybridlm.engine.config import OptimConfig
+from hybridlm.engine.distributed import DistInfo, barrier, init_distributed
+from hybridlm.engine.schedule import lr_lambda_from_config
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[nn.Module, Dict[str, Any]], Tuple[torch.Tensor, Mapping[str, Any]]]
+
+_ENGINE_STATE_KEY = "hybridlm_engine"
+_CLIENT_STATE_KEY = "client_state"
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive optimizer steps were skipped for a non-finite loss or gradient norm."""
+
+
+@dataclass
+class StepResult:
+    """Outcome of one optimizer step (one global batch)."""
+
+    step: int  # optimizer steps attempted so far, this one included (skipped ones count)
+    loss: float  # mean over micro-batches and ranks (nan/inf when skipped for that reason)
+    grad_norm: float  # global L2 norm before clipping (inf when DeepSpeed skipped the step)
+    lr: float  # learning rate used by this step
+    skipped: bool
+    tokens: int  # summed over micro-batches and ranks
+    metrics: Dict[str, float] = field(default_factory=dict)  # loss_fn metrics, mean over micro-batches and ranks
+
+
+@dataclass
+class EvalResult:
+    loss: float
+    tokens: int
+    metrics: Dict[str, float] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------ parameter groups
+
+
+def no_weight_decay(param: nn.Parameter) -> bool:
+    """1-D parameters (norm weights, biases, scalars) and any tagged ``_no_weight_decay`` are not decayed."""
+    return param.ndim < 2 or bool(getattr(param, "_no_weight_decay", False))
+
+
+def build_param_groups(
+    model: nn.Module, weight_decay: float, trainable: Optional[Iterable[nn.Parameter]] = None
+) -> List[Dict[str, Any]]:
+    """AdamW param groups ``[decay, no_decay]`` of the parameters that require grad (or ``trainable``)."""
+    if trainable is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+    else:
+        params = list(trainable)
+    seen = set()
+    decay, no_decay = [], []
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        (no_decay if no_weight_decay(p) else decay).append(p)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+# --------------------------------------------------------------------------------------- helpers
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=device.type == "cuda")
+    if isinstance(obj, Mapping):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_to_device(v, device) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+def _scalar(v: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v.detach().reshape(()).to(device=device, dtype=torch.float64)
+    return torch.tensor(float(v), dtype=torch.float64, device=device)
+
+
+def _tokens_of(batch: Any) -> int:
+    if isinstance(batch, Mapping):
+        ids = batch.get("input_ids")
+        if isinstance(ids, torch.Tensor):
+            return ids.numel()
+    return 0
+
+
+def deepspeed_config(cfg: OptimConfig, world_size: int) -> Dict[str, Any]:
+    """The DeepSpeed config dict the engine runs with (no optimizer/scheduler: both are passed in)."""
+    gas = cfg.gradient_accumulation_steps(world_size)
+    bf16 = cfg.precision == "bf16"
+    ds: Dict[str, Any] = {
+        "train_batch_size": cfg.global_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": float(cfg.grad_clip),
+        "zero_optimization": {"stage": cfg.zero_stage},
+        # check_grad_overflow: a non-finite gradient norm skips the update (see module docstring).
+        "bf16": {"enabled": bf16, "check_grad_overflow": True},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if bf16:
+        # bf16 weights/activations, fp32 master weights, fp32 gradient accumulation.
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}
+    return ds
+
+
+# ---------------------------------------------------------------------------------------- engine
+
+
+class Engine:
+    """DeepSpeed-backed trainer core shared by every stage.
+
+    Args:
+        model: the module to train (moved to this rank's device; cast to bf16 when
+            ``precision == "bf16"``).  Parameters with ``requires_grad=False`` stay frozen.
+        config: an :class:`OptimConfig`.
+        loss_fn: ``loss_fn(model, batch) -> (loss, metrics)``; ``model`` is the DeepSpeed engine
+            (calling it runs ``module.forward``; attribute access falls through to the module).
+            ``loss`` is a scalar tensor; ``metrics`` maps names to scalars (tensors or numbers) and
+            must have the same keys on every call; an optional ``"tokens"`` entry is summed into
+            :attr:`StepResult.tokens` instead (default: ``batch["input_ids"].numel()``).
+        trainable: optional subset of ``model``'s parameters to train; every other parameter of
+            ``model`` is frozen (``requires_grad_(False)``).
+        ds_overrides: extra keys merged into the DeepSpeed config (advanced use).
+
+    Constructing an engine seeds python/numpy/torch RNGs with ``config.seed + rank``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: OptimConfig,
+        loss_fn: LossFn,
+        *,
+        trainable: Optional[Iterable[nn.Parameter]] = None,
+        ds_overrides: Optional[Mapping[str, Any]] = None,
+    ) -> None:
+        config.validate("optim")
+        self.config = config
+        self.loss_fn = loss_fn
+        self.dist: DistInfo = init_distributed()
+        self.gradient_accumulation_steps = config.gradient_accumulation_steps(self.dist.world_size)
+
+        if trainable is not None:
+            trainable = list(trainable)
+            ids = {id(p) for p in trainable}
+            model_ids = {id(p) for p in model.parameters()}
+            if not ids <= model_ids:
+                raise ValueError("Engine: every parameter in `trainable` must belong to `model`")
+            for p in model.parameters():
+                p.requires_grad_(id(p) in ids)
+            for p in trainable:
+                p.requires_grad_(True)
+        groups = build_param_groups(model, config.weight_decay, trainable)
+        if not groups:
+            raise ValueError("Engine: the model has no trainable parameters")
+
+        ckpt.seed_everything(config.seed + self.dist.rank)
+        model.to(self.dist.device)
+        optimizer = torch.optim.AdamW(
+            groups,
+            lr=config.lr,
+            betas=tuple(config.betas),
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            fused=self.dist.device.type == "cuda",
+        )
+        factor = lr_lambda_from_config(config)
+
+        ds_config = deepspeed_config(config, self.dist.world_size)
+        if ds_overrides:
+            ds_config.update(dict(ds_overrides))
+
+        import deepspeed
+
+        self.ds_engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),
+            config=ds_config,
+            dist_init_required=False,
+        )
+        self.module: nn.Module = self.ds_engine.module
+        self.device = self.dist.device
+        self.global_step = 0  # optimizer steps attempted (applied + skipped)
+        self.skipped_steps = 0
+        self.consecutive_nonfinite = 0
+
+    # ------------------------------------------------------------------------------ properties
+
+    @property
+    def model(self) -> nn.Module:
+        """The DeepSpeed engine: what ``loss_fn`` receives."""
+        return self.ds_engine
+
+    @property
+    def lr(self) -> float:
+        """Learning rate the next step will use."""
+        return float(self.ds_engine.basic_optimizer.param_groups[0]["lr"])
+
+    @property
+    def applied_steps(self) -> int:
+        return self.global_step - self.skipped_steps
+
+    # ------------------------------------------------------------------------------ training
+
+    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dist.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def train_step(self, micro_batches: Sequence[Mapping[str, Any]]) -> StepResult:
+        """One optimizer step over this rank's ``gradient_accumulation_steps`` micro-batches."""
+        n = len(micro_batches)
+        if n != self.gradient_accumulation_steps:
+            raise ValueError(
+                f"train_step: got {n} micro-batches, expected gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps} (global_batch_size / (micro_batch_size x world size))"
+            )
+        engine = self.ds_engine
+        engine.train()
+        dev = self.device
+        lr = self.lr
+        skipped_before = engine.skipped_steps
+
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        bad = torch.zeros((), dtype=torch.float64, device=dev)
+        tokens = torch.zeros((), dtype=torch.float64, device=dev)
+        metric_sums: Dict[str, torch.Tensor] = {}
+        keys: Optional[List[str]] = None
+        stats: Optional[torch.Tensor] = None
+
+        for i, mb in enumerate(micro_batches):
+            mb = _to_device(mb, dev)
+            loss, metrics = self.loss_fn(engine, mb)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError("loss_fn must return (scalar loss tensor, metrics dict)")
+            if not loss.requires_grad:
+                raise RuntimeError("loss_fn returned a loss that does not depend on any trainable parameter")
+            loss = loss.reshape(())
+            metrics = dict(metrics or {})
+            n_tok = metrics.pop("tokens", None)
+            tokens += _scalar(n_tok if n_tok is not None else _tokens_of(mb), dev)
+            if keys is None:
+                keys = sorted(metrics)
+                metric_sums = {k: torch.zeros((), dtype=torch.float64, device=dev) for k in keys}
+            elif sorted(metrics) != keys:
+                raise ValueError(f"loss_fn returned metric keys {sorted(metrics)}, earlier {keys}")
+            for k in keys:
+                metric_sums[k] += _scalar(metrics[k], dev)
+            ld = loss.detach().to(torch.float64)
+            loss_sum += ld
+            bad += (~torch.isfinite(ld)).to(torch.float64)
+
+            if i == n - 1:
+                # One collective carries everything logged and the skip decision (module docstring).
+                stats = self._reduce(torch.stack([loss_sum, bad, tokens] + [metric_sums[k] for k in keys]))
+                poison = torch.where(stats[1] > 0, float("nan"), 1.0).to(dtype=loss.dtype)
+                loss = loss * poison
+            engine.backward(loss)
+            engine.step()
+
+        assert stats is not None and keys is not None
+        norm = engine.get_global_grad_norm()
+        norm_t = _scalar(norm if norm is not None else float("nan"), dev).reshape(1)
+        host = torch.cat([stats, norm_t]).tolist()  # the one host sync of the step (logging)
+        ds_skipped = engine.skipped_steps > skipped_before
+        nonfinite_loss = host[1] > 0
+        if nonfinite_loss and not ds_skipped:
+            raise RuntimeError(
+                "internal error: a micro-batch loss was non-finite but DeepSpeed applied the update; "
+                "the NaN-skip relies on DeepSpeed's overflow check (bf16.check_grad_overflow / fp32 norm check)"
+            )
+
+        self.global_step += 1
+        denom = n * self.dist.world_size
+        result = StepResult(
+            step=self.global_step,
+            loss=host[0] / denom,
+            grad_norm=float(host[-1]),
+            lr=lr,
+            skipped=ds_skipped,
+            tokens=int(round(host[2])),
+            metrics={k: host[3 + j] / denom for j, k in enumerate(keys)},
+        )
+        if ds_skipped:
+            self.skipped_steps += 1
+            self.consecutive_nonfinite += 1
+            if self.dist.is_main:
+                logger.warning(
+                    "step %d skipped: loss=%s grad_norm=%s (%d consecutive, %d total)",
+                    self.global_step, result.loss, result.grad_norm, self.consecutive_nonfinite, self.skipped_steps,
+                )
+            if self.consecutive_nonfinite >= self.config.max_consecutive_nonfinite:
+                raise NonFiniteLossError(
+                    f"{self.consecutive_nonfinite} consecutive optimizer steps skipped for a non-finite loss or "
+                    f"gradient norm (optim.max_consecutive_nonfinite={self.config.max_consecutive_nonfinite}); "
+                    f"last: step {self.global_step}, loss={result.loss}, grad_norm={result.grad_norm}"
+                )
+        else:
+            self.consecutive_nonfinite = 0
+        return result
+
+    @torch.no_grad()
+    def eval_step(self, batch: Mapping[str, Any]) -> EvalResult:
+        """Loss and metrics of one batch on this rank, in eval mode, without gradients."""
+        engine = self.ds_engine
+        was_training = engine.training
+        engine.eval()
+        try:
+            batch = _to_device(batch, self.device)
+            loss, metrics = self.loss_fn(engine, batch)
+        finally:
+            engine.train(was_training)
+        metrics = dict(metrics or {})
+        n_tok = metrics.pop("tokens", None)
+        keys = sorted(metrics)
+        vals = torch.stack(
+            [_scalar(loss, self.device), _scalar(n_tok if n_tok is not None else _tokens_of(batch), self.device)]
+            + [_scalar(metrics[k], self.device) for k in keys]
+        ).tolist()
+        return EvalResult(loss=vals[0], tokens=int(round(vals[1])), metrics={k: vals[2 + j] for j, k in enumerate(keys)})
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def _engine_state(self) -> Dict[str, Any]:
+        return {
+            "global_step": self.global_step,
+            "skipped_steps": self.skipped_steps,
+            "consecutive_nonfinite": self.consecutive_nonfinite,
+            "world_size": self.dist.world_size,
+            "optim": dataclasses.asdict(self.config),
+        }
+
+    def save_checkpoint(
+        self, save_dir: str, step: int, client_state: Optional[Mapping[str, Any]] = None, *, keep_last: Optional[int] = None
+    ) -> str:
+        """Atomically save model, optimizer, scheduler, RNG and counters as ``<save_dir>/step_<step>``.
+
+        Collective: every rank must call it.  The checkpoint is written into ``.tmp_step_<step>``,
+        fsynced, renamed to ``step_<step>``, and only then ``latest`` is replaced (write-temp +
+        ``os.replace``); a crash at any point leaves the previous checkpoint loadable and ``latest``
+        naming it.  ``keep_last`` (if set) prunes all but the newest ``keep_last`` checkpoints.
+        ``client_state`` must be picklable; it is returned by :meth:`load_checkpoint`.
+        Returns the path of the new checkpoint.
+        """
+        if keep_last is not None and keep_last < 1:
+            raise ConfigError(f"keep_last: expected a positive integer, got {keep_last!r}")
+        save_dir = os.path.abspath(os.fspath(save_dir))
+        tag = ckpt.step_tag(step)
+        tmp_tag = ckpt.TMP_PREFIX + tag
+        tmp_dir = os.path.join(save_dir, tmp_tag)
+        final_dir = os.path.join(save_dir, tag)
+        rank = self.dist.rank
+
+        if rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            ckpt.remove_stale_temporaries(save_dir)
+        barrier()
+
+        state = {
+            _ENGINE_STATE_KEY: self._engine_state(),
+            _CLIENT_STATE_KEY: dict(client_state) if client_state is not None else {},
+        }
+        self.ds_engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=state, save_latest=False)
+        rng_path = os.path.join(tmp_dir, ckpt.rng_file(rank))
+        torch.save(ckpt.get_rng_state(), rng_path)
+        barrier()
+        if self.dist.local_rank == 0:  # one process per node: covers node-local and shared filesystems
+            ckpt.fsync_tree(tmp_dir)
+        barrier()
+
+        if rank == 0:
+            ckpt.write_manifest(tmp_dir, {"step": int(step), "world_size": self.dist.world_size, "tag": tag})
+            ckpt.fsync_dir(tmp_dir)
+            if os.path.exists(final_dir):  # re-saving a step (e.g. right after a resume)
+                ckpt.remove_tree(final_dir)
+            os.rename(tmp_dir, final_dir)
+            ckpt.fsync_dir(save_dir)
+            ckpt.atomic_write_text(os.path.join(save_dir, ckpt.LATEST), tag + "\n")
+            if keep_last is not None:
+                ckpt.prune(save_dir, keep_last, protect=tag)
+        barrier()
+        return final_dir
+
+    def _resolve_checkpoint(self, path: str, required: bool) -> Optional[Tuple[str, str]]:
+        """``(save_dir, tag)`` to load from ``path`` (a save dir or a ``step_<N>`` dir), or None."""
+        if not os.path.exists(path):
+            raise CheckpointError(f"checkpoint {path}: does not exist")
+        if not os.path.isdir(path):
+            raise CheckpointError(f"checkpoint {path}: is not a directory")
+        if os.path.isfile(os.path.join(path, ckpt.MANIFEST)) or os.path.isfile(
+            os.path.join(path, "mp_rank_00_model_states.pt")
+        ):
+            parent, tag = os.path.split(path)
+            return parent, tag
+        tag = ckpt.read_latest(path)
+        if tag is None:
+            if required or ckpt.list_step_dirs(path):
+                raise CheckpointError(f"checkpoint {path}: no '{ckpt.LATEST}' file naming a complete checkpoint")
+            return None
+        tag_dir = os.path.join(path, tag)
+        if not os.path.isdir(tag_dir):
+            raise CheckpointError(f"checkpoint {path}: '{ckpt.LATEST}' names {tag!r}, which does not exist")
+        return path, tag
+
+    def load_checkpoint(self, path: str, *, required: bool = False) -> Optional[Dict[str, Any]]:
+        """Restore model, optimizer, scheduler, RNG and counters; return the saved ``client_state``.
+
+        ``path`` is a save directory (the checkpoint named by its ``latest`` file is loaded) or one
+        ``step_<N>`` directory.  Returns None when ``path`` is a directory holding no checkpoint yet
+        (unless ``required``).  A missing path, a dangling ``latest``, an incomplete or unreadable
+        checkpoint raise :class:`CheckpointError` (a ``ConfigError``) naming the path.  Collective.
+        """
+        path = os.path.abspath(os.fspath(path))
+        resolved = self._resolve_checkpoint(path, required)
+        if resolved is None:
+            return None
+        save_dir, tag = resolved
+        tag_dir = os.path.join(save_dir, tag)
+        manifest = ckpt.read_manifest(tag_dir)
+        saved_ws = manifest.get("world_size")
+        if saved_ws != self.dist.world_size:
+            raise CheckpointError(
+                f"checkpoint {tag_dir}: saved with {saved_ws} data-parallel ranks, now {self.dist.world_size} "
+                f"(ZeRO optimizer shards are per rank)"
+            )
+        rng_path = os.path.join(tag_dir, ckpt.rng_file(self.dist.rank))
+        try:
+            load_path, state = self.ds_engine.load_checkpoint(
+                save_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+            rng = torch.load(rng_path, map_location="cpu", weights_only=False)
+        except CheckpointError:
+            raise
+        except Exception as e:  # torch/pickle/DeepSpeed errors on a damaged checkpoint
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise CheckpointError(f"checkpoint {tag_dir}: could not be loaded ({type(e).__name__}: {msg})") from e
+        if load_path is None or state is None or _ENGINE_STATE_KEY not in state:
+            raise CheckpointError(f"checkpoint {tag_dir}: not a checkpoint written by hybridlm.engine")
+        es = state[_ENGINE_STATE_KEY]
+        self.global_step = int(es["global_step"])
+        self.skipped_steps = int(es["skipped_steps"])
+        self.consecutive_nonfinite = int(es["consecutive_nonfinite"])
+        ckpt.set_rng_state(rng)
+        barrier()
+        return state.get(_CLIENT_STATE_KEY, {})

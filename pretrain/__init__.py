@@ -1,0 +1,1 @@
+"""From-scratch pattern pre-training (``deepspeed pretrain.py --config ...``)."""

@@ -1,0 +1,41 @@
+"""Command line of the pre-training stage."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from hybridlm.config.errors import ConfigError
+from hybridlm.config.loader import load_config
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pretrain.py", description=__doc__)
+    p.add_argument("--config", required=True, help="experiment YAML (or a bare model YAML)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build the model on the meta device, print one JSON line (params, layer plan) and exit")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.lr=3e-4 model.mixer=kda")
+    return p.parse_args(argv)
+
+
+def dry_run(sections) -> dict:
+    from hybridlm.model.configuration import HybridConfig
+    from hybridlm.model.summary import model_summary
+    return model_summary(HybridConfig.from_user_dict(sections["model"]))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        sections = load_config(args.config, args.overrides)
+        if args.dry_run:
+            print(json.dumps(dry_run(sections)))
+            return 0
+        from pretrain.train import run_pretraining
+        run_pretraining(sections, config_path=args.config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,37 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu") if not torch.cuda.is_available() else None
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def tiny_config(pattern="*-G-K-S-", mixer="gdn", **overrides):
+    """A small hybrid with every sublayer kind; shapes only, random weights."""
+    from hybridlm.model import HybridConfig
+    values = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, hybrid_override_pattern=pattern, mixer=mixer,
+        backend="torch",
+        mla=dict(num_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                 v_head_dim=16, rope_theta=10000.0),
+        gdn=dict(num_heads=2, head_dim=16, num_v_heads=4, head_v_dim=8),
+        kda=dict(num_heads=2, head_dim=16, num_v_heads=2, head_v_dim=16),
+        mamba2=dict(d_state=16, head_dim=16, n_groups=2, expand=2),
+    )
+    values.update(overrides)
+    return HybridConfig(**values)
+
+
+@pytest.fixture
+def seeded():
+    torch.manual_seed(0)
+    yield
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()

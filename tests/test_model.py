@@ -1,0 +1,138 @@
+"""Model assembly: patterns, configs, parameter counts, the chunked loss, HF save / load."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from conftest import REPO, rel_err, tiny_config
+from hybridlm.config.errors import ConfigError
+from hybridlm.model import HybridConfig, HybridForCausalLM
+from hybridlm.model.loss import linear_cross_entropy
+from hybridlm.model.pattern import attention_positions, parse_pattern, pattern_from_ratio
+from hybridlm.model.summary import model_summary
+
+
+def test_pattern_plan_and_ratio():
+    assert parse_pattern("*-M-", 4, "gdn") == ["mla", "mlp", "gdn", "mlp"]
+    assert parse_pattern("*-G-K-S-", None, "gdn") == ["mla", "mlp", "gdn", "mlp", "kda", "mlp", "mamba2", "mlp"]
+    assert attention_positions(12, 0.25) == [0, 4, 8]
+    assert pattern_from_ratio(24, 0.25) == "*-M-M-M-*-M-M-M-*-M-M-M-"
+    assert pattern_from_ratio(24, 0.0) == "M-" * 12
+    cfg = HybridConfig(num_layers=24, hybrid_attention_ratio=0.25, mixer="kda", vocab_size=64, hidden_size=64,
+                       intermediate_size=64, kda=dict(num_heads=2))
+    assert cfg.hybrid_override_pattern == "*-M-M-M-*-M-M-M-*-M-M-M-" and cfg.layer_plan[2] == "kda"
+
+
+@pytest.mark.parametrize("values,field", [
+    (dict(hybrid_override_pattern="*-X-"), "hybrid_override_pattern: unknown symbol 'X'"),
+    (dict(hybrid_override_pattern="*-M-", num_layers=6), "hybrid_override_pattern: length 4 does not match num_layers 6"),
+    (dict(hybrid_override_pattern="*-M-M-M-", hybrid_attention_ratio=0.5), "hybrid_attention_ratio: 0.5 disagrees"),
+    (dict(gdn=dict(num_heads=5, head_dim=None)), "gdn.num_heads: num_heads 5 does not divide hidden_size 64"),
+    (dict(mla=dict(num_heads=3, v_head_dim=None)), "mla: num_heads 3 does not divide hidden_size 64"),
+    (dict(gdn=dict(num_heads=2, head_dim=16, num_v_heads=3)), "gdn.num_v_heads: 3 is not a multiple of num_heads 2"),
+    (dict(mamba2=dict(head_dim=24)), "mamba2.head_dim: head_dim 24 does not divide d_inner 128"),
+    (dict(mixer="rwkv"), "mixer: unknown mixer 'rwkv'"),
+    (dict(gdn=dict(num_heads=2, heads=4)), "gdn: unknown key 'heads'"),
+    (dict(backend="cuda"), "backend: unknown backend 'cuda'"),
+    (dict(hybrid_override_pattern="----"), "hybrid_override_pattern: has no sequence mixer"),
+])
+def test_bad_config_is_one_clear_line(values, field):
+    with pytest.raises(ConfigError) as e:
+        tiny_config(**values)
+    assert str(e.value).startswith(field) and "\n" not in str(e.value)
+
+
+def test_unknown_top_level_model_key():
+    with pytest.raises(ConfigError, match="model: unknown key 'hiden_size'"):
+        HybridConfig.from_user_dict({"hiden_size": 3, "hybrid_override_pattern": "M-"})
+
+
+@pytest.mark.parametrize("name,expected", [("gdn_300m", 307.8e6), ("kda_300m", 303.5e6), ("gdn_1b", 1203e6)])
+def test_parameter_counts_match_spec(name, expected):
+    cfg = HybridConfig.from_user_dict(yaml.safe_load((REPO / "configs" / "models" / f"{name}.yaml").read_text()))
+    n = model_summary(cfg)["params"]
+    assert abs(n - expected) / expected < 0.01, n
+
+
+def test_every_shipped_model_config_builds():
+    for path in sorted((REPO / "configs" / "models").glob("*.yaml")):
+        cfg = HybridConfig.from_user_dict(yaml.safe_load(path.read_text()))
+        s = model_summary(cfg)
+        assert s["layer_plan"] and s["params"] > s["non_embedding_params"] > 0, path.name
+
+
+def test_dry_run_cli_prints_one_json_line():
+    out = subprocess.run([sys.executable, "pretrain.py", "--config", "configs/models/gdn_300m_hybrid.yaml", "--dry-run"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [l for l in out.stdout.splitlines() if l.strip()]
+    info = json.loads(lines[-1])
+    assert info["layer_plan"][:4] == ["mla", "mlp", "gdn", "mlp"] and info["layer_plan"].count("mla") == 3
+    assert info["params"] > info["non_embedding_params"]
+
+
+def test_dry_run_cli_bad_pattern_is_exit_2_with_field():
+    out = subprocess.run([sys.executable, "pretrain.py", "--config", "configs/models/gdn_300m.yaml", "--dry-run",
+                          "model.hybrid_override_pattern=M-Q-"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("error: hybrid_override_pattern")
+
+
+def test_chunked_cross_entropy_equals_full_logits(seeded):
+    h = torch.randn(37, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    y = torch.randint(0, 50, (37,))
+    y[::5] = -100
+    loss = linear_cross_entropy(h, w, y, num_chunks=4)
+    ref = torch.nn.functional.cross_entropy(h @ w.t(), y, ignore_index=-100)
+    assert rel_err(loss, ref) < 1e-6
+    g = torch.autograd.grad(loss * 3, [h, w])
+    r = torch.autograd.grad(ref * 3, [h, w])
+    assert rel_err(g[0], r[0]) < 1e-5 and rel_err(g[1], r[1]) < 1e-5
+
+
+def test_model_loss_matches_logits_and_labels_convention(seeded):
+    cfg = tiny_config()
+    model = HybridForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 20))
+    logits = model(ids).logits
+    ref = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1))
+    assert rel_err(model(ids, labels=ids).loss, ref) < 1e-5
+    assert rel_err(model(ids[:, :-1], shift_labels=ids[:, 1:]).loss,
+                   torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1))) < 1e-5
+    assert model(ids, labels=ids).logits is None  # the loss path never builds full logits
+
+
+def test_model_is_causal(seeded):
+    model = HybridForCausalLM(tiny_config())
+    ids = torch.randint(0, 512, (1, 30))
+    a = model(ids).logits
+    ids2 = ids.clone()
+    ids2[0, 20:] = (ids2[0, 20:] + 7) % 512
+    b = model(ids2).logits
+    assert torch.allclose(a[:, :20], b[:, :20], atol=1e-5) and not torch.allclose(a[:, 20:], b[:, 20:])
+
+
+def test_save_and_strict_load_round_trip(tmp_path, seeded):
+    from transformers import AutoModelForCausalLM
+    import safetensors.torch as st
+    model = HybridForCausalLM(tiny_config(tie_word_embeddings=False))
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(0, 512, (1, 12))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(loaded, HybridForCausalLM)
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert loaded.config.layer_plan == model.config.layer_plan
+    state = st.load_file(tmp_path / "model.safetensors")
+    state.pop("model.layers.2.mixer.A_log")
+    st.save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing_keys: model.layers.2.mixer.A_log"):
+        HybridForCausalLM.from_pretrained(tmp_path)
+
+
+def test_tied_embeddings_share_storage():
+    model = HybridForCausalLM(tiny_config(tie_word_embeddings=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
