@@ -31,12 +31,11 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Sequence
 
 import numpy as np
 
 from hybridlm.config.errors import ConfigError
-from hybridlm.data.assets import load_tokenizer, resolve_source, resolve_tokenizer_file
 from hybridlm.data.config import DEFAULT_SHARD_TOKENS, DataConfig
 
 FORMAT = "hybridlm-packed-tokens"
@@ -45,6 +44,14 @@ META = "meta.json"
 SPLITS = ("train", "val")
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet")
 ALPACA_FIELDS = ("instruction", "input", "output")
+
+
+def _assets():
+    """``hybridlm.data.assets``, imported on use: the package must not import it eagerly, or
+    ``python -m hybridlm.data.assets`` would find it already imported (runpy warns about that)."""
+    from hybridlm.data import assets
+
+    return assets
 
 
 # ----------------------------------------------------------------------------------------- sources
@@ -132,7 +139,7 @@ def _dataset_texts(spec: str, text_field: str) -> Iterator[str]:
 def iter_documents(sources: Sequence[str], text_field: str = "text", txt_split: str = "file") -> Iterator[str]:
     """Every non-blank document of ``sources``, in order (see the module docstring for the formats)."""
     for spec in sources:
-        spec = resolve_source(spec)
+        spec = _assets().resolve_source(spec)
         files = _source_files(spec)
         texts: Iterator[str]
         if not files:
@@ -179,9 +186,14 @@ def _tokenize_batch(batch: Dict[str, list], tokenizer_file: str, eos_id: int, dt
         tok = Tokenizer.from_file(tokenizer_file)
         tok.encode_special_tokens = True
         _TOKENIZERS[tokenizer_file] = tok
-    encs = tok.encode_batch(batch["text"], add_special_tokens=False)
-    return {"input_ids": [np.append(np.asarray(e.ids, dtype=dtype), np.asarray([eos_id], dtype=dtype))
-                          for e in encs]}
+    limit = np.iinfo(dtype).max
+    out = []
+    for enc in tok.encode_batch(batch["text"], add_special_tokens=False):
+        ids = np.asarray(enc.ids + [eos_id], dtype=np.int64)
+        if ids.size and int(ids.max()) > limit:  # would wrap around silently in the shard dtype
+            raise ConfigError(f"tokenizer {tokenizer_file}: token id {int(ids.max())} does not fit {dtype}")
+        out.append(ids.astype(dtype))
+    return {"input_ids": out}
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -275,11 +287,11 @@ def prepare(sources: Sequence[str], tokenizer: str, out_dir, *, val_fraction: fl
     out = Path(out_dir).expanduser().resolve()
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
         raise ConfigError(f"out_dir {out}: already exists; pass overwrite (--overwrite) to replace it")
-    tok = load_tokenizer(tokenizer)
-    tok_file = resolve_tokenizer_file(tokenizer)
+    tok = _assets().load_tokenizer(tokenizer)
+    tok_file = _assets().resolve_tokenizer_file(tokenizer)
     vocab_size, eos_id = len(tok), tok.eos_token_id
     dtype = token_dtype(vocab_size)
-    sources = [resolve_source(s) for s in cfg.sources]
+    sources = [_assets().resolve_source(s) for s in cfg.sources]
     for s in sources:  # fail on a missing file before any slow work
         _source_files(s)
     if num_proc > 1:
@@ -350,7 +362,7 @@ def _normalized_sources(sources: Sequence[str]) -> List[str]:
     """Sources as recorded in meta.json: absolute paths for local ones, names for datasets."""
     out = []
     for s in sources:
-        s = resolve_source(s)
+        s = _assets().resolve_source(s)
         p = Path(s).expanduser()
         out.append(str(p.resolve()) if p.exists() else s)
     return out

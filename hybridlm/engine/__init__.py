@@ -4,6 +4,7 @@ from hybridlm.engine.config import OptimConfig
 from hybridlm.engine.distributed import (
     DistInfo,
     all_reduce_flag,
+    all_reduce_sum,
     barrier,
     free_port,
     get_dist_info,
@@ -33,6 +34,7 @@ __all__ = [
     "OptimConfig",
     "StepResult",
     "all_reduce_flag",
+    "all_reduce_sum",
     "barrier",
     "build_param_groups",
     "deepspeed_config",

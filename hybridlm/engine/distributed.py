@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -146,3 +146,14 @@ def all_reduce_flag(flag: bool) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def all_reduce_sum(values: Sequence[float]) -> List[float]:
+    """Element-wise sum of ``values`` over all ranks (e.g. eval loss sums and token counts)."""
+    vals = [float(v) for v in values]
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or not vals:
+        return vals
+    device = _INFO.device if _INFO is not None else torch.device("cpu")
+    t = torch.tensor(vals, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -126,9 +125,11 @@ def _to_device(obj: Any, device: torch.device) -> Any:
 
 
 def _scalar(v: Any, device: torch.device) -> torch.Tensor:
+    """A float64 0-d tensor on ``device``; python numbers go in as a fill kernel's argument
+    (``torch.full``), not a host-to-device copy, so nothing here waits for the GPU."""
     if isinstance(v, torch.Tensor):
         return v.detach().reshape(()).to(device=device, dtype=torch.float64)
-    return torch.tensor(float(v), dtype=torch.float64, device=device)
+    return torch.full((), float(v), dtype=torch.float64, device=device)
 
 
 def _tokens_of(batch: Any) -> int:

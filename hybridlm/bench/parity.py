@@ -1,0 +1,55 @@
+"""Compare a module's Triton path with its torch path on the same weights and inputs (GPU)."""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch
+from torch import nn
+
+
+def set_backend(module: nn.Module, backend: str) -> None:
+    """Force every sublayer (and nested norm) of ``module`` onto one path."""
+    for m in module.modules():
+        if hasattr(m, "backend"):
+            m.backend = backend
+    if hasattr(module, "config") and hasattr(module.config, "backend"):
+        module.config.backend = backend
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def compare_paths(module: nn.Module, make_input: Callable[[], torch.Tensor],
+                  loss_of: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> Dict[str, float]:
+    """Relative L2 errors (Triton vs torch) of the loss/output and of the gradients of input and parameters.
+
+    Returns ``{"output": e, "grad_input": e, "grad_params_max": e, "worst_param": name}``.
+    """
+    results = {}
+    grads = {}
+    for backend in ("torch", "triton"):
+        set_backend(module, backend)
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        x = make_input()
+        if x.is_floating_point():
+            x.requires_grad_(True)
+        out = loss_of(module, x)
+        torch.manual_seed(1)
+        w = torch.randn_like(out.float())
+        (out.float() * w).sum().backward()
+        results[backend] = out.detach().float()
+        grads[backend] = {n: p.grad.detach().float().clone() for n, p in module.named_parameters() if p.grad is not None}
+        if x.is_floating_point():
+            grads[backend]["<input>"] = x.grad.detach().float().clone()
+    errs = {"output": _rel(results["triton"], results["torch"])}
+    if "<input>" in grads["torch"]:
+        errs["grad_input"] = _rel(grads["triton"]["<input>"], grads["torch"]["<input>"])
+    per_param = {n: _rel(grads["triton"][n], g) for n, g in grads["torch"].items() if n != "<input>" and g.norm() > 0}
+    worst = max(per_param, key=per_param.get)
+    errs["grad_params_max"] = per_param[worst]
+    errs["worst_param"] = worst
+    set_backend(module, "auto")
+    return errs

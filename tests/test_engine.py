@@ -1,0 +1,423 @@
+"""Tests for hybridlm.engine: a real tiny LM trained through real DeepSpeed (CPU, gloo)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hybridlm.config.errors import ConfigError
+from hybridlm.config.structured import build_dataclass
+from hybridlm.engine import (
+    CheckpointError,
+    Engine,
+    NonFiniteLossError,
+    OptimConfig,
+    all_reduce_flag,
+    all_reduce_sum,
+    free_port,
+    get_rng_state,
+    init_distributed,
+    is_main,
+    lr_at,
+    lr_lambda,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER_PATH = os.path.join(REPO, "tests", "engine_worker.py")
+
+# The worker module holds the tiny model, loss and data; load it by path (tests/ is not a package).
+_spec = importlib.util.spec_from_file_location("engine_worker", WORKER_PATH)
+W = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(W)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_process_world():
+    info = init_distributed()
+    assert info.world_size == 1 and info.backend == "gloo"
+    assert init_distributed() is info  # idempotent
+    yield
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def snapshot(engine: Engine):
+    """Everything a skipped step must leave untouched, cloned."""
+    ds = engine.ds_engine
+    opt = ds.basic_optimizer
+    state = {
+        i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
+        for i, g in enumerate(opt.param_groups)
+        for p in g["params"]
+    }
+    zopt = engine.optimizer
+    masters = getattr(zopt, "single_partition_of_fp32_groups", None) or zopt.fp32_groups_flat_partition
+    return {
+        "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        "masters": [m.detach().clone() for m in masters],
+        "opt_state": state,
+        "lr": [g["lr"] for g in opt.param_groups],
+        "sched": dict(engine.lr_scheduler.state_dict()),
+    }
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for n in a["params"]:
+        assert torch.equal(a["params"][n], b["params"][n]), n
+    for x, y in zip(a["masters"], b["masters"]):
+        assert torch.equal(x, y)
+    assert a["opt_state"].keys() == b["opt_state"].keys()
+    for i in a["opt_state"]:
+        sa, sb = a["opt_state"][i], b["opt_state"][i]
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            if torch.is_tensor(sa[k]):
+                assert torch.equal(sa[k], sb[k]), (i, k)
+            else:
+                assert sa[k] == sb[k], (i, k)
+    assert a["lr"] == b["lr"]
+    assert a["sched"] == b["sched"]
+
+
+def micro(batch, engine, poison_rows=()):
+    return W.local_micro_batches(batch, 0, 1, engine.config.micro_batch_size, poison_rows)
+
+
+def rng_equal(a, b) -> bool:
+    return (
+        a["python"] == b["python"]
+        and a["numpy"][0] == b["numpy"][0]
+        and np.array_equal(a["numpy"][1], b["numpy"][1])
+        and a["numpy"][2:] == b["numpy"][2:]
+        and torch.equal(a["torch_cpu"], b["torch_cpu"])
+    )
+
+
+# --------------------------------------------------------------------------- (f) config errors
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError) as e:
+        build_dataclass(OptimConfig, {"micro_batch_size": 4, "global_batch_size": 6, "lr": 1e-3, "max_steps": 10}, "optim")
+    msg = str(e.value)
+    assert "\n" not in msg and "optim.global_batch_size" in msg and "micro_batch_size=4" in msg
+
+    cfg = build_dataclass(OptimConfig, {"micro_batch_size": 2, "global_batch_size": 8, "lr": 1e-3, "max_steps": 10}, "optim")
+    assert cfg.gradient_accumulation_steps(1) == 4 and cfg.gradient_accumulation_steps(4) == 1
+    with pytest.raises(ConfigError) as e:
+        cfg.gradient_accumulation_steps(3)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "global_batch_size" in msg and "micro_batch_size" in msg and "world size (3)" in msg
+
+    for bad in ({"precision": "fp16"}, {"zero_stage": 3}, {"lr": 0.0}, {"min_lr": 1.0}, {"warmup_steps": 11},
+                {"betas": [0.9, 1.5]}, {"grad_clip": -1.0}, {"max_consecutive_nonfinite": 0}):
+        values = {"micro_batch_size": 2, "global_batch_size": 8, "lr": 1e-3, "max_steps": 10, **bad}
+        field = next(iter(bad))
+        with pytest.raises(ConfigError, match=rf"optim\.{field}"):
+            build_dataclass(OptimConfig, values, "optim")
+
+
+# ------------------------------------------------------------------------------- (a) schedule
+
+
+def test_schedule_formula():
+    kw = dict(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
+    assert lr_at(0, **kw) == pytest.approx(1e-3 / 10)
+    assert lr_at(4, **kw) == pytest.approx(1e-3 * 5 / 10)
+    assert lr_at(9, **kw) == pytest.approx(1e-3)
+    assert lr_at(10, **kw) == pytest.approx(1e-3)
+    assert lr_at(60, **kw) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4))  # cosine midpoint
+    assert lr_at(35, **kw) == pytest.approx(1e-4 + (1e-3 - 1e-4) * 0.5 * (1 + math.cos(math.pi * 0.25)))
+    assert lr_at(110, **kw) == pytest.approx(1e-4)
+    assert lr_at(500, **kw) == pytest.approx(1e-4)
+    f = lr_lambda(**kw)
+    assert f(60) == pytest.approx(lr_at(60, **kw) / 1e-3)
+    # no warmup: starts at the peak
+    assert lr_at(0, lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=4) == pytest.approx(1.0)
+
+
+# --------------------------------------------------------------------------- (a) training
+
+
+def test_training_reduces_loss_and_follows_schedule():
+    cfg = W.make_config("fp32", lr=2e-2, min_lr=2e-3, warmup_steps=3, max_steps=25)
+    eng = Engine(W.build_model(), cfg, W.loss_fn)
+    assert eng.gradient_accumulation_steps == 2
+    # weight-decay groups: >=2-D params decayed except the tagged positional table
+    groups = eng.ds_engine.basic_optimizer.param_groups
+    assert [g["weight_decay"] for g in groups] == [cfg.weight_decay, 0.0]
+    batches = W.global_batches(25, cfg.global_batch_size)
+    losses = []
+    for k, b in enumerate(batches):
+        r = eng.train_step(micro(b, eng))
+        assert not r.skipped and math.isfinite(r.grad_norm) and r.grad_norm > 0
+        assert r.step == k + 1 and r.tokens == 4 * (W.SEQ - 1)
+        assert r.lr == pytest.approx(lr_at(k, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=3, max_steps=25), rel=1e-9)
+        losses.append(r.loss)
+    assert sum(losses[-3:]) / 3 < 0.6 * sum(losses[:3]) / 3, losses
+    assert eng.skipped_steps == 0 and eng.global_step == 25
+    ev = eng.eval_step({"input_ids": batches[0]})
+    assert math.isfinite(ev.loss) and ev.tokens == 4 * (W.SEQ - 1) and "ppl" in ev.metrics
+    assert eng.module.training  # eval_step restores the mode
+
+
+def test_bf16_keeps_fp32_master_weights_and_trains():
+    cfg = W.make_config("bf16", lr=2e-2, warmup_steps=1, max_steps=12)
+    eng = Engine(W.build_model(), cfg, W.loss_fn)
+    assert all(p.dtype == torch.bfloat16 for p in eng.module.parameters())
+    assert W.optimizer_shard_info(eng)["master_dtype"] == "torch.float32"
+    losses = [eng.train_step(micro(b, eng)).loss for b in W.global_batches(12, 4)]
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_frozen_and_trainable_subsets(precision):
+    model = W.build_model()
+    model.emb.weight.requires_grad_(False)  # e.g. a frozen embedding table
+    eng = Engine(model, W.make_config(precision), W.loss_fn)
+    frozen_before = eng.module.emb.weight.detach().clone()  # after the bf16 cast
+    head_before = eng.module.head.weight.detach().clone()
+    for b in W.global_batches(2, 4):
+        eng.train_step(micro(b, eng))
+    assert torch.equal(eng.module.emb.weight, frozen_before)
+    assert not torch.equal(eng.module.head.weight, head_before)
+
+    # trainable=: only the head is optimised, everything else is frozen by the engine
+    model = W.build_model()
+    eng = Engine(model, W.make_config(precision), W.loss_fn, trainable=list(model.head.parameters()))
+    fc1_before = eng.module.fc1.weight.detach().clone()
+    head_before = eng.module.head.weight.detach().clone()
+    for b in W.global_batches(2, 4):
+        eng.train_step(micro(b, eng))
+    assert torch.equal(eng.module.fc1.weight, fc1_before) and not eng.module.fc1.weight.requires_grad
+    assert not torch.equal(eng.module.head.weight, head_before)
+    assert W.optimizer_shard_info(eng)["master_numel"] >= sum(p.numel() for p in model.head.parameters())
+
+
+# ---------------------------------------------------------------------------- (b) NaN skipping
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_nonfinite_loss_skips_step_bit_identically(precision):
+    cfg = W.make_config(precision, max_consecutive_nonfinite=3)
+    eng = Engine(W.build_model(), cfg, W.loss_fn)
+    batches = W.global_batches(10, 4)
+    for b in batches[:2]:  # build real AdamW state first
+        assert not eng.train_step(micro(b, eng)).skipped
+    before = snapshot(eng)
+
+    r = eng.train_step(micro(batches[2], eng, poison_rows=[3]))  # NaN in the 2nd micro-batch only
+    assert r.skipped and math.isnan(r.loss) and r.lr == before["lr"][0]
+    assert eng.skipped_steps == 1 and eng.consecutive_nonfinite == 1 and eng.global_step == 3
+    assert_same(before, snapshot(eng))
+
+    # a loss that is +inf through a constant term has finite gradients: still skipped
+    def inf_loss(model, batch):
+        loss, m = W.loss_fn(model, batch)
+        return loss + torch.tensor(float("inf")), m
+
+    eng.loss_fn = inf_loss
+    assert eng.train_step(micro(batches[3], eng)).skipped
+    assert_same(before, snapshot(eng))
+    eng.loss_fn = W.loss_fn
+
+    r = eng.train_step(micro(batches[4], eng))  # a healthy step resets the streak
+    assert not r.skipped and eng.consecutive_nonfinite == 0 and eng.skipped_steps == 2
+    after_good = snapshot(eng)
+    assert not torch.equal(after_good["params"]["head.weight"], before["params"]["head.weight"])
+
+    eng.train_step(micro(batches[5], eng, poison_rows=[0]))
+    eng.train_step(micro(batches[6], eng, poison_rows=[0, 1, 2, 3]))
+    with pytest.raises(NonFiniteLossError, match="3 consecutive"):
+        eng.train_step(micro(batches[7], eng, poison_rows=[2]))
+    assert eng.skipped_steps == 5 and eng.consecutive_nonfinite == 3
+    assert_same(after_good, snapshot(eng))  # the raising step was skipped too
+
+
+# ------------------------------------------------------------------------- (c) checkpoints
+
+
+def test_checkpoint_round_trip_and_bitwise_resume(tmp_path):
+    cfg = W.make_config("fp32", max_steps=12)
+    batches = W.global_batches(8, 4)
+    ref = Engine(W.build_model(seed=0), cfg, W.loss_fn)
+    for b in batches[:4]:
+        ref.train_step(micro(b, ref))
+    ref.train_step(micro(batches[4], ref, poison_rows=[0]))  # a skipped step is part of the state
+    path = ref.save_checkpoint(tmp_path / "ck", 5, {"data_position": 5, "note": "x"})
+    assert os.path.basename(path) == "step_5"
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step_5"
+    at_save = snapshot(ref)
+    rng_at_save = get_rng_state()
+    ref_results = [ref.train_step(micro(b, ref)) for b in batches[5:]]
+    ref_final = snapshot(ref)
+
+    # a fresh engine with different weights and scrambled RNG restores everything exactly
+    eng = Engine(W.build_model(seed=7), cfg, W.loss_fn)
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    client = eng.load_checkpoint(tmp_path / "ck")
+    assert client == {"data_position": 5, "note": "x"}
+    assert (eng.global_step, eng.skipped_steps, eng.consecutive_nonfinite) == (5, 1, 1)
+    assert_same(at_save, snapshot(eng))
+    assert rng_equal(rng_at_save, get_rng_state())
+
+    results = [eng.train_step(micro(b, eng)) for b in batches[5:]]
+    assert [r.loss for r in results] == [r.loss for r in ref_results]  # bitwise
+    assert [r.grad_norm for r in results] == [r.grad_norm for r in ref_results]
+    assert [r.lr for r in results] == [r.lr for r in ref_results]
+    assert_same(ref_final, snapshot(eng))
+
+    # loading a specific step directory works too
+    assert Engine(W.build_model(seed=3), cfg, W.loss_fn).load_checkpoint(path) == client
+
+
+def test_crash_during_save_keeps_previous_checkpoint_and_keep_last(tmp_path):
+    cfg = W.make_config("fp32")
+    eng = Engine(W.build_model(), cfg, W.loss_fn)
+    batches = W.global_batches(9, 4)
+    ck = tmp_path / "ck"
+    eng.train_step(micro(batches[0], eng))
+    eng.train_step(micro(batches[1], eng))
+    eng.save_checkpoint(ck, 2, {"step": 2})
+    good = snapshot(eng)
+    eng.train_step(micro(batches[2], eng))
+
+    # the save dies half-way (the client state cannot be pickled): step_2 stays the latest
+    with pytest.raises(Exception):
+        eng.save_checkpoint(ck, 3, {"step": 3, "bad": lambda: None})
+    assert (ck / "latest").read_text().strip() == "step_2"
+    assert not (ck / "step_3").exists() and (ck / ".tmp_step_3").exists()  # the debris of the dead save
+    assert eng.load_checkpoint(ck) == {"step": 2} and eng.global_step == 2
+    assert_same(good, snapshot(eng))
+
+    # the next save clears the debris; keep_last prunes older checkpoints, never the new one
+    for k, b in enumerate(batches[2:6], start=3):
+        eng.train_step(micro(b, eng))
+        eng.save_checkpoint(ck, k, {"step": k}, keep_last=2)
+    names = sorted(p.name for p in ck.iterdir())
+    assert [n for n in names if n.startswith("step_")] == ["step_5", "step_6"], names
+    assert not any(n.startswith((".tmp_", ".trash_")) for n in names), names
+    assert (ck / "latest").read_text().strip() == "step_6"
+
+    # a leftover temporary from a killed save is ignored by load
+    (ck / ".tmp_step_7").mkdir()
+    (ck / ".tmp_step_7" / "junk.pt").write_bytes(b"\0" * 10)
+    assert eng.load_checkpoint(ck) == {"step": 6} and eng.global_step == 6
+
+
+def test_missing_or_corrupt_checkpoint_is_a_one_line_error(tmp_path):
+    eng = Engine(W.build_model(), W.make_config("fp32"), W.loss_fn)
+
+    def one_line(exc_info, *needles):
+        msg = str(exc_info.value)
+        assert "\n" not in msg and isinstance(exc_info.value, ConfigError)
+        for n in needles:
+            assert n in msg, msg
+
+    missing = tmp_path / "nope"
+    with pytest.raises(CheckpointError) as e:
+        eng.load_checkpoint(missing)
+    one_line(e, str(missing))
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert eng.load_checkpoint(empty) is None  # a fresh output dir: nothing to resume
+    with pytest.raises(CheckpointError) as e:
+        eng.load_checkpoint(empty, required=True)
+    one_line(e, str(empty))
+
+    ck = tmp_path / "ck"
+    eng.train_step(micro(W.global_batches(1, 4)[0], eng))
+    eng.save_checkpoint(ck, 1, {})
+    (ck / "latest").write_text("step_9\n")
+    with pytest.raises(CheckpointError) as e:
+        eng.load_checkpoint(ck)
+    one_line(e, str(ck), "step_9")
+    (ck / "latest").write_text("step_1\n")
+
+    model_file = ck / "step_1" / "mp_rank_00_model_states.pt"
+    data = model_file.read_bytes()
+    model_file.write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(CheckpointError) as e:
+        eng.load_checkpoint(ck)
+    one_line(e, str(ck / "step_1"), "mp_rank_00_model_states.pt")
+
+    model_file.write_bytes(b"x" * len(data))  # right size, garbage content
+    with pytest.raises(CheckpointError) as e:
+        eng.load_checkpoint(ck)
+    one_line(e, str(ck / "step_1"), "could not be loaded")
+
+    (ck / "step_1" / "manifest.json").unlink()  # a save that never finished
+    with pytest.raises(CheckpointError) as e:
+        eng.load_checkpoint(ck / "step_1")
+    one_line(e, "incomplete")
+
+
+def test_distributed_helpers_single_process():
+    assert is_main()
+    assert all_reduce_flag(True) is True and all_reduce_flag(False) is False
+    assert all_reduce_sum([1, 2.5]) == [1.0, 2.5]
+
+
+# ------------------------------------------------------------------ (e) two ranks, ZeRO-1 on CPU
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_two_rank_zero1_shards_state_and_matches_one_rank(tmp_path, precision):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           WORKER_PATH, "--out", str(tmp_path), "--precision", precision, "--steps", "6", "--save-at", "3",
+           "--nan-step", "2"]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+    for d in ranks:
+        assert d["world_size"] == 2 and d["backend"] == "gloo" and d["gradient_accumulation_steps"] == 1
+        assert d["is_main"] == (d["rank"] == 0)
+        assert d["flag_any"] is True and d["flag_none"] is False and d["sum"] == [1.0, 2.0]
+        s = d["shard"]
+        total = s["trainable_numel"]
+        # ZeRO-1: each rank holds about half of the fp32 master weights and of the AdamW moments
+        assert s["master_dtype"] == "torch.float32"
+        assert total / 2 <= s["master_numel"] <= total / 2 + 64, s
+        assert s["exp_avg_numel"] == s["exp_avg_sq_numel"] == s["master_numel"], s
+        # the NaN on rank 1 alone skipped step index 2 on both ranks
+        assert d["skipped"] == [False, False, True, False, False, False] and d["skipped_steps"] == 1
+        assert d["resumed_client_state"] == {"where": "worker"}
+        assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in d["ckpt_files"] or \
+            "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in d["ckpt_files"]
+    r0, r1 = ranks
+    assert r0["params_digest"] == r1["params_digest"]  # replicas bit-identical
+    assert r0["losses"][:2] == r1["losses"][:2] and r0["losses"][3:] == r1["losses"][3:]
+    # resuming the 2-rank checkpoint in fresh engines continues bitwise identically
+    assert r0["resumed_losses"] == r0["losses"][3:] and r0["resumed_params_digest"] == r0["params_digest"]
+
+    # one rank, same global batch through 2 micro-batches of gradient accumulation
+    cfg = W.make_config(precision)
+    eng = Engine(W.build_model(seed=0), cfg, W.loss_fn)
+    assert eng.gradient_accumulation_steps == 2
+    batches = W.global_batches(6, cfg.global_batch_size)
+    single = W.run(eng, batches, 0, 1, {2: [2, 3]})
+    tol = 1e-5 if precision == "fp32" else 2e-2
+    for k, (a, b) in enumerate(zip([r.loss for r in single], r0["losses"])):
+        if k == 2:
+            assert math.isnan(a) and math.isnan(b) and single[k].skipped
+        else:
+            assert a == pytest.approx(b, rel=tol), (k, a, b)
+    assert [r.tokens for r in single] == r0["tokens"]
