@@ -16,14 +16,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="build the model on the meta device, print one JSON line (params, layer plan) and exit")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.lr=3e-4 model.mixer=kda")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. optim.lr=3e-4 model.mixer=kda")
     return p.parse_args(argv)
 
 
 def dry_run(sections) -> dict:
     from hybridlm.model.configuration import HybridConfig
     from hybridlm.model.summary import model_summary
-    return model_summary(HybridConfig.from_user_dict(sections["model"]))
+    model = dict(sections["model"])
+    if model.get("vocab_size", "auto") == "auto":  # the tokenizer decides; load it, nothing else
+        from hybridlm.data import load_tokenizer
+        model["vocab_size"] = len(load_tokenizer(sections["data"].get("tokenizer", "asset:llama3.2")))
+    return model_summary(HybridConfig.from_user_dict(model))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

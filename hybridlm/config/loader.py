@@ -5,11 +5,11 @@ An experiment file names its model file relative to itself and may override any 
     model:
       from: ../models/gdn_300m.yaml
       backend: torch            # overrides the model file
-    train: {lr: 2.0e-4}
+    optim: {lr: 2.0e-4}
 
 or simply ``model: ../models/gdn_300m.yaml``. A plain model file works as ``--config`` too (then it is
 the ``model`` section of an otherwise default experiment). Command-line overrides are dotted
-``section.key=value`` pairs whose values are parsed as YAML (``train.lr=3e-4 model.mixer=kda``).
+``section.key=value`` pairs whose values are parsed as YAML (``optim.lr=3e-4 model.mixer=kda``).
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _resolve_model(section: Any, base_dir: Path, seen: tuple = ()) -> Dict[str, 
 
 
 def load_config(path: Optional[str], overrides: Iterable[str] = (),
-                sections: Iterable[str] = ("model", "data", "train", "run")) -> Dict[str, Any]:
+                sections: Iterable[str] = ("model", "data", "optim", "run")) -> Dict[str, Any]:
     """Resolve an experiment (or model) file and overrides into ``{section: dict}``."""
     sections = tuple(sections)
     raw: Dict[str, Any] = {}

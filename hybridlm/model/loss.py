@@ -24,13 +24,15 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             h, y = hidden[idx], labels[idx]
             logits = (h @ weight.t()).float()
             valid = y != IGNORE_INDEX
-            total = total + F.cross_entropy(logits, y.masked_fill(~valid, 0), reduction="none")[valid].sum()
-            if need_grad:
-                g = torch.softmax(logits, dim=-1)
-                g[valid, y[valid]] -= 1.0
-                g = (g * valid.unsqueeze(-1)) / n_valid
-                grad_hidden[idx] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-                grad_weight.add_(g.t() @ h.float())
+            target = y.masked_fill(~valid, 0).unsqueeze(-1)
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            total = total + ((lse - logits.gather(-1, target)).squeeze(-1) * valid).sum()
+            if need_grad:  # d loss / d logits = (softmax - onehot) / n_valid, built in place
+                probs = logits.sub_(lse).exp_()
+                probs.scatter_add_(-1, target, -torch.ones_like(target, dtype=probs.dtype))
+                probs.mul_((valid.to(probs.dtype) / n_valid).unsqueeze(-1))
+                grad_hidden[idx] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_weight.addmm_(probs.t(), h.float())
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total / n_valid

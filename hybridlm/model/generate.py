@@ -1,0 +1,20 @@
+"""Greedy sampling by repeated full forwards (no cache): small, exact, used for end-of-run samples.
+Cached generation for long outputs is the serving path's job."""
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def greedy_generate(model, input_ids: torch.LongTensor, max_new_tokens: int, eos_token_id=None) -> torch.LongTensor:
+    was_training = model.training
+    model.eval()
+    ids = input_ids
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=ids, logits_to_keep=1).logits[:, -1]
+        nxt = logits.argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+        if eos_token_id is not None and bool((nxt == eos_token_id).all()):
+            break
+    model.train(was_training)
+    return ids

@@ -1,0 +1,37 @@
+"""Fault injection for reliability tests: real failures at chosen steps, driven by environment variables.
+
+``HYBRIDLM_FAULT_KILL_AT_STEP=k``      the process SIGKILLs itself right after optimizer step k
+``HYBRIDLM_FAULT_NAN_AT_STEPS=a,b,c``  the loss of steps a, b, c (1-based) becomes NaN
+Unset (the normal case) they cost nothing.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+
+def kill_if_requested(step: int) -> None:
+    target = os.environ.get("HYBRIDLM_FAULT_KILL_AT_STEP")
+    if target and int(target) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def nan_steps() -> set:
+    raw = os.environ.get("HYBRIDLM_FAULT_NAN_AT_STEPS", "")
+    return {int(s) for s in raw.split(",") if s.strip()}
+
+
+def with_nan_faults(loss_fn, gradient_accumulation_steps: int):
+    """Wrap ``loss_fn`` so the listed steps produce a NaN loss (micro-batch calls counted per step)."""
+    steps = nan_steps()
+    if not steps:
+        return loss_fn
+    calls = {"n": 0}
+
+    def wrapped(model, batch):
+        step = calls["n"] // gradient_accumulation_steps + 1
+        calls["n"] += 1
+        loss, metrics = loss_fn(model, batch)
+        return (loss * float("nan") if step in steps else loss), metrics
+
+    return wrapped

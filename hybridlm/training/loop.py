@@ -1,0 +1,161 @@
+"""Steps, progress, logs, evaluation, checkpoints and resume, for any stage.
+
+A stage supplies the :class:`~hybridlm.engine.Engine` (model + loss), a resumable batch iterator
+(``next()``, ``state_dict()``, ``load_state_dict()``) and optional validation batches; the loop does
+the rest: a progress bar with tokens/s and ETA, JSONL + TensorBoard logs, periodic validation
+(loss and perplexity), atomic checkpoints every ``save_interval`` steps and at the end, resume from
+the latest checkpoint, and a saved checkpoint before stopping on repeated non-finite losses.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from hybridlm.config.errors import ConfigError
+from hybridlm.engine import Engine, NonFiniteLossError, all_reduce_sum, barrier, is_main
+from hybridlm.training.faults import kill_if_requested
+from hybridlm.utils.metrics import MetricsLogger, plot_curves, read_jsonl
+
+
+@dataclass
+class RunConfig:
+    """The ``run:`` section: where outputs go and how often to log, evaluate and save."""
+    output_dir: str = "runs/default"
+    log_interval: int = 1
+    eval_interval: int = 100      # 0: only at the end
+    save_interval: int = 200      # 0: only at the end
+    keep_last: int = 2
+    resume: bool = True           # continue from output_dir/checkpoints/latest when present
+    progress: bool = True
+    tensorboard: bool = True
+    export: bool = True           # transformers-format model in output_dir/final
+    sample_prompt: str = "It is a truth universally acknowledged"
+    sample_tokens: int = 24
+
+    def validate(self, where: str = "run") -> None:
+        for name in ("log_interval", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name}: expected an integer >= 1, got {getattr(self, name)}")
+        for name in ("eval_interval", "save_interval", "sample_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{where}.{name}: expected an integer >= 0, got {getattr(self, name)}")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.output_dir) / "checkpoints"
+
+
+@dataclass
+class TrainingOutcome:
+    steps: int
+    tokens: int
+    final_loss: float
+    val_loss: Optional[float]
+    skipped_steps: int
+    max_loss_increase: float
+    seconds: float
+    history: List[Dict[str, Any]] = field(default_factory=list)
+
+
+def evaluate(engine: Engine, batches: Sequence[Dict[str, Any]]) -> Dict[str, float]:
+    """Token-weighted mean validation loss over all ranks, and its perplexity."""
+    loss_sum, tokens = 0.0, 0.0
+    for batch in batches:
+        r = engine.eval_step(batch)
+        loss_sum += r.loss * r.tokens
+        tokens += r.tokens
+    loss_sum, tokens = all_reduce_sum([loss_sum, tokens])
+    loss = loss_sum / max(tokens, 1.0)
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+
+
+def _progress(enabled: bool, total: int, initial: int):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=1.0, desc="train")
+
+
+def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Sequence[Dict[str, Any]] = (),
+               client_state: Optional[Dict[str, Any]] = None, title: str = "") -> TrainingOutcome:
+    """Train until ``engine.config.max_steps`` optimizer steps (resuming if a checkpoint exists)."""
+    max_steps = engine.config.max_steps
+    gas = engine.gradient_accumulation_steps
+    main = is_main()
+    out = Path(run.output_dir)
+    state = {"tokens": 0, "max_loss_increase": 0.0, "prev_loss": None}
+    resumed = (engine.load_checkpoint(str(run.checkpoint_dir))
+               if run.resume and run.checkpoint_dir.exists() else None)
+    if resumed:
+        train_batches.load_state_dict(resumed["data"])
+        state.update(resumed["loop"])
+        if main:
+            print(f"resumed from {run.checkpoint_dir} at step {engine.global_step}", flush=True)
+    logger = MetricsLogger(out, enabled=main, resume_step=engine.global_step, tensorboard=run.tensorboard)
+
+    def save():
+        engine.save_checkpoint(str(run.checkpoint_dir), engine.global_step,
+                               {"data": train_batches.state_dict(), "loop": dict(state), **(client_state or {})},
+                               keep_last=run.keep_last)
+
+    bar = _progress(run.progress and main, max_steps, engine.global_step)
+    t_start = time.perf_counter()
+    window_tokens, window_t0 = 0, time.perf_counter()
+    last: Dict[str, Any] = {}
+    val: Dict[str, float] = {}
+    try:
+        while engine.global_step < max_steps:
+            micro = [next(train_batches) for _ in range(gas)]
+            try:
+                res = engine.train_step(micro)
+            except NonFiniteLossError as e:
+                save()
+                raise NonFiniteLossError(f"{e}; stopped at step {engine.global_step}, "
+                                         f"checkpoint saved in {run.checkpoint_dir}") from None
+            step = res.step
+            state["tokens"] += res.tokens
+            window_tokens += res.tokens
+            if not res.skipped:
+                if state["prev_loss"] is not None:
+                    state["max_loss_increase"] = max(state["max_loss_increase"], res.loss - state["prev_loss"])
+                state["prev_loss"] = res.loss
+            now = time.perf_counter()
+            tok_s = window_tokens / max(now - window_t0, 1e-9)
+            last = {"loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm, "skipped": int(res.skipped),
+                    "skipped_total": engine.skipped_steps, "tokens": state["tokens"], "tokens_per_s": tok_s,
+                    "max_loss_increase": state["max_loss_increase"], **res.metrics}
+            if step % run.log_interval == 0 or step == max_steps:
+                logger.log(step, last)
+                window_tokens, window_t0 = 0, now
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{res.loss:.4f}", lr=f"{res.lr:.2e}", tok_s=f"{tok_s:,.0f}")
+            if val_batches and run.eval_interval and step % run.eval_interval == 0 and step < max_steps:
+                val = evaluate(engine, val_batches)
+                logger.log(step, val)
+                if bar is not None:
+                    bar.write(f"step {step}: val_loss {val['val_loss']:.4f}  val_ppl {val['val_ppl']:.2f}")
+                window_tokens, window_t0 = 0, time.perf_counter()  # tokens/s measures training only
+            if run.save_interval and step % run.save_interval == 0 and step < max_steps:
+                save()
+                window_tokens, window_t0 = 0, time.perf_counter()
+            kill_if_requested(step)
+        if val_batches:
+            val = evaluate(engine, val_batches)
+            logger.log(engine.global_step, val)
+        save()
+    finally:
+        if bar is not None:
+            bar.close()
+        logger.close()
+    history = read_jsonl(logger.path) if main else []
+    if main:
+        plot_curves(history, out / "loss_curve.png", title=title or out.name)
+    barrier()
+    return TrainingOutcome(
+        steps=engine.global_step, tokens=state["tokens"], final_loss=last.get("loss", float("nan")),
+        val_loss=val.get("val_loss"), skipped_steps=engine.skipped_steps,
+        max_loss_increase=state["max_loss_increase"], seconds=time.perf_counter() - t_start, history=history)

