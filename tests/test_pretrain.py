@@ -38,12 +38,16 @@ def run_pretrain(out_dir, data, *extra, env=None, nproc=1, check=True, timeout=6
             "data.seq_len=32", "data.val_max_batches=2", "optim.micro_batch_size=2", "optim.global_batch_size=4",
             "optim.warmup_steps=2", "optim.max_steps=8", f"run.output_dir={out_dir}", "run.eval_interval=4",
             "run.save_interval=3", "run.sample_tokens=4", "run.progress=false", *TINY_MODEL, *extra]
-    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), **(env or {})}
+    # a process group opened by another test in this interpreter leaves its rendezvous in os.environ
+    inherited = {k: v for k, v in os.environ.items()
+                 if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    full_env = {**inherited, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), **(env or {})}
     if nproc == 1:
         cmd = [sys.executable, "pretrain.py", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
-               "pretrain.py", *args]
+        from hybridlm.engine import free_port
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", "pretrain.py", *args]
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
