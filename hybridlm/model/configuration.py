@@ -38,9 +38,10 @@ class MLAArgs:
         if self.v_head_dim is None:
             _divides(where, "num_heads", self.num_heads, "hidden_size", hidden)
             self.v_head_dim = hidden // self.num_heads
-        if self.qk_rope_head_dim % 2:
-            raise ConfigError(f"{where}.qk_rope_head_dim: {self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
-        for name in ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim < 0:
+            raise ConfigError(f"{where}.qk_rope_head_dim: {self.qk_rope_head_dim} must be even and >= 0 "
+                              "(RoPE rotates pairs; 0 means no position encoding)")
+        for name in ("num_heads", "kv_lora_rank", "v_head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{where}.{name}: must be positive, got {getattr(self, name)}")
 
