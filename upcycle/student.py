@@ -32,15 +32,26 @@ def pattern_for(layer_kinds: Sequence[str]) -> str:
     return "".join(("*" if k == "mla" else MIXER_SYMBOL[k]) + "-" for k in layer_kinds)
 
 
-def mla_args(s: Dict[str, Any], q_lora_rank: int, kv_lora_rank: int, rope_dim: int) -> Dict[str, Any]:
+ROPE_INITS = ("frequency_matched", "published")
+
+
+def mla_args(s: Dict[str, Any], q_lora_rank: int, kv_lora_rank: int, rope_dim: int,
+             rope_init: str = "frequency_matched") -> Dict[str, Any]:
     """MLA of the same heads: nope + rope dims = the teacher's head dim, v = head dim, no latent norms
-    (they would break the exact linear path of the SVD init). RoPE keeps the teacher's highest
-    frequencies: base theta^(rope_dim / d_h) makes pair i of the rope dims rotate like teacher pair i."""
+    (they would break the exact linear path of the SVD init).
+
+    ``frequency_matched`` (ours) keeps the teacher's rope_dim/2 highest-frequency rotation pairs as the
+    rope dims and sets the base to theta^(rope_dim / d_h), so pair i rotates exactly like teacher pair i.
+    ``published`` takes the first rope_dim rows of each head with the teacher's base: those rows get
+    re-paired and re-frequencied, as in the X-EcoMLA recipe."""
+    if rope_init not in ROPE_INITS:
+        raise ConfigError(f"rope_init: {rope_init!r} is not one of {', '.join(ROPE_INITS)}")
     if rope_dim % 2 or not 0 <= rope_dim <= s["d_h"]:
         raise ConfigError(f"rope_dim: {rope_dim} must be even and between 0 and the head dim {s['d_h']}")
     return dict(num_heads=s["n_h"], q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
                 qk_nope_head_dim=s["d_h"] - rope_dim, qk_rope_head_dim=rope_dim, v_head_dim=s["d_h"],
-                rope_theta=s["theta"] ** (rope_dim / s["d_h"]) if rope_dim else s["theta"],
+                rope_theta=s["theta"] ** (rope_dim / s["d_h"]) if rope_dim and rope_init == "frequency_matched"
+                else s["theta"],
                 latent_norm=False, norm_eps=s["eps"])
 
 
@@ -58,7 +69,7 @@ def delta_rule_args(s: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def student_config(llama_cfg, layer_kinds: Sequence[str], *, q_lora_rank: Optional[int] = None,
-                   kv_lora_rank: int = 128, rope_dim: int = 32) -> HybridConfig:
+                   kv_lora_rank: int = 128, rope_dim: int = 32, rope_init: str = "frequency_matched") -> HybridConfig:
     """A :class:`HybridConfig` whose layer ``i`` uses mixer ``layer_kinds[i]`` (``mla | mamba2 | gdn | kda``)."""
     s = llama_shapes(llama_cfg)
     if len(layer_kinds) != s["L"]:
@@ -70,7 +81,7 @@ def student_config(llama_cfg, layer_kinds: Sequence[str], *, q_lora_rank: Option
     return HybridConfig(
         vocab_size=s["vocab"], hidden_size=s["d"], intermediate_size=s["ffn"],
         hybrid_override_pattern=pattern_for(layer_kinds), mixer=next((k for k in layer_kinds if k != "mla"), "mamba2"),
-        mla=mla_args(s, q_lora_rank, kv_lora_rank, rope_dim), mamba2=mamba2_args(s),
+        mla=mla_args(s, q_lora_rank, kv_lora_rank, rope_dim, rope_init), mamba2=mamba2_args(s),
         gdn=delta_rule_args(s), kda=delta_rule_args(s), rms_norm_eps=s["eps"], tie_word_embeddings=s["tie"],
         bos_token_id=getattr(llama_cfg, "bos_token_id", None), eos_token_id=getattr(llama_cfg, "eos_token_id", None),
     )
