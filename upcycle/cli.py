@@ -1,0 +1,114 @@
+"""``upcycle``: turn a pretrained Llama into MLA / Mamba2 students and report KV-cache sizes.
+
+    upcycle init --teacher asset:smollm2 --out runs/upcycle/init [--kv-rank 128 --rope-dim 32 ...]
+    upcycle kv-report --teacher configs/llama/llama-3.2-1b.json --mla-layers 0,5,10,14 --kv-rank 128 --rope-dim 32
+
+Every stage reads and writes transformers-format directories; outputs appear atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from hybridlm.config.errors import ConfigError
+
+
+def _layers(text: str) -> List[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ConfigError(f"--mla-layers: expected comma-separated layer indices, got {text!r}") from None
+
+
+def cmd_kv_report(args) -> dict:
+    from upcycle.kv_report import format_kv_report, kv_report, load_teacher_config
+    from upcycle.teacher import resolve_teacher
+    source = args.teacher if str(args.teacher).endswith(".json") else resolve_teacher(args.teacher)
+    report = kv_report(load_teacher_config(source), _layers(args.mla_layers), args.kv_rank, args.rope_dim)
+    print(format_kv_report(report))
+    return report
+
+
+def cmd_init(args) -> dict:
+    import torch
+    from hybridlm.utils.atomic import atomic_directory
+    from upcycle.init_mamba import init_student_from_teacher
+    from upcycle.init_mla import energy_ranks
+    from upcycle.kv_report import format_kv_report, kv_report
+    from upcycle.student import llama_shapes, student_config
+    from upcycle.teacher import load_teacher, load_teacher_tokenizer
+
+    teacher = load_teacher(args.teacher, dtype=torch.float32)
+    tokenizer = load_teacher_tokenizer(args.teacher)
+    s = llama_shapes(teacher.config)
+    ranks = {"q_lora_rank": args.q_rank or s["n_h"] * s["d_h"], "kv_lora_rank": args.kv_rank}
+    if args.energy is not None:  # one MLA shape for all layers: the largest rank any layer needs
+        ranks = energy_ranks([l.self_attn for l in teacher.model.layers], s["n_h"], s["n_kv"], s["d_h"],
+                             args.rope_dim, args.energy, args.rope_init)
+    out = Path(args.out)
+    summary = {"teacher": str(args.teacher), "ranks": ranks, "rope_dim": args.rope_dim, "rope_init": args.rope_init,
+               "students": {}}
+    for kind in ("mla", args.linear_mixer):
+        kinds = [kind] * s["L"]
+        cfg = student_config(teacher.config, kinds, rope_dim=args.rope_dim, rope_init=args.rope_init, **ranks)
+        from hybridlm.model import HybridForCausalLM
+        torch.manual_seed(args.seed)
+        student = HybridForCausalLM(cfg)
+        info = init_student_from_teacher(student, teacher, kinds, mla_options={"rope_init": args.rope_init})
+        target = out / f"{kind}_student"
+        with atomic_directory(target, overwrite=args.overwrite) as tmp:
+            student.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        kv = kv_report(teacher.config, range(s["L"]) if kind == "mla" else [], ranks["kv_lora_rank"], args.rope_dim)
+        energy = info["mla"]
+        summary["students"][kind] = {
+            "path": str(target), "params": sum(p.numel() for p in student.parameters()),
+            "kv_values_per_token": kv["hybrid_values_per_token"],
+            "teacher_kv_values_per_token": kv["teacher_values_per_token"], "kv_ratio": kv["ratio"],
+            "min_energy_kept": ({k: min(e[k] for e in energy.values()) for k in ("q_energy", "kv_energy")}
+                                if energy else None)}
+        print(f"{kind} student -> {target}")
+        print(format_kv_report(kv))
+    (out / "init_report.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="upcycle", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    i = sub.add_parser("init", help="build the pure-MLA (SVD) and pure linear-mixer (MambaInLlama) students")
+    i.add_argument("--teacher", required=True, help="Llama directory, .gguf file, or asset:smollm2")
+    i.add_argument("--out", required=True)
+    i.add_argument("--q-rank", type=int, default=None, help="q latent rank (default: full, n_heads * head_dim)")
+    i.add_argument("--kv-rank", type=int, default=128, help="kv latent rank r_kv")
+    i.add_argument("--energy", type=float, default=None, help="choose ranks by kept sigma^2 energy instead (0-1]")
+    i.add_argument("--rope-dim", type=int, default=32, help="decoupled RoPE dims per head")
+    i.add_argument("--rope-init", choices=("frequency_matched", "published"), default="frequency_matched")
+    i.add_argument("--linear-mixer", choices=("mamba2", "gdn", "kda"), default="mamba2")
+    i.add_argument("--seed", type=int, default=0, help="seed of the default-initialised parameters (z, dt, conv)")
+    i.add_argument("--overwrite", action="store_true")
+    i.set_defaults(fn=cmd_init)
+    k = sub.add_parser("kv-report", help="KV-cache size of a hybrid against its Llama teacher, without weights")
+    k.add_argument("--teacher", required=True, help="config.json, model directory, or asset:smollm2")
+    k.add_argument("--mla-layers", required=True, help="comma-separated MLA layer indices, e.g. 0,5,10,14")
+    k.add_argument("--kv-rank", type=int, required=True)
+    k.add_argument("--rope-dim", type=int, required=True)
+    k.set_defaults(fn=cmd_kv_report)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except (ConfigError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""KV-cache size of an MLA + Mamba2 hybrid against its Llama teacher (SPEC §3).
+
+Values cached per token per decoder layer:
+
+* Llama (GQA) attention: ``2 * n_kv * d_h`` (a key and a value per KV head);
+* MLA: ``r_kv + d_rope`` (the compressed joint KV latent plus the one shared decoupled RoPE key);
+* Mamba2: 0 -- its recurrent state has a constant size, independent of the sequence length.
+
+``ratio = sum over MLA layers (r_kv + d_rope) / (L * 2 * n_kv * d_h)`` and ``compression = 1 / ratio``.
+Check values (SPEC): Llama-3.2-1B with 8 MLA layers at r_kv 128, d_rope 32 -> 7.81% = 12.8x.
+
+The three public teachers' architecture shapes ship as ``configs/llama/*.json``; ``load_teacher_config``
+reads those, any HF ``config.json`` or a model directory holding one.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Union
+
+from hybridlm.config.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "llama"
+PUBLIC_TEACHERS = {"llama-3.2-1b": "llama-3.2-1b.json", "llama-3.2-3b": "llama-3.2-3b.json",
+                   "llama-3.1-8b": "llama-3.1-8b.json"}
+_REQUIRED = ("num_hidden_layers", "num_attention_heads", "hidden_size")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def teacher_shapes(teacher_cfg: Union[Mapping[str, Any], Any]) -> Dict[str, int]:
+    """``L, n_h, n_kv, d_h`` of a LlamaConfig or a dict (``head_dim`` defaults to hidden / heads and
+    ``num_key_value_heads`` to the query heads, as in transformers)."""
+    get = teacher_cfg.get if isinstance(teacher_cfg, Mapping) else (lambda k, d=None: getattr(teacher_cfg, k, d))
+    for key in _REQUIRED:
+        v = get(key)
+        if not _is_int(v) or v <= 0:
+            raise ConfigError(f"teacher config: {key} must be a positive integer, got {v!r}")
+    L, n_h, d = get("num_hidden_layers"), get("num_attention_heads"), get("hidden_size")
+    n_kv = get("num_key_value_heads") or n_h
+    d_h = get("head_dim") or d // n_h
+    if not _is_int(n_kv) or n_kv <= 0 or n_h % n_kv:
+        raise ConfigError(f"teacher config: num_key_value_heads must be a positive divisor of "
+                          f"num_attention_heads {n_h}, got {n_kv!r}")
+    if not _is_int(d_h) or d_h <= 0:
+        raise ConfigError(f"teacher config: head_dim must be a positive integer, got {d_h!r}")
+    return dict(L=L, n_h=n_h, n_kv=n_kv, d_h=d_h)
+
+
+def _check_mla_layers(mla_layers: Iterable[int], L: int) -> List[int]:
+    if isinstance(mla_layers, (str, bytes)) or not isinstance(mla_layers, Iterable):
+        raise ConfigError(f"mla_layers: expected a list of layer indices, got {mla_layers!r}")
+    layers = list(mla_layers)
+    seen = set()
+    for i in layers:
+        if not _is_int(i):
+            raise ConfigError(f"mla_layers: expected integer layer indices, got {i!r}")
+        if not 0 <= i < L:
+            raise ConfigError(f"mla_layers: index {i} out of range for a {L}-layer teacher")
+        if i in seen:
+            raise ConfigError(f"mla_layers: layer {i} is listed more than once")
+        seen.add(i)
+    return sorted(layers)
+
+
+def kv_report(teacher_cfg, mla_layers: Iterable[int], kv_lora_rank: int, rope_dim: int,
+              bytes_per_value: int = 2) -> Dict[str, Any]:
+    """KV-cache accounting of the hybrid whose MLA layers are ``mla_layers`` (all others Mamba2).
+
+    Returns a dict: ``num_layers``, ``mla_layers``, ``teacher_values_per_token``,
+    ``hybrid_values_per_token``, ``ratio`` (hybrid / teacher), ``compression`` (teacher / hybrid; None
+    when the hybrid caches nothing), ``teacher_bytes_per_token``, ``hybrid_bytes_per_token``,
+    ``bytes_per_value`` and ``per_layer`` (one ``{layer, kind, teacher_values, hybrid_values}`` a layer).
+    """
+    s = teacher_shapes(teacher_cfg)
+    for name, v, lo in (("kv_lora_rank", kv_lora_rank, 1), ("rope_dim", rope_dim, 0),
+                        ("bytes_per_value", bytes_per_value, 1)):
+        if not _is_int(v) or v < lo:
+            raise ConfigError(f"{name}: expected an integer >= {lo}, got {v!r}")
+    L = s["L"]
+    mla = _check_mla_layers(mla_layers, L)
+    mla_set = set(mla)
+    llama_layer = 2 * s["n_kv"] * s["d_h"]
+    mla_layer = kv_lora_rank + rope_dim
+    per_layer = [dict(layer=i, kind="mla" if i in mla_set else "mamba2", teacher_values=llama_layer,
+                      hybrid_values=mla_layer if i in mla_set else 0) for i in range(L)]
+    teacher = L * llama_layer
+    hybrid = len(mla) * mla_layer
+    return dict(
+        num_layers=L, num_key_value_heads=s["n_kv"], head_dim=s["d_h"],
+        mla_layers=mla, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+        teacher_values_per_token=teacher, hybrid_values_per_token=hybrid,
+        ratio=hybrid / teacher, compression=(teacher / hybrid) if hybrid else None,
+        bytes_per_value=bytes_per_value,
+        teacher_bytes_per_token=teacher * bytes_per_value, hybrid_bytes_per_token=hybrid * bytes_per_value,
+        per_layer=per_layer,
+    )
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def format_kv_report(report: Mapping[str, Any]) -> str:
+    """A short human-readable table of a ``kv_report`` result."""
+    comp = report["compression"]
+    comp_s = f"{comp:.1f}x" if comp is not None else "inf (no KV cache)"
+    L, n_mla = report["num_layers"], len(report["mla_layers"])
+    rows = [("", "values/token", "bytes/token"),
+            ("teacher", f"{report['teacher_values_per_token']:,}", _fmt_bytes(report["teacher_bytes_per_token"])),
+            ("hybrid", f"{report['hybrid_values_per_token']:,}", _fmt_bytes(report["hybrid_bytes_per_token"]))]
+    w = [max(len(r[c]) for r in rows) for c in range(3)]
+    lines = [f"KV cache: {n_mla} MLA + {L - n_mla} Mamba2 of {L} layers "
+             f"(MLA r_kv {report['kv_lora_rank']} + rope {report['rope_dim']}; "
+             f"teacher 2 x {report['num_key_value_heads']} KV heads x {report['head_dim']})"]
+    lines += ["  " + "  ".join(r[c].ljust(w[c]) if c == 0 else r[c].rjust(w[c]) for c in range(3)) for r in rows]
+    lines.append(f"  ratio {100 * report['ratio']:.2f}%  compression {comp_s}  "
+                 f"({report['bytes_per_value']} bytes/value)")
+    lines.append(f"  MLA layers: {report['mla_layers']}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- teacher configs
+ARCH_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "intermediate_size", "vocab_size", "rope_theta", "rms_norm_eps", "tie_word_embeddings")
+
+
+def resolve_teacher_config(path_or_dir: Union[str, Path]) -> Path:
+    """The config.json for a file, a model directory, or a public teacher name (``llama-3.2-1b``...)."""
+    name = str(path_or_dir)
+    if name.lower() in PUBLIC_TEACHERS:
+        return CONFIG_DIR / PUBLIC_TEACHERS[name.lower()]
+    p = Path(name).expanduser()
+    f = p / "config.json" if p.is_dir() else p
+    if not f.is_file():
+        raise ConfigError(f"teacher config {name!r}: expected a config.json file or a model directory holding one "
+                          f"(or one of {sorted(PUBLIC_TEACHERS)})")
+    return f
+
+
+def load_teacher_config(path_or_dir: Union[str, Path]):
+    """A transformers ``LlamaConfig`` from a config.json, a model directory or a public teacher name."""
+    from transformers import LlamaConfig
+
+    f = resolve_teacher_config(path_or_dir)
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{f}: not a readable JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{f}: expected a JSON object, got {type(data).__name__}")
+    if data.get("model_type", "llama") != "llama":
+        raise ConfigError(f"{f}: model_type must be 'llama', got {data.get('model_type')!r}")
+    for key in _REQUIRED:
+        if key not in data:
+            raise ConfigError(f"{f}: missing field {key!r}")
+    try:
+        teacher_shapes(data)
+    except ConfigError as e:
+        raise ConfigError(f"{f}: {e}") from None
+    fields = {k: v for k, v in data.items() if k != "model_type"}
+    return LlamaConfig(**fields)
+
+
+if __name__ == "__main__":  # pragma: no cover - handy check: python -m upcycle.kv_report CONFIG 0,4,8 128 32
+    import sys
+    cfg = load_teacher_config(sys.argv[1])
+    layers = [int(x) for x in sys.argv[2].split(",") if x]
+    print(format_kv_report(kv_report(cfg, layers, int(sys.argv[3]), int(sys.argv[4]))))
