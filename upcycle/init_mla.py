@@ -45,12 +45,14 @@ def energy_rank(singular_values: torch.Tensor, delta: float, multiple: int = 8) 
 
 
 def _factor(matrix: torch.Tensor, rank: int, field: str):
-    """``matrix ~= up @ down`` with ``down = S_r V_r^T`` ([rank, in]) and ``up = U_r`` ([out, rank])."""
+    """``matrix ~= up @ down`` with ``down = S_r V_r^T`` ([rank, in]) and ``up = U_r`` ([out, rank]),
+    plus the fraction of sigma^2 energy the rank keeps."""
     bound = min(matrix.shape)
     if rank > bound:
         raise ConfigError(f"{field}: {rank} exceeds what the {tuple(matrix.shape)} matrix allows (at most {bound})")
     U, S, Vh = torch.linalg.svd(matrix.double(), full_matrices=False)
-    return U[:, :rank], S[:rank, None] * Vh[:rank]
+    energy = S.pow(2)
+    return U[:, :rank], S[:rank, None] * Vh[:rank], float(energy[:rank].sum() / energy.sum())
 
 
 def attention_weights(attn) -> Dict[str, torch.Tensor]:
@@ -86,24 +88,17 @@ def init_mla_from_attention(mla, attn, *, n_kv: int, rope_init: str = "frequency
     wq, kv, k_rope, wo = mla_matrices(attn, n_h, n_kv, d_h, mla.rope, rope_init)
     kept = {}
     if mla.q_lora_rank:
-        up, down = _factor(wq, mla.q_lora_rank, "q_lora_rank")
+        up, down, kept["q_energy"] = _factor(wq, mla.q_lora_rank, "q_lora_rank")
         mla.q_a_proj.weight.copy_(down)
         mla.q_b_proj.weight.copy_(up)
-        kept["q_energy"] = _energy(wq, mla.q_lora_rank)
     else:
         mla.q_proj.weight.copy_(wq)
         kept["q_energy"] = 1.0
-    up, down = _factor(kv, mla.kv_lora_rank, "kv_lora_rank")
+    up, down, kept["kv_energy"] = _factor(kv, mla.kv_lora_rank, "kv_lora_rank")
     mla.kv_a_proj.weight.copy_(torch.cat([down.to(k_rope.dtype), k_rope], dim=0))
     mla.kv_b_proj.weight.copy_(up)
     mla.o_proj.weight.copy_(wo)
-    kept["kv_energy"] = _energy(kv, mla.kv_lora_rank)
     return kept
-
-
-def _energy(matrix: torch.Tensor, rank: int) -> float:
-    s = torch.linalg.svdvals(matrix.double()).pow(2)
-    return float(s[:rank].sum() / s.sum())
 
 
 def energy_ranks(attns: Sequence, n_h: int, n_kv: int, d_h: int, rope_dim: int, delta: float,

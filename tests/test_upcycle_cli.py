@@ -1,0 +1,80 @@
+"""The ``upcycle`` command as a user runs it (tiny random Llama directories; the real SmolLM2 route is
+exercised in test_upcycle_init_mamba.py and on the device)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from conftest import REPO
+from hybridlm.model import HybridForCausalLM
+
+
+def upcycle(*args):
+    return subprocess.run([sys.executable, "-m", "upcycle.cli", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from hybridlm.data import load_tokenizer
+    torch.manual_seed(0)
+    tok = load_tokenizer("asset:llama3.2")
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=len(tok), tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    out = tmp_path_factory.mktemp("teacher") / "llama"
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_kv_report_reproduces_a_published_ratio():
+    proc = upcycle("kv-report", "--teacher", "configs/llama/llama-3.1-8b.json", "--mla-layers",
+                   ",".join(str(i) for i in range(0, 32, 4)), "--kv-rank", 160, "--rope-dim", 64)
+    assert proc.returncode == 0, proc.stderr
+    assert "compression 36.6x" in proc.stdout
+
+
+def test_init_writes_loadable_students_and_reports_kv(tmp_path, tiny_llama):
+    out = tmp_path / "init"
+    proc = upcycle("init", "--teacher", tiny_llama, "--out", out, "--kv-rank", 32, "--rope-dim", 8)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "init_report.json").read_text())
+    assert report["students"]["mla"]["kv_values_per_token"] == 4 * (32 + 8)
+    assert report["students"]["mla"]["teacher_kv_values_per_token"] == 4 * 2 * 2 * 16
+    assert report["students"]["mamba2"]["kv_values_per_token"] == 0
+    teacher = LlamaForCausalLM.from_pretrained(tiny_llama)
+    for kind in ("mla", "mamba2"):
+        student = HybridForCausalLM.from_pretrained(out / f"{kind}_student")
+        assert set(student.config.layer_plan) == {kind, "mlp"}
+        assert torch.equal(student.model.layers[1].mixer.up_proj.weight, teacher.model.layers[0].mlp.up_proj.weight)
+        assert (out / f"{kind}_student" / "tokenizer.json").is_file()
+    assert "compression" in proc.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--kv-rank", 4096, "--rope-dim", 8], "error: kv_lora_rank: 4096 exceeds what the"),
+    (["--rope-dim", 7], "error: rope_dim: 7 must be even"),
+])
+def test_init_bad_ranks_are_one_line_and_write_nothing(tmp_path, tiny_llama, args, message):
+    out = tmp_path / "init"
+    proc = upcycle("init", "--teacher", tiny_llama, "--out", out, *args)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-400:]
+    assert not (out / "mla_student").exists() and not (out / "mamba2_student").exists()
+
+
+def test_init_refuses_a_non_llama_teacher(tmp_path):
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(gpt2)
+    proc = upcycle("init", "--teacher", gpt2, "--out", tmp_path / "x")
+    assert proc.returncode == 2
+    assert "expected a Llama model" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_kv_report_layer_out_of_range():
+    proc = upcycle("kv-report", "--teacher", "configs/llama/llama-3.2-1b.json", "--mla-layers", "0,16",
+                   "--kv-rank", 128, "--rope-dim", 32)
+    assert proc.returncode == 2 and "index 16 out of range for a 16-layer teacher" in proc.stderr
