@@ -139,3 +139,9 @@ def test_save_and_strict_load_round_trip(tmp_path, seeded):
 def test_tied_embeddings_share_storage():
     model = HybridForCausalLM(tiny_config(tie_word_embeddings=True))
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_cli_override_reads_exponent_floats_without_a_dot():
+    from hybridlm.config.loader import parse_override
+    assert parse_override("optim.lr=3e-4") == {"optim": {"lr": 3e-4}}
+    assert parse_override("run.output_dir=runs/a.b") == {"run": {"output_dir": "runs/a.b"}}

@@ -76,6 +76,12 @@ def cmd_init(args) -> dict:
     return summary
 
 
+def cmd_ild(args) -> dict:
+    from hybridlm.config.loader import load_config
+    from upcycle.stage import STAGE_SECTIONS, run_ild
+    return run_ild(load_config(args.config, args.overrides, sections=STAGE_SECTIONS))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="upcycle", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -91,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--seed", type=int, default=0, help="seed of the default-initialised parameters (z, dt, conv)")
     i.add_argument("--overwrite", action="store_true")
     i.set_defaults(fn=cmd_init)
+    d = sub.add_parser("ild", help="Intermediate Layer Distillation of a student (teacher-forced, per layer)")
+    d.add_argument("--config", required=True, help="stage YAML: teacher, student, data, optim, run sections")
+    d.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    d.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. student.path=... optim.lr=1e-4")
+    d.set_defaults(fn=cmd_ild)
     k = sub.add_parser("kv-report", help="KV-cache size of a hybrid against its Llama teacher, without weights")
     k.add_argument("--teacher", required=True, help="config.json, model directory, or asset:smollm2")
     k.add_argument("--mla-layers", required=True, help="comma-separated MLA layer indices, e.g. 0,5,10,14")

@@ -58,6 +58,11 @@ def parse_override(item: str) -> Dict[str, Any]:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+        try:
+            value = float(value) if any(c in value.lower() for c in ".e") and value.lower() not in ("inf", "nan") else value
+        except ValueError:
+            pass
     for part in reversed(key.split(".")):
         value = {part: value}
     return value
@@ -96,6 +101,8 @@ def load_config(path: Optional[str], overrides: Iterable[str] = (),
     if unknown:
         raise ConfigError(f"{path or 'config'}: unknown section {unknown[0]!r} (known sections: {', '.join(sections)})")
     out = {name: raw.get(name) or {} for name in sections}
+    if "model" not in sections:
+        return out
     out["model"] = _resolve_model(raw.get("model") or {}, base_dir)
     # CLI overrides of model keys must win over the model file as well
     for item in overrides:

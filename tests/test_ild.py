@@ -1,0 +1,106 @@
+"""Intermediate Layer Distillation: teacher-forced per-layer loss and the ``upcycle ild`` stage."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import REPO, SHARED_DATA
+from distill.ild import ild_loss, teacher_trace
+from hybridlm.model import HybridForCausalLM
+from upcycle.init_mamba import init_student_from_teacher
+from upcycle.student import student_config
+
+
+def tiny_teacher(n_kv=1, vocab=128):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=n_kv, head_dim=16, vocab_size=vocab, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).eval()
+
+
+def student_of(teacher, kinds, **kw):
+    cfg = student_config(teacher.config, kinds, **{"rope_dim": 8, **kw})
+    student = HybridForCausalLM(cfg)
+    init_student_from_teacher(student, teacher, kinds)
+    return student
+
+
+def test_trace_chains_layers():
+    teacher = tiny_teacher()
+    ids = torch.randint(0, 128, (2, 17))
+    trace = teacher_trace(teacher, ids)
+    assert len(trace) == 3
+    for (x0, a0, y0), (x1, _, _) in zip(trace, trace[1:]):
+        assert torch.equal(y0, x1)  # layer i's output is layer i+1's input
+    assert torch.equal(trace[0][0], teacher.model.embed_tokens(ids))
+
+
+def test_exact_student_has_zero_ild_loss_and_a_random_one_does_not():
+    """An MLA student that reproduces each attention exactly (one kv head, full rank, every dim rotating)
+    gets ~0 loss; an all-Mamba2 student does not; gradients reach only the student's layers."""
+    teacher = tiny_teacher(n_kv=1)
+    ids = torch.randint(0, 128, (2, 17))
+    exact = student_of(teacher, ["mla"] * 3, q_lora_rank=64, kv_lora_rank=32, rope_dim=16)
+    loss, metrics = ild_loss(exact, teacher, ids)
+    assert loss.item() < 1e-4 * 3 and metrics["layer_l2"] < 1e-4
+    mamba = student_of(teacher, ["mamba2"] * 3)
+    loss, _ = ild_loss(mamba, teacher, ids)
+    assert loss.item() > 0.1
+    loss.backward()
+    assert mamba.model.embed_tokens.weight.grad is None
+    assert mamba.model.layers[0].mixer.in_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    from hybridlm.data import load_tokenizer
+    tok = load_tokenizer("asset:llama3.2")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=len(tok), tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    out = tmp_path_factory.mktemp("teacher") / "llama"
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_ild_stage_trains_exports_and_skips_when_done(tmp_path, teacher_dir):
+    alpaca = SHARED_DATA / "alpaca_en_demo.json"
+    if not alpaca.is_file():
+        pytest.skip("shared data not present")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    init = subprocess.run([sys.executable, "-m", "upcycle.cli", "init", "--teacher", str(teacher_dir), "--out",
+                           str(tmp_path / "init"), "--kv-rank", "32", "--rope-dim", "8"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert init.returncode == 0, init.stderr[-2000:]
+    cmd = [sys.executable, "-m", "upcycle.cli", "ild", "--config", "configs/upcycle/smollm2_ild_cpu.yaml",
+           f"teacher.path={teacher_dir}", f"student.path={tmp_path / 'init' / 'mamba2_student'}",
+           f"data.path={tmp_path / 'data'}", f"data.sources=[{alpaca}]", "data.seq_len=64",
+           "optim.micro_batch_size=2", "optim.global_batch_size=2", "optim.max_steps=6", "optim.lr=3e-3",
+           f"run.output_dir={tmp_path / 'ild'}", "run.eval_interval=0", "run.save_interval=3", "run.progress=false"]
+    first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    result = json.loads((tmp_path / "ild" / "final" / "stage.json").read_text())
+    rows = [json.loads(l) for l in (tmp_path / "ild" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert result["steps"] == 6 and losses[-1] < losses[0]
+    student = HybridForCausalLM.from_pretrained(tmp_path / "ild" / "final")
+    before = HybridForCausalLM.from_pretrained(tmp_path / "init" / "mamba2_student")
+    assert torch.equal(student.model.embed_tokens.weight, before.model.embed_tokens.weight)  # frozen
+    assert not torch.equal(student.model.layers[0].mixer.in_proj.weight, before.model.layers[0].mixer.in_proj.weight)
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "already finished" in again.stdout
+
+
+def test_ild_stage_missing_student_is_one_line(tmp_path, teacher_dir):
+    proc = subprocess.run([sys.executable, "-m", "upcycle.cli", "ild", "--config", "configs/upcycle/smollm2_ild_cpu.yaml",
+                           f"teacher.path={teacher_dir}", f"student.path={tmp_path / 'nope'}",
+                           f"run.output_dir={tmp_path / 'x'}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: student.path:")

@@ -1,0 +1,105 @@
+"""One distillation stage on the shared engine: frozen teacher + student directory -> trained student.
+
+A stage config has sections ``teacher`` (path), ``student`` (path), ``data`` (a :class:`DataConfig`,
+prepared with the teacher's tokenizer), ``optim`` and ``run``. The stage is resumable (the shared loop's
+checkpoints) and idempotent: a finished stage (``run.output_dir/final/stage.json``) is skipped.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, Optional
+
+import torch
+
+from hybridlm.config.errors import ConfigError
+from hybridlm.config.structured import build_dataclass, to_dict
+from hybridlm.data import DataConfig, ensure_prepared, load_tokenizer, open_splits, read_meta
+from hybridlm.engine import Engine, OptimConfig, barrier, init_distributed
+from hybridlm.training import RunConfig, train_loop
+from hybridlm.utils.atomic import atomic_directory
+
+STAGE_SECTIONS = ("teacher", "student", "data", "optim", "run")
+
+
+@dataclass
+class TeacherConfig:
+    path: str = "asset:smollm2"
+    dtype: str = "auto"  # auto: the student's training precision (bf16 / fp32)
+
+
+@dataclass
+class StudentConfig:
+    path: str = ""
+
+    def validate(self, where: str = "student") -> None:
+        if not self.path:
+            raise ConfigError(f"{where}.path: expected the directory of a student written by `upcycle init`")
+
+
+def _done_file(run: RunConfig) -> Path:
+    return Path(run.output_dir) / "final" / "stage.json"
+
+
+def run_stage(name: str, sections: Dict[str, Any],
+              make_loss: Callable[[Any], Callable],
+              trainable: Callable[[Any], Iterable[torch.nn.Parameter]]) -> Dict[str, Any]:
+    """Train the student with ``make_loss(teacher)`` over ``trainable(student)`` params; export ``final/``."""
+    from hybridlm.model import HybridForCausalLM
+    from upcycle.teacher import check_tokenizer_matches, load_teacher, load_teacher_tokenizer
+
+    teacher_cfg = build_dataclass(TeacherConfig, sections["teacher"], "teacher")
+    student_cfg = build_dataclass(StudentConfig, sections["student"], "student")
+    data_cfg = build_dataclass(DataConfig, sections["data"], "data")
+    optim = build_dataclass(OptimConfig, sections["optim"], "optim")
+    run = build_dataclass(RunConfig, sections["run"], "run")
+    done = _done_file(run)
+    if done.is_file():
+        result = json.loads(done.read_text())
+        print(f"{name}: already finished in {done.parent}; skipped", flush=True)
+        return result
+    student_dir = Path(student_cfg.path)
+    if not (student_dir / "config.json").is_file():
+        raise ConfigError(f"student.path: {student_dir} has no config.json (expected a directory from `upcycle init`)")
+    dist = init_distributed()
+    teacher_tok = load_teacher_tokenizer(teacher_cfg.path)
+    if dist.rank == 0:
+        if data_cfg.tokenizer == "teacher":
+            data_cfg.tokenizer = str(Path(teacher_tok.name_or_path))
+        ensure_prepared(data_cfg)
+    barrier()
+    meta = read_meta(data_cfg.path)
+    check_tokenizer_matches(teacher_tok, load_tokenizer(meta["tokenizer"]["path"]))
+    train_batches, val_batches = open_splits(data_cfg.path, data_cfg.seq_len, optim.micro_batch_size,
+                                             data_cfg.val_max_batches, dist.rank, dist.world_size, data_cfg.seed)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[optim.precision] \
+        if teacher_cfg.dtype == "auto" else getattr(torch, teacher_cfg.dtype)
+    teacher = load_teacher(teacher_cfg.path, dtype=dtype).to(dist.device)
+    teacher.requires_grad_(False)
+    student = HybridForCausalLM.from_pretrained(student_dir)
+    loss_fn = make_loss(teacher)
+    engine = Engine(student, optim, lambda model, batch: loss_fn(model.module, batch),
+                    trainable=list(trainable(student)))
+    outcome = train_loop(engine, train_batches, run, val_batches, title=f"{name}: {student_dir.name}")
+    result = {"stage": name, "student": str(student_dir), "teacher": teacher_cfg.path, "steps": outcome.steps,
+              "tokens": outcome.tokens, "final_loss": outcome.final_loss, "val_loss": outcome.val_loss,
+              "seconds": round(outcome.seconds, 1), "config": {"data": to_dict(data_cfg), "optim": to_dict(optim)}}
+    if dist.rank == 0:
+        with atomic_directory(done.parent, overwrite=True) as tmp:
+            engine.module.save_pretrained(tmp)
+            teacher_tok.save_pretrained(tmp)
+            (tmp / "stage.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps({k: v for k, v in result.items() if k != "config"}), flush=True)
+    barrier()
+    return result
+
+
+def run_ild(sections: Dict[str, Any]) -> Dict[str, Any]:
+    """Intermediate Layer Distillation: every decoder-layer parameter trains; embeddings and head stay frozen."""
+    from distill.ild import ild_loss
+
+    def make_loss(teacher):
+        return lambda student, batch: ild_loss(student, teacher, batch["input_ids"])
+
+    return run_stage("ild", sections, make_loss, lambda student: student.model.layers.parameters())
