@@ -42,16 +42,37 @@ def _done_file(run: RunConfig) -> Path:
     return Path(run.output_dir) / "final" / "stage.json"
 
 
+def packed_lm_batches(data_cfg: DataConfig, optim: OptimConfig, dist, tokenizer):
+    """Default batch source: packed token windows (prepared with the teacher's tokenizer on rank 0)."""
+    if dist.rank == 0:
+        if data_cfg.tokenizer == "teacher":
+            data_cfg.tokenizer = str(Path(tokenizer.name_or_path))
+        ensure_prepared(data_cfg)
+    barrier()
+    from upcycle.teacher import check_tokenizer_matches
+    check_tokenizer_matches(tokenizer, load_tokenizer(read_meta(data_cfg.path)["tokenizer"]["path"]))
+    return open_splits(data_cfg.path, data_cfg.seq_len, optim.micro_batch_size, data_cfg.val_max_batches,
+                       dist.rank, dist.world_size, data_cfg.seed)
+
+
 def run_stage(name: str, sections: Dict[str, Any],
               make_loss: Callable[[Any], Callable],
-              trainable: Callable[[Any], Iterable[torch.nn.Parameter]]) -> Dict[str, Any]:
-    """Train the student with ``make_loss(teacher)`` over ``trainable(student)`` params; export ``final/``."""
+              trainable: Callable[[Any], Iterable[torch.nn.Parameter]],
+              make_batches: Callable = packed_lm_batches,
+              data_class: type = DataConfig,
+              teacher_required: bool = True) -> Dict[str, Any]:
+    """Train the student with ``make_loss(teacher)`` over ``trainable(student)`` params; export ``final/``.
+
+    ``make_batches(data_cfg, optim, dist, teacher_tokenizer) -> (train iterator with state_dict /
+    load_state_dict, list of validation batches)`` supplies the data (default: packed LM windows);
+    ``data_class`` is the dataclass of the ``data`` section. ``make_loss`` receives the frozen teacher
+    (a LlamaForCausalLM for KD / ILD; for DPO the stage passes its own frozen reference instead)."""
     from hybridlm.model import HybridForCausalLM
-    from upcycle.teacher import check_tokenizer_matches, load_teacher, load_teacher_tokenizer
+    from upcycle.teacher import load_teacher, load_teacher_tokenizer
 
     teacher_cfg = build_dataclass(TeacherConfig, sections["teacher"], "teacher")
     student_cfg = build_dataclass(StudentConfig, sections["student"], "student")
-    data_cfg = build_dataclass(DataConfig, sections["data"], "data")
+    data_cfg = build_dataclass(data_class, sections["data"], "data")
     optim = build_dataclass(OptimConfig, sections["optim"], "optim")
     run = build_dataclass(RunConfig, sections["run"], "run")
     done = _done_file(run)
@@ -64,19 +85,13 @@ def run_stage(name: str, sections: Dict[str, Any],
         raise ConfigError(f"student.path: {student_dir} has no config.json (expected a directory from `upcycle init`)")
     dist = init_distributed()
     teacher_tok = load_teacher_tokenizer(teacher_cfg.path)
-    if dist.rank == 0:
-        if data_cfg.tokenizer == "teacher":
-            data_cfg.tokenizer = str(Path(teacher_tok.name_or_path))
-        ensure_prepared(data_cfg)
-    barrier()
-    meta = read_meta(data_cfg.path)
-    check_tokenizer_matches(teacher_tok, load_tokenizer(meta["tokenizer"]["path"]))
-    train_batches, val_batches = open_splits(data_cfg.path, data_cfg.seq_len, optim.micro_batch_size,
-                                             data_cfg.val_max_batches, dist.rank, dist.world_size, data_cfg.seed)
+    train_batches, val_batches = make_batches(data_cfg, optim, dist, teacher_tok)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[optim.precision] \
         if teacher_cfg.dtype == "auto" else getattr(torch, teacher_cfg.dtype)
-    teacher = load_teacher(teacher_cfg.path, dtype=dtype).to(dist.device)
-    teacher.requires_grad_(False)
+    teacher = None
+    if teacher_required:
+        teacher = load_teacher(teacher_cfg.path, dtype=dtype).to(dist.device)
+        teacher.requires_grad_(False)
     student = HybridForCausalLM.from_pretrained(student_dir)
     loss_fn = make_loss(teacher)
     engine = Engine(student, optim, lambda model, batch: loss_fn(model.module, batch),
