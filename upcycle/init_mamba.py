@@ -26,19 +26,21 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from hybridlm.config.errors import ConfigError
+
 LINEAR_KINDS = ("mamba2", "gdn", "kda")
 
 
 # -------------------------------------------------------------------------------------- attention
-def _attention_weights(attn) -> Dict[str, torch.Tensor]:
+def attention_weights(attn) -> Dict[str, torch.Tensor]:
     """W_q, W_k, W_v, W_o of a transformers Llama attention; refuses biases (no place for them)."""
     out = {}
     for n in "qkvo":
         lin = getattr(attn, f"{n}_proj", None)
         if not isinstance(lin, nn.Linear):
-            raise ValueError(f"teacher attention: no {n}_proj linear layer (expected a Llama attention module)")
+            raise ConfigError(f"teacher attention: no {n}_proj linear layer (expected a Llama attention module)")
         if lin.bias is not None:
-            raise ValueError(f"teacher attention: {n}_proj has a bias; the linear-mixer mapping expects "
+            raise ConfigError(f"teacher attention: {n}_proj has a bias; the linear-mixer mapping expects "
                              f"bias-free projections (attention_bias false)")
         out[n] = lin.weight.detach()
     return out
@@ -46,7 +48,7 @@ def _attention_weights(attn) -> Dict[str, torch.Tensor]:
 
 def attention_shapes(attn) -> Dict[str, int]:
     """d, n_h, n_kv, d_h of a Llama attention module, read from its weights and ``head_dim``."""
-    w = _attention_weights(attn)
+    w = attention_weights(attn)
     d = w["q"].shape[1]
     d_h = getattr(attn, "head_dim", None)
     if d_h is None:
@@ -83,7 +85,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 @torch.no_grad()
 def init_mamba2_from_attention(mixer, attn) -> None:
     s = attention_shapes(attn)
-    w = _attention_weights(attn)
+    w = attention_weights(attn)
     n_h, n_kv, d_h = s["n_h"], s["n_kv"], s["d_h"]
     _expect("mamba2", "hidden size", mixer.in_proj.in_features, s["d"])
     _expect("mamba2", "head_dim", mixer.head_dim, d_h)
@@ -108,7 +110,7 @@ def init_mamba2_from_attention(mixer, attn) -> None:
 @torch.no_grad()
 def init_delta_rule_from_attention(mixer, attn, kind: str = "gdn") -> None:
     s = attention_shapes(attn)
-    w = _attention_weights(attn)
+    w = attention_weights(attn)
     n_h, n_kv, d_h = s["n_h"], s["n_kv"], s["d_h"]
     _expect(kind, "hidden size", mixer.q_proj.in_features, s["d"])
     _expect(kind, "num_heads", mixer.num_heads, n_h)

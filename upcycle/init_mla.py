@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from hybridlm.config.errors import ConfigError
+from upcycle.init_mamba import attention_weights
 
 
 def rope_rows(d_h: int, rope_dim: int, rope_init: str) -> List[int]:
@@ -53,14 +54,6 @@ def _factor(matrix: torch.Tensor, rank: int, field: str):
     U, S, Vh = torch.linalg.svd(matrix.double(), full_matrices=False)
     energy = S.pow(2)
     return U[:, :rank], S[:rank, None] * Vh[:rank], float(energy[:rank].sum() / energy.sum())
-
-
-def attention_weights(attn) -> Dict[str, torch.Tensor]:
-    """q / k / v / o weights of a transformers Llama attention module, refusing biases we cannot map."""
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        if getattr(attn, name).bias is not None:
-            raise ConfigError(f"teacher attention: {name} has a bias; the MLA mapping expects bias-free projections")
-    return {n: getattr(attn, f"{n}_proj").weight.detach() for n in "qkvo"}
 
 
 def mla_matrices(attn, n_h: int, n_kv: int, d_h: int, rope_dim: int, rope_init: str):
