@@ -25,7 +25,7 @@ N = 4: D = 14, gaps in {4, 5} with two 5s -> one of ``[0, 4, 9, 14]``, ``[0, 5, 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Iterable, Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from hybridlm.config.errors import ConfigError
 
@@ -99,21 +99,24 @@ def is_valid_selection(chosen: Sequence[int], sensitivity: Sequence[float], n_ml
     return all(b - a in (rule["gap_lo"], rule["gap_hi"]) for a, b in zip(chosen, chosen[1:]))
 
 
-def validate_layers(layers: Any, n_mla: Optional[int], num_layers: int) -> List[int]:
-    """An explicit selection: integers in range, no duplicates, ``n_mla`` of them (when given); sorted."""
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
-        raise ConfigError(f"layers: expected a list of layer indices, got {layers!r}")
+def validate_layers(layers: Any, n_mla: Optional[int], num_layers: int, field: str = "layers",
+                    what: str = "model") -> List[int]:
+    """An explicit selection: integers in range, no duplicates, ``n_mla`` of them (when given); sorted.
+    ``field`` / ``what`` name the config field and the thing the indices point into in error messages."""
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        raise ConfigError(f"{field}: expected a list of layer indices, got {layers!r}")
+    layers = list(layers)
     seen = set()
     for i in layers:
         if isinstance(i, bool) or not isinstance(i, int):
-            raise ConfigError(f"layers: expected integer layer indices, got {i!r}")
+            raise ConfigError(f"{field}: expected integer layer indices, got {i!r}")
         if not 0 <= i < num_layers:
-            raise ConfigError(f"layers: index {i} out of range for a {num_layers}-layer model")
+            raise ConfigError(f"{field}: index {i} out of range for a {num_layers}-layer {what}")
         if i in seen:
-            raise ConfigError(f"layers: layer {i} is listed more than once")
+            raise ConfigError(f"{field}: layer {i} is listed more than once")
         seen.add(i)
     if n_mla is not None and len(layers) != n_mla:
-        raise ConfigError(f"layers: expected {n_mla} layers (n_mla), got {len(layers)}")
+        raise ConfigError(f"{field}: expected {n_mla} layers (n_mla), got {len(layers)}")
     return sorted(layers)
 
 

@@ -50,19 +50,8 @@ def teacher_shapes(teacher_cfg: Union[Mapping[str, Any], Any]) -> Dict[str, int]
 
 
 def _check_mla_layers(mla_layers: Iterable[int], L: int) -> List[int]:
-    if isinstance(mla_layers, (str, bytes)) or not isinstance(mla_layers, Iterable):
-        raise ConfigError(f"mla_layers: expected a list of layer indices, got {mla_layers!r}")
-    layers = list(mla_layers)
-    seen = set()
-    for i in layers:
-        if not _is_int(i):
-            raise ConfigError(f"mla_layers: expected integer layer indices, got {i!r}")
-        if not 0 <= i < L:
-            raise ConfigError(f"mla_layers: index {i} out of range for a {L}-layer teacher")
-        if i in seen:
-            raise ConfigError(f"mla_layers: layer {i} is listed more than once")
-        seen.add(i)
-    return sorted(layers)
+    from smart_select.selection import validate_layers
+    return validate_layers(mla_layers, None, L, field="mla_layers", what="teacher")
 
 
 def kv_report(teacher_cfg, mla_layers: Iterable[int], kv_lora_rank: int, rope_dim: int,
