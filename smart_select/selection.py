@@ -25,7 +25,7 @@ N = 4: D = 14, gaps in {4, 5} with two 5s -> one of ``[0, 4, 9, 14]``, ``[0, 5, 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 from hybridlm.config.errors import ConfigError
 
