@@ -1,0 +1,180 @@
+"""DPO stage: the KD-SFT student is the policy; a second, frozen copy of it is the reference (SPEC §3).
+
+Sections: ``student`` (the policy's starting point and the reference: a directory from ``upcycle kd`` or
+``upcycle init``; its tokenizer is used), ``data`` (:class:`PreferenceDataConfig`: preference pairs in any
+layout :func:`distill.preference_data.load_preference_data` reads), ``optim``, ``run`` and ``dpo``
+(:class:`DPOConfig`: ``beta``). A DPO config has no ``teacher`` section.
+
+Loss: :func:`distill.dpo.dpo_loss` (sigmoid, checked against trl) on sequence log-probs summed over the
+answer tokens (:func:`distill.dpo.sequence_logps`); chosen and rejected run as one ``[chosen; rejected]``
+batch (:func:`distill.preference_data.collate_pairs`). Logged per step with trl's names:
+``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
+``logps/rejected``. At step 1 the policy equals the reference, so the loss is exactly log 2.
+
+Held-out evaluation: the shared loop's ``evaluate`` averages only the loss, so the loss function also
+accumulates per-pair sums whenever it runs in eval mode; the last evaluation (the loop's final one) gives
+``eval`` = {pairs, loss, rewards/accuracies, rewards/margins, rewards/chosen, rewards/rejected} (pair
+means over every rank), added to ``final/stage.json`` and appended to ``metrics.jsonl`` as ``val_*`` keys.
+
+Published settings: beta 0.01, lr 5e-7, cosine, 10% warmup, 1 epoch, max_length 1024,
+max_prompt_length 512 (set ``optim.max_steps`` to pairs / global batch for one epoch).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+
+from distill.dpo import METRIC_KEYS, dpo_loss, sequence_logps
+from distill.kd import add_stage_parser, amend_stage_result
+from hybridlm.config.errors import ConfigError
+
+DPO_SECTIONS = ("student", "data", "optim", "run", "dpo")
+EVAL_KEYS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
+
+
+@dataclass
+class DPOConfig:
+    """The ``dpo:`` section."""
+
+    beta: float = 0.01  # published
+
+    def validate(self, where: str = "dpo") -> None:
+        b = self.beta
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < float("inf"):
+            raise ConfigError(f"{where}.beta: expected a number > 0, got {b!r}")
+
+
+@dataclass
+class PreferenceDataConfig:
+    """The ``data:`` section of a DPO stage: a preference ``.json`` / ``.jsonl`` file tokenized on load with the
+    student's tokenizer (:func:`distill.preference_data.tokenize_pair`). ``val_fraction`` of the pairs
+    (seeded, pair-level split) are held out."""
+
+    path: str = ""
+    max_length: int = 1024
+    max_prompt_length: int = 512
+    val_fraction: float = 0.05
+    val_max_batches: int = 20
+    seed: int = 1234
+
+    def validate(self, where: str = "data") -> None:
+        from hybridlm.data.sft import _validate_common
+        _validate_common(self, where)
+        m = self.max_prompt_length
+        if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m < self.max_length:
+            raise ConfigError(f"{where}.max_prompt_length: expected an integer in [1, max_length={self.max_length}), "
+                              f"got {m!r}")
+
+
+def make_preference_batches(data_cfg: PreferenceDataConfig, optim, dist, tokenizer):
+    """``run_stage``'s ``make_batches`` for DPO: (resumable pair iterator, validation batch list). A micro-batch
+    of ``micro_batch_size`` pairs is one ``(2 * micro_batch_size, T)`` ``[chosen; rejected]`` batch."""
+    from distill.preference_data import collate_pairs, load_preference_data, tokenize_pair
+    from hybridlm.data.sft import ExampleBatches, pad_token_id, split_records, validation_example_batches
+
+    pairs = load_preference_data(data_cfg.path)
+    train_idx, val_idx = split_records(len(pairs), data_cfg.val_fraction, data_cfg.seed)
+    tok = {s: [tokenize_pair(tokenizer, pairs[int(i)], data_cfg.max_length, data_cfg.max_prompt_length) for i in idx]
+           for s, idx in (("train", train_idx), ("val", val_idx))}
+    collate = partial(collate_pairs, pad_token_id=pad_token_id(tokenizer))
+    train = ExampleBatches(tok["train"], optim.micro_batch_size, dist.rank, dist.world_size, data_cfg.seed, collate,
+                           name="preference data")
+    val = validation_example_batches(tok["val"], optim.micro_batch_size, data_cfg.val_max_batches, dist.rank,
+                                     dist.world_size, collate, name="preference validation data")
+    if dist.rank == 0:
+        print(f"preference data {data_cfg.path}: {len(tok['train'])} train / {len(tok['val'])} val pairs", flush=True)
+    return train, val
+
+
+class DPOLoss:
+    """``loss_fn(policy, batch)`` for the engine; records per-pair sums of every eval-mode call."""
+
+    def __init__(self, reference: torch.nn.Module, beta: float):
+        self.reference, self.beta = reference, beta
+        self.train_calls = 0
+        self.evals: List[tuple] = []  # (train calls before it, [pairs, loss sum, EVAL_KEYS sums...])
+
+    def __call__(self, policy, batch: Dict[str, torch.Tensor]):
+        ids, labels = batch["input_ids"], batch["labels"]
+        n = ids.shape[0] // 2
+        logps = sequence_logps(policy(input_ids=ids).logits, labels)
+        with torch.no_grad():
+            ref = sequence_logps(self.reference(input_ids=ids).logits, labels)
+        loss, metrics = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], self.beta)
+        if policy.training:
+            self.train_calls += 1
+        else:
+            self.evals.append((self.train_calls, [n, loss.item() * n] + [metrics[k] * n for k in EVAL_KEYS]))
+        mask = batch.get("attention_mask")
+        tokens = mask.sum() if mask is not None else ids.numel()
+        return loss, {**{k: metrics[k] for k in METRIC_KEYS}, "tokens": tokens}
+
+    def last_evaluation(self) -> List[float]:
+        """Per-pair sums of the latest evaluation on this rank (zeros when none ran)."""
+        if not self.evals:
+            return [0.0] * (2 + len(EVAL_KEYS))
+        last = self.evals[-1][0]
+        rows = [v for k, v in self.evals if k == last]
+        return [sum(col) for col in zip(*rows)]
+
+
+def run_dpo(sections: Dict[str, Any]) -> Dict[str, Any]:
+    """DPO of the student directory against a frozen copy of itself; every policy parameter trains."""
+    from hybridlm.config.structured import build_dataclass, to_dict
+    from hybridlm.engine import OptimConfig, all_reduce_sum, init_distributed, is_main
+    from hybridlm.model import HybridForCausalLM
+    from hybridlm.training import RunConfig
+    from upcycle.stage import StudentConfig, run_stage
+
+    sections = dict(sections)
+    cfg = build_dataclass(DPOConfig, sections.pop("dpo", None) or {}, "dpo")
+    if sections.get("teacher"):
+        raise ConfigError("teacher: DPO has no teacher (the reference is a frozen copy of student.path); "
+                          "remove the teacher section")
+    student = build_dataclass(StudentConfig, sections.get("student") or {}, "student")
+    optim = build_dataclass(OptimConfig, sections.get("optim") or {}, "optim")
+    run = build_dataclass(RunConfig, sections.get("run") or {}, "run")
+    sections["teacher"] = {"path": student.path}  # run_stage loads the tokenizer from it: the student's own
+    holder: Dict[str, DPOLoss] = {}
+
+    def make_loss(_none):
+        dist = init_distributed()
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[optim.precision]
+        reference = HybridForCausalLM.from_pretrained(student.path).to(device=dist.device, dtype=dtype).eval()
+        reference.requires_grad_(False)
+        holder["loss"] = DPOLoss(reference, cfg.beta)
+        return holder["loss"]
+
+    result = run_stage("dpo", sections, make_loss, lambda policy: policy.parameters(),
+                       make_batches=make_preference_batches, data_class=PreferenceDataConfig, teacher_required=False)
+    extra: Dict[str, Any] = {"reference": student.path}
+    if "loss" in holder:  # trained (or resumed) here, not skipped as already finished
+        sums = all_reduce_sum(holder["loss"].last_evaluation())
+        pairs = int(round(sums[0]))
+        if pairs:
+            held_out = {"pairs": pairs, "loss": sums[1] / pairs,
+                        **{k: s / pairs for k, s in zip(EVAL_KEYS, sums[2:])}}
+            extra["eval"] = held_out
+            if is_main():
+                row = {"step": result["steps"], "val_dpo_loss": held_out["loss"],
+                       **{f"val_{k}": held_out[k] for k in EVAL_KEYS}}
+                with (Path(run.output_dir) / "metrics.jsonl").open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(json.dumps({"dpo_eval": held_out}), flush=True)
+    return amend_stage_result(run.output_dir, extra, {"dpo": to_dict(cfg)}, result)
+
+
+def cmd_dpo(args) -> Dict[str, Any]:
+    from hybridlm.config.loader import load_config
+    return run_dpo(load_config(args.config, args.overrides, sections=DPO_SECTIONS))
+
+
+def add_subcommands(subparsers) -> None:
+    """Register ``dpo`` on an argparse subparsers object (``upcycle dpo --config FILE [section.key=value ...]``)."""
+    add_stage_parser(subparsers, "dpo", "DPO of a (KD-SFT) student against a frozen copy of itself",
+                     ", ".join(DPO_SECTIONS), cmd_dpo)

@@ -1,0 +1,365 @@
+"""Chat-formatted SFT examples and resumable, rank-sharded, padded batches of them (KD-SFT, DPO).
+
+Records (a ``.json`` list, JSON lines, or ``.jsonl``; one file may mix layouts, detected per record):
+
+1. alpaca: ``{"instruction", "input", "output"}`` (+ optional ``"system"`` string and ``"history"``
+   ``[[user, assistant], ...]`` of earlier turns) -> user = instruction, plus ``"\\n" + input`` when the
+   input is not empty (LLaMA-Factory's joining); assistant = output;
+2. ``{"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}``;
+3. ShareGPT: ``{"conversations": [{"from": "human" | "gpt" | "system", "value": str}, ...]}`` (+ optional
+   top-level ``"system"``).
+
+Rendering is :mod:`distill.preference_data`'s (one implementation for SFT and DPO): the tokenizer's chat
+template when it has one, else the plain ``"User: …\\nAssistant: …"`` format with the tokenizer's eos after
+the final answer. A single-turn SFT example therefore tokenizes exactly like a DPO chosen sequence.
+
+Labels are aligned with ``input_ids`` (transformers convention; the loss shifts them) and are -100
+everywhere except on the assistant turns (every assistant turn of a multi-turn conversation trains; with a
+chat template the turn's closing tokens, e.g. ``<|im_end|>``, train too so that the model learns to stop).
+Turn boundaries are found as in ``tokenize_pair``: the conversation is tokenized as one string and a turn
+starts where the tokens of the prompt rendered up to it stop matching (a token merging across the boundary
+belongs to the answer). Sequences are cut to ``max_length`` from the right; an example left with no
+assistant token is dropped (counted in the load summary).
+
+Scale: every rank reads and tokenizes the whole file at start-up and keeps it in memory as int32 arrays
+(seconds for the demo sets; fine up to a few hundred thousand conversations). A multi-billion-token SFT mix
+would want pre-tokenized shards like :mod:`hybridlm.data.packed`'s.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from distill.preference_data import (_RecordError, _common_prefix, _ids, _messages, _sharegpt_turn, has_chat_template,
+                                     render_prompt)
+from hybridlm.config.errors import ConfigError
+from hybridlm.data.prepare import _json_records, _split_docs
+
+IGNORE_INDEX = -100
+Messages = List[Dict[str, str]]
+
+
+# ------------------------------------------------------------------------------------- records
+def _text(rec: Dict[str, Any], key: str, required: bool = True) -> str:
+    if key not in rec or (rec[key] is None and not required):
+        if required:
+            raise _RecordError(f"missing field {key!r}")
+        return ""
+    v = rec[key]
+    if not isinstance(v, str):
+        raise _RecordError(f"{key}: expected a string, got {type(v).__name__}")
+    return v
+
+
+def _with_system(messages: Messages, system: Any) -> Messages:
+    if system is None or system == "":
+        return messages
+    if not isinstance(system, str):
+        raise _RecordError(f"system: expected a string, got {type(system).__name__}")
+    if messages and messages[0]["role"] == "system":
+        return messages
+    return [{"role": "system", "content": system}] + messages
+
+
+def _normalize_conversation(rec: Any) -> Messages:
+    if not isinstance(rec, dict):
+        raise _RecordError(f"expected a JSON object, got {type(rec).__name__}")
+    if "messages" in rec:
+        messages = _messages(rec["messages"], "messages")
+    elif "conversations" in rec:
+        conv = rec["conversations"]
+        if not isinstance(conv, list):
+            raise _RecordError("conversations: expected a list of {from, value} turns")
+        messages = [_sharegpt_turn(t, f"conversations[{i}]") for i, t in enumerate(conv)]
+    elif "instruction" in rec:
+        user = _text(rec, "instruction")
+        extra = _text(rec, "input", required=False)
+        if extra:
+            user = f"{user}\n{extra}" if user else extra
+        messages = []
+        history = rec.get("history") or []
+        if not isinstance(history, list):
+            raise _RecordError("history: expected a list of [user, assistant] pairs")
+        for i, turn in enumerate(history):
+            if not (isinstance(turn, (list, tuple)) and len(turn) == 2 and all(isinstance(t, str) for t in turn)):
+                raise _RecordError(f"history[{i}]: expected a [user, assistant] pair of strings")
+            messages += [{"role": "user", "content": turn[0]}, {"role": "assistant", "content": turn[1]}]
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": _text(rec, "output")}]
+    else:
+        raise _RecordError("expected alpaca instruction/input/output, a 'messages' list, or ShareGPT "
+                           "'conversations'")
+    messages = _with_system(messages, rec.get("system"))
+    while messages and messages[-1]["role"] != "assistant":  # nothing to learn after the last answer
+        messages = messages[:-1]
+    if not any(m["role"] == "assistant" for m in messages):
+        raise _RecordError("no assistant turn to train on")
+    if messages[0]["role"] == "assistant":
+        raise _RecordError("the conversation must not start with an assistant turn")
+    return messages
+
+
+def normalize_conversation(rec: Any) -> Messages:
+    """One record of any accepted layout -> a list of ``{role, content}`` messages ending with the assistant."""
+    try:
+        return _normalize_conversation(rec)
+    except _RecordError as e:
+        raise ConfigError(str(e)) from None
+
+
+def load_sft_data(path) -> List[Messages]:
+    """Every conversation of a ``.json`` / ``.jsonl`` SFT file (ConfigError naming the file and record)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{p}: SFT data file not found (expected a .json or .jsonl file)")
+    out = []
+    for i, rec in enumerate(_json_records(p)):
+        try:
+            out.append(_normalize_conversation(rec))
+        except _RecordError as e:
+            raise ConfigError(f"{p}: record {i}: {e}") from None
+    if not out:
+        raise ConfigError(f"{p}: no SFT records")
+    return out
+
+
+# ------------------------------------------------------------------------------------- tokenizing
+def _render_through(tokenizer, messages: Messages, k: int) -> str:
+    """The conversation up to and including assistant message ``k``."""
+    if has_chat_template(tokenizer):
+        return tokenizer.apply_chat_template(list(messages[:k + 1]), tokenize=False)
+    return render_prompt(tokenizer, messages[:k]) + " " + messages[k]["content"]
+
+
+def tokenize_conversation(tokenizer, messages: Messages, max_length: int) -> Optional[Dict[str, List[int]]]:
+    """``{"input_ids", "labels"}`` of one conversation (labels -100 off the assistant turns), cut to
+    ``max_length``; None when no assistant token survives the cut."""
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+        raise ConfigError(f"max_length: expected an integer >= 2, got {max_length!r}")
+    last = len(messages) - 1
+    full = _ids(tokenizer, _render_through(tokenizer, messages, last))
+    if not has_chat_template(tokenizer) and tokenizer.eos_token_id is not None:
+        full = full + [tokenizer.eos_token_id]
+    labels = [IGNORE_INDEX] * len(full)
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = _common_prefix(_ids(tokenizer, render_prompt(tokenizer, messages[:k])), full)
+        end = len(full) if k == last else _common_prefix(_ids(tokenizer, _render_through(tokenizer, messages, k)), full)
+        labels[start:end] = full[start:end]
+    ids, labels = full[:max_length], labels[:max_length]
+    if all(l == IGNORE_INDEX for l in labels[1:]):  # label 0 is never a target (nothing predicts it)
+        return None
+    return {"input_ids": ids, "labels": labels}
+
+
+def collate_sft(examples: Sequence[Dict[str, Sequence[int]]], pad_id: int) -> Dict[str, torch.Tensor]:
+    """Examples (int lists or arrays) as right-padded ``input_ids``, ``labels`` (-100 on pads) and ``attention_mask`` of shape ``(B, T_max)``.
+    Causal models never let a real token see the pads after it, so the mask is informational."""
+    T = max(len(e["input_ids"]) for e in examples)
+    input_ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), T), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), T), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e["input_ids"])
+        input_ids[i, :n] = torch.as_tensor(np.asarray(e["input_ids"]), dtype=torch.long)
+        labels[i, :n] = torch.as_tensor(np.asarray(e["labels"]), dtype=torch.long)
+        attention_mask[i, :n] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+def pad_token_id(tokenizer) -> int:
+    for key in ("pad_token_id", "eos_token_id"):
+        v = getattr(tokenizer, key, None)
+        if v is not None:
+            return int(v)
+    return 0
+
+
+# ------------------------------------------------------------------------------------- batching
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ConfigError(f"{name}: expected an integer >= {low}, got {value!r}")
+
+
+def fingerprint(examples: Sequence[Any]) -> str:
+    """A short hash of tokenized examples (dicts of int lists, or nested lists), to refuse resuming on other data."""
+    h = hashlib.sha1()
+    for e in examples:
+        items = sorted(e.items()) if isinstance(e, dict) else [("", e)]
+        for k, v in items:
+            h.update(str(k).encode())
+            if isinstance(v, (list, tuple, np.ndarray)):
+                h.update(np.asarray(v, dtype=np.int64).tobytes())
+            else:
+                h.update(repr(v).encode())
+        h.update(b"|")
+    return h.hexdigest()[:16]
+
+
+class ExampleBatches:
+    """Endless, resumable, rank-sharded micro-batches of a fixed list of examples.
+
+    Each epoch visits the examples in a permutation seeded by ``(seed, epoch)``; consecutive runs of
+    ``micro_batch_size * world_size`` examples form a global batch and rank ``r`` takes entries
+    ``r, r + world_size, ...`` (collated by ``collate``). The tail that does not fill a global batch is
+    skipped that epoch (a different tail each epoch). ``state_dict`` is (epoch, examples consumed), so a
+    resumed run sees exactly the batches an uninterrupted one would, even with another world size.
+    """
+
+    def __init__(self, examples: Sequence[Any], micro_batch_size: int, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, collate: Callable[[List[Any]], Dict[str, torch.Tensor]] = list, name: str = "data"):
+        _check_int("micro_batch_size", micro_batch_size, 1)
+        _check_int("world_size", world_size, 1)
+        _check_int("rank", rank, 0)
+        _check_int("seed", seed, 0)
+        if rank >= world_size:
+            raise ConfigError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
+        self.examples, self.collate = list(examples), collate
+        self.micro_batch_size, self.rank, self.world_size, self.seed = micro_batch_size, rank, world_size, seed
+        self.num_examples = len(self.examples)
+        self.global_batch = micro_batch_size * world_size
+        self.steps_per_epoch = self.num_examples // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise ConfigError(f"{name}: {self.num_examples} training examples, fewer than one global batch of "
+                              f"micro_batch_size * world_size = {self.global_batch}")
+        self.epoch, self.position = 0, 0
+        self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
+        self._fingerprint: Optional[str] = None
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.examples)
+        return self._fingerprint
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch != self._order_epoch:
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+            self._order_epoch = epoch
+        return self._order
+
+    def __iter__(self) -> "ExampleBatches":
+        return self
+
+    def __next__(self) -> Dict[str, torch.Tensor]:
+        if self.position + self.global_batch > self.steps_per_epoch * self.global_batch:
+            self.epoch, self.position = self.epoch + 1, 0
+        chunk = self.order(self.epoch)[self.position:self.position + self.global_batch]
+        self.position += self.global_batch
+        return self.collate([self.examples[int(i)] for i in chunk[self.rank::self.world_size]])
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "num_examples": self.num_examples, "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue where ``state`` left off; the examples and seed must be those it was saved with."""
+        for key in ("seed", "num_examples", "fingerprint"):
+            if key in state and state[key] != getattr(self, key):
+                raise ConfigError(f"data state: saved {key} = {state[key]!r}, but now {getattr(self, key)!r} "
+                                  f"(resume with the same data file, max_length, tokenizer and seed)")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= self.num_examples:
+            raise ConfigError(f"data state: epoch {epoch} / position {position} out of range")
+        self.epoch, self.position = epoch, position
+
+
+class SFTBatches(ExampleBatches):
+    """:class:`ExampleBatches` of tokenized SFT examples, collated by :func:`collate_sft`."""
+
+    def __init__(self, examples: Sequence[Dict[str, List[int]]], micro_batch_size: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, pad_id: int = 0):
+        super().__init__(examples, micro_batch_size, rank, world_size, seed, partial(collate_sft, pad_id=pad_id),
+                         name="sft data")
+
+
+def validation_example_batches(examples: Sequence[Any], micro_batch_size: int, max_batches: int, rank: int = 0,
+                               world_size: int = 1, collate: Callable = list,
+                               name: str = "validation data") -> List[Dict[str, torch.Tensor]]:
+    """At most ``max_batches`` batches of the leading examples, in order, the same on every call. Ranks
+    share each global batch; with few examples the per-rank batch shrinks so every rank gets the same
+    number (>= 1) of equal-sized batches."""
+    _check_int("micro_batch_size", micro_batch_size, 1)
+    _check_int("max_batches", max_batches, 1)
+    _check_int("world_size", world_size, 1)
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
+    n_ex = len(examples)
+    if n_ex < world_size:
+        raise ConfigError(f"{name}: {n_ex} validation examples, fewer than one per rank ({world_size}); "
+                          f"raise val_fraction")
+    mbs = min(micro_batch_size, n_ex // world_size)
+    g = mbs * world_size
+    n = min(max_batches, n_ex // g)
+    return [collate([examples[i] for i in range(b * g + rank, (b + 1) * g, world_size)]) for b in range(n)]
+
+
+def sft_validation_batches(examples: Sequence[Dict[str, List[int]]], micro_batch_size: int, max_batches: int,
+                           rank: int = 0, world_size: int = 1, pad_id: int = 0) -> List[Dict[str, torch.Tensor]]:
+    return validation_example_batches(examples, micro_batch_size, max_batches, rank, world_size,
+                                      partial(collate_sft, pad_id=pad_id), name="sft validation data")
+
+
+# ------------------------------------------------------------------------------------- config
+def _validate_common(cfg, where: str) -> None:
+    if not isinstance(cfg.path, str) or not cfg.path.strip():
+        raise ConfigError(f"{where}.path: expected a .json / .jsonl file, got {cfg.path!r}")
+    for name, low in (("max_length", 2), ("val_max_batches", 1)):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ConfigError(f"{where}.{name}: expected an integer >= {low}, got {v!r}")
+    f = cfg.val_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < float(f) < 1.0:
+        raise ConfigError(f"{where}.val_fraction: expected a number strictly between 0 and 1, got {f!r}")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
+        raise ConfigError(f"{where}.seed: expected a non-negative integer, got {cfg.seed!r}")
+
+
+@dataclass
+class SFTDataConfig:
+    """The ``data:`` section of a KD-SFT stage: a chat / alpaca ``.json`` / ``.jsonl`` file, tokenized on load
+    with the teacher's tokenizer. ``val_fraction`` of the records (a seeded, record-level split) validate."""
+
+    path: str = ""
+    max_length: int = 2048
+    val_fraction: float = 0.05
+    val_max_batches: int = 20
+    seed: int = 1234  # train/val split and per-epoch shuffling
+
+    def validate(self, where: str = "data") -> None:
+        _validate_common(self, where)
+
+
+def split_records(n: int, val_fraction: float, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(train indices, val indices): the packed-data split (``prepare``'s, a seeded permutation)."""
+    split = _split_docs(n, float(val_fraction), seed)
+    return split["train"], split["val"]
+
+
+def make_sft_batches(data_cfg: SFTDataConfig, optim, dist, tokenizer):
+    """``run_stage``'s ``make_batches``: (:class:`SFTBatches`, validation batch list) of ``data_cfg.path``."""
+    conversations = load_sft_data(data_cfg.path)
+    train_idx, val_idx = split_records(len(conversations), data_cfg.val_fraction, data_cfg.seed)
+    parts, dropped = {}, 0
+    for split, idx in (("train", train_idx), ("val", val_idx)):
+        tokenized = [tokenize_conversation(tokenizer, conversations[int(i)], data_cfg.max_length) for i in idx]
+        dropped += sum(t is None for t in tokenized)
+        # int32 arrays: ~8 bytes a token in memory instead of ~70 for python lists
+        parts[split] = [{k: np.asarray(v, dtype=np.int32) for k, v in t.items()} for t in tokenized if t is not None]
+    pad = pad_token_id(tokenizer)
+    train = SFTBatches(parts["train"], optim.micro_batch_size, dist.rank, dist.world_size, data_cfg.seed, pad)
+    val = sft_validation_batches(parts["val"], optim.micro_batch_size, data_cfg.val_max_batches, dist.rank,
+                                 dist.world_size, pad)
+    if dist.rank == 0:
+        sup = sum(int((e["labels"][1:] != IGNORE_INDEX).sum()) for e in parts["train"])
+        tot = sum(len(e["input_ids"]) for e in parts["train"])
+        print(f"sft data {data_cfg.path}: {len(parts['train'])} train / {len(parts['val'])} val examples "
+              f"({dropped} dropped: no answer token within max_length {data_cfg.max_length}); "
+              f"train tokens {tot}, {sup} of them supervised", flush=True)
+    return train, val

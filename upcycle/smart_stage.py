@@ -1,0 +1,400 @@
+"""SMART: measure how much each layer helps as MLA, pick the MLA layers, report (SPEC §3).
+
+Starting from the two ILD students (pure MLA and pure Mamba2), on a calibration set of packed token
+windows (teacher tokenizer):
+
+* ``KL_all`` = KL(teacher || all-Mamba2 student);
+* ``KL_i``   = KL(teacher || the Mamba2 student with decoder layer ``i`` taken from the MLA student);
+* ``s_i = KL_all - KL_i``; :func:`smart_select.select_layers` picks the layers; the report goes through
+  :func:`smart_select.report.write_smart_report` with the KV-cache accounting of the chosen layers.
+
+KL is the token mean over every calibration position of ``sum_v p_t(v) (log p_t(v) - log p_s(v))`` from
+fp32 ``log_softmax`` of both models' logits (nats/token).
+
+Swapping "layer i" moves the *whole* decoder layer (mixer sublayer ``2i`` and MLP sublayer ``2i + 1``,
+each with its pre-norm) of the MLA student into the Mamba2 student, exactly as
+:func:`upcycle.compose.compose_hybrid` builds ``[i]`` (the MLP of layer i co-trained with its mixer in
+ILD). The swap is done in place on the Mamba2 student's module list and undone afterwards; the hidden
+state entering layer ``i`` is shared by the all-Mamba2 model and swap ``i`` (layers before ``i`` are
+identical), so per batch the teacher runs once and the students run ``L (L + 1) / 2 + L`` decoder
+layers instead of ``L (L + 1)``.
+
+CLI (wired into ``upcycle`` by :func:`add_subcommands`)::
+
+    upcycle smart --teacher asset:smollm2 --mla-student runs/smollm2/ild_mla/final \\
+        --mamba-student runs/smollm2/ild_mamba2/final --data-path data_cache/alpaca-smollm2 \\
+        --seq-len 256 --batches 8 --n-mla 8 --out runs/smollm2/smart
+    upcycle compose --mla-student ... --mamba-student ... --from-smart runs/smollm2/smart/smart_report.json \\
+        --out runs/smollm2/hybrid
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from hybridlm.config.errors import ConfigError
+
+PathLike = Union[str, os.PathLike]
+CHUNK_ELEMENTS = 1 << 24  # logits elements per KL chunk (64 MiB of fp32)
+RUN_INFO = "smart_run.json"
+
+
+# ---------------------------------------------------------------------------------------------- KL
+def _ids(batch) -> torch.Tensor:
+    ids = batch["input_ids"] if isinstance(batch, dict) else batch
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ConfigError(f"batches: expected [batch, seq] input_ids tensors, got {type(ids).__name__}")
+    return ids
+
+
+@torch.no_grad()
+def teacher_logprobs(teacher, input_ids: torch.Tensor) -> torch.Tensor:
+    """fp32 ``log_softmax`` of the teacher's logits, flattened to ``[tokens, vocab]``."""
+    dev = next(teacher.parameters()).device
+    logits = teacher(input_ids=input_ids.to(dev), use_cache=False).logits
+    return torch.log_softmax(logits.float(), dim=-1).flatten(0, 1)
+
+
+def _chunk(vocab: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, vocab))
+
+
+def _kl_terms(t_logp: torch.Tensor, s_logits: torch.Tensor) -> torch.Tensor:
+    """Summed KL(p_t || p_s) of a chunk (fp32 log_softmax, fp64 accumulation)."""
+    s_logp = torch.log_softmax(s_logits.float(), dim=-1)
+    return (t_logp.exp() * (t_logp - s_logp)).sum(dtype=torch.float64)
+
+
+@torch.no_grad()
+def kl_sum_from_hidden(t_logp: torch.Tensor, hidden: torch.Tensor, student) -> float:
+    """Summed KL over tokens given the student's last hidden state *before* its final norm."""
+    h = student.model.norm(hidden).flatten(0, 1)
+    if h.shape[0] != t_logp.shape[0]:
+        raise ValueError(f"kl: {h.shape[0]} student tokens vs {t_logp.shape[0]} teacher tokens")
+    t_logp = t_logp.to(h.device)
+    step = _chunk(t_logp.shape[1])
+    total = torch.zeros((), dtype=torch.float64, device=h.device)
+    for s in range(0, h.shape[0], step):
+        total += _kl_terms(t_logp[s:s + step], student.lm_head(h[s:s + step]))
+    return float(total)
+
+
+@torch.no_grad()
+def kl_sum_from_logits(t_logp: torch.Tensor, logits: torch.Tensor) -> float:
+    """Summed KL over tokens given a student's logits ``[batch, seq, vocab]``."""
+    logits = logits.flatten(0, 1)
+    t_logp = t_logp.to(logits.device)
+    step = _chunk(t_logp.shape[1])
+    total = torch.zeros((), dtype=torch.float64, device=logits.device)
+    for s in range(0, logits.shape[0], step):
+        total += _kl_terms(t_logp[s:s + step], logits[s:s + step])
+    return float(total)
+
+
+@torch.no_grad()
+def model_kl(teacher, student, batches: Iterable) -> float:
+    """KL(teacher || student) in nats/token over ``batches`` through the student's ordinary forward."""
+    total, n = 0.0, 0
+    dev = next(student.parameters()).device
+    for batch in batches:
+        ids = _ids(batch)
+        t_logp = teacher_logprobs(teacher, ids)
+        total += kl_sum_from_logits(t_logp, student(input_ids=ids.to(dev)).logits)
+        n += ids.numel()
+    if n == 0:
+        raise ConfigError("batches: no calibration tokens")
+    return total / n
+
+
+# -------------------------------------------------------------------------------------- sensitivity
+@contextlib.contextmanager
+def swapped_layer(mamba_student, mla_student, i: int):
+    """Temporarily put decoder layer ``i`` (sublayers ``2i``, ``2i + 1``) of the MLA student into the
+    Mamba2 student's module list; restored on exit (also on error). Neither model is copied."""
+    lin, mla = mamba_student.model.layers, mla_student.model.layers
+    saved = (lin[2 * i], lin[2 * i + 1])
+    lin[2 * i], lin[2 * i + 1] = mla[2 * i], mla[2 * i + 1]
+    try:
+        yield mamba_student
+    finally:
+        lin[2 * i], lin[2 * i + 1] = saved
+
+
+def _check_pair(mla_student, mamba_student) -> int:
+    from upcycle.compose import check_shared_weights, check_students
+
+    L, _ = check_students(mla_student.config, mamba_student.config)
+    check_shared_weights(mla_student, mamba_student)
+    pa, pb = next(mla_student.parameters()), next(mamba_student.parameters())
+    if pa.dtype != pb.dtype or pa.device != pb.device:
+        raise ConfigError(f"students: the MLA student is {pa.dtype} on {pa.device}, the mamba student "
+                          f"{pb.dtype} on {pb.device}; put both on one device and dtype")
+    return L
+
+
+@torch.no_grad()
+def layer_sensitivities(teacher, mla_student, mamba_student, batches: Iterable,
+                        log: Optional[Callable[[str], None]] = None) -> Tuple[float, List[float]]:
+    """``(KL_all, [KL_i for every layer i])`` in nats/token over the calibration ``batches``.
+
+    ``KL_all`` is KL(teacher || mamba_student); ``KL_i`` the same with decoder layer ``i`` swapped in from
+    ``mla_student`` (equal to the KL of ``compose_hybrid(mla_student, mamba_student, [i])``). The teacher
+    runs once per batch; the prefix up to layer ``i`` is shared. ``batches``: dicts with ``input_ids`` or
+    ``[batch, seq]`` LongTensors. ``log`` gets one progress line per batch."""
+    L = _check_pair(mla_student, mamba_student)
+    if teacher.config.vocab_size != mamba_student.config.vocab_size:
+        raise ConfigError(f"teacher: vocabulary {teacher.config.vocab_size} vs the students' "
+                          f"{mamba_student.config.vocab_size}")
+    dev = next(mamba_student.parameters()).device
+    blocks = mamba_student.model.layers
+    kl_all, kl_i, n_tok, n_batch = 0.0, [0.0] * L, 0, 0
+    t0 = time.perf_counter()
+    for batch in batches:
+        ids = _ids(batch)
+        t_logp = teacher_logprobs(teacher, ids).to(dev)
+        h = mamba_student.model.embed_tokens(ids.to(dev))  # = the MLA student's (checked equal)
+        for i in range(L):
+            with swapped_layer(mamba_student, mla_student, i):
+                x = h
+                for block in blocks[2 * i:]:
+                    x = block(x)
+            kl_i[i] += kl_sum_from_hidden(t_logp, x, mamba_student)
+            h = blocks[2 * i + 1](blocks[2 * i](h))  # advance the all-Mamba2 prefix by layer i
+        kl_all += kl_sum_from_hidden(t_logp, h, mamba_student)
+        n_tok += ids.numel()
+        n_batch += 1
+        if log is not None:
+            dt = time.perf_counter() - t0
+            log(f"smart: batch {n_batch}: {n_tok} tokens, {dt:.1f}s ({n_tok / max(dt, 1e-9):.0f} tok/s), "
+                f"KL_all so far {kl_all / n_tok:.4f}")
+    if n_tok == 0:
+        raise ConfigError("batches: no calibration tokens")
+    return kl_all / n_tok, [k / n_tok for k in kl_i]
+
+
+# ---------------------------------------------------------------------------------------- the stage
+def _check_selection(n_mla: Optional[int], layers: Optional[Sequence[int]], L: int) -> Tuple[int, Optional[List[int]]]:
+    from upcycle.compose import check_layers
+
+    if (n_mla is None) == (layers is None):
+        raise ConfigError("smart: give exactly one of --n-mla (choose by sensitivity) or --layers (explicit list)")
+    if layers is not None:
+        chosen = check_layers(layers, L)
+        return len(chosen), chosen
+    if isinstance(n_mla, bool) or not isinstance(n_mla, int) or not 0 <= n_mla <= L:
+        raise ConfigError(f"--n-mla: expected an integer between 0 and the {L} layers, got {n_mla!r}")
+    return n_mla, None
+
+
+def calibration_batches(data_cfg, teacher_tokenizer, teacher_path: Optional[PathLike], n_batches: int,
+                        batch_size: int, split: str = "val") -> List[Dict[str, torch.Tensor]]:
+    """The leading ``n_batches`` windows of ``split`` of the packed data (prepared with the teacher's
+    tokenizer if missing; ConfigError if it was prepared with another tokenizer)."""
+    from hybridlm.data import PackedTokens, ensure_prepared, load_tokenizer, read_meta, validation_batches
+    from upcycle.teacher import check_tokenizer_matches, resolve_teacher
+
+    if split not in ("train", "val"):
+        raise ConfigError(f"--split: expected train or val, got {split!r}")
+    for name, v in (("--batches", n_batches), ("--batch-size", batch_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name}: expected an integer >= 1, got {v!r}")
+    if data_cfg.tokenizer == "teacher":
+        if teacher_path is None:
+            raise ConfigError("data.tokenizer: 'teacher' needs the teacher's path")
+        data_cfg.tokenizer = str(resolve_teacher(teacher_path))
+    path = ensure_prepared(data_cfg, progress=False)
+    check_tokenizer_matches(teacher_tokenizer, load_tokenizer(read_meta(path)["tokenizer"]["path"]))
+    return validation_batches(PackedTokens(path, split), data_cfg.seq_len, batch_size, n_batches)
+
+
+def run_smart(teacher, mla_dir: PathLike, mamba_dir: PathLike, data_cfg, n_mla: Optional[int] = None,
+              out_dir: PathLike = "runs/smart", layers: Optional[Sequence[int]] = None, *, batches: int = 8,
+              batch_size: int = 4, split: str = "val", device: Optional[str] = None, teacher_tokenizer=None,
+              verbose: bool = True) -> Dict[str, Any]:
+    """Sensitivities on the calibration data, the layer choice and the report in ``out_dir``.
+
+    ``teacher``: a path / ``asset:`` spec, or a loaded ``LlamaForCausalLM`` (its tokenizer then comes from
+    ``teacher_tokenizer`` or its ``name_or_path``). ``data_cfg``: a :class:`hybridlm.data.DataConfig`
+    (packed; ``tokenizer: teacher`` means the teacher's). Exactly one of ``n_mla`` (selection rule) or
+    ``layers`` (explicit, still measured and reported). The KV report uses the MLA student's ``r_kv`` and
+    ``d_rope``. Returns a dict with ``kl_all``, ``kl``, ``sensitivity``, ``chosen``, ``kv``, ``paths``...
+    """
+    from smart_select import report as smart_report
+    from smart_select.selection import select_layers, sensitivities
+    from upcycle.compose import check_students, load_student, load_student_config
+    from upcycle.kv_report import kv_report
+    from upcycle.teacher import load_teacher, load_teacher_tokenizer
+
+    t_start = time.perf_counter()
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if verbose else None
+    L, linear = check_students(load_student_config(mla_dir, "mla student"),
+                               load_student_config(mamba_dir, "mamba student"))
+    n_mla, explicit = _check_selection(n_mla, layers, L)  # fail before loading any weights
+    if isinstance(teacher, (str, os.PathLike)):
+        teacher_path, model = teacher, None
+    else:
+        model = teacher
+        teacher_path = getattr(teacher, "name_or_path", None) or None
+        if teacher_tokenizer is None and not teacher_path:
+            raise ConfigError("teacher: a loaded model needs teacher_tokenizer (it has no name_or_path)")
+    tok = teacher_tokenizer or load_teacher_tokenizer(teacher_path)
+    calib = calibration_batches(data_cfg, tok, teacher_path, batches, batch_size, split)  # before any weights
+    if say is not None and (len(calib) < batches or calib[0]["input_ids"].shape[0] < batch_size):
+        say(f"smart: the {split} split holds only {len(calib)} batch(es) of {calib[0]['input_ids'].shape[0]} "
+            f"window(s) of {data_cfg.seq_len} tokens (asked for {batches} x {batch_size}); using those")
+    if model is None:
+        model = load_teacher(teacher_path, dtype=torch.float32)
+    if model.config.num_hidden_layers != L:
+        raise ConfigError(f"teacher: {model.config.num_hidden_layers} layers, the students {L}")
+    mla = load_student(mla_dir, "mla student")
+    mamba = load_student(mamba_dir, "mamba student")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model.to(dev).eval()
+    mla.to(dev)
+    mamba.to(dev)
+
+    t0 = time.perf_counter()
+    kl_all, kl = layer_sensitivities(model, mla, mamba, calib, log=say)
+    seconds = time.perf_counter() - t0
+    sens = sensitivities(kl_all, kl)
+    chosen = select_layers(sens, n_mla, layers=explicit, num_layers=L)
+    r_kv, d_rope = mla.config.mla["kv_lora_rank"], mla.config.mla["qk_rope_head_dim"]
+    kv = kv_report(model.config, chosen, r_kv, d_rope)
+    out = Path(out_dir).expanduser()
+    paths = smart_report.write_smart_report(out, kl_all, kl, chosen, kv)
+    n_tokens = sum(b["input_ids"].numel() for b in calib)
+    info = {"teacher": str(teacher_path), "mla_student": str(Path(mla_dir).resolve()),
+            "mamba_student": str(Path(mamba_dir).resolve()), "linear_mixer": linear, "num_layers": L,
+            "n_mla": n_mla, "selection": "explicit" if explicit is not None else "smart",
+            "data": {"path": str(data_cfg.path), "split": split, "seq_len": data_cfg.seq_len,
+                     "batches": len(calib), "batch_size": int(calib[0]["input_ids"].shape[0]), "tokens": n_tokens},
+            "kl_unit": "nats/token", "kl_all": kl_all, "kl": kl, "sensitivity": sens, "chosen": chosen,
+            "kv_ratio": kv["ratio"], "kv_compression": kv["compression"], "kv_lora_rank": r_kv, "rope_dim": d_rope,
+            "device": str(dev), "measure_seconds": round(seconds, 2),
+            "seconds": round(time.perf_counter() - t_start, 2)}
+    (out / RUN_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    if verbose:
+        print(paths["md"].read_text(encoding="utf-8"), flush=True)
+        print(f"chosen MLA layers: {','.join(map(str, chosen))}", flush=True)
+        print(f"report: {paths['json']} (+ .md, .png); {n_tokens} tokens in {seconds:.1f}s", flush=True)
+    return {**info, "paths": {k: str(v) for k, v in paths.items()}, "kv": kv}
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def parse_layers(text: str, flag: str = "--layers") -> List[int]:
+    try:
+        return [int(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}: expected comma-separated layer indices such as 0,5,10,14, got {text!r}") from None
+
+
+def layers_from_report(path: PathLike) -> Tuple[List[int], Optional[int]]:
+    """(chosen layers, num_layers) of a ``smart_report.json`` (or a directory holding one)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "smart_report.json"
+    if not p.is_file():
+        raise ConfigError(f"--from-smart: {p} does not exist (expected the smart_report.json of `upcycle smart`)")
+    try:
+        rep = json.loads(p.read_text(encoding="utf-8"))
+        chosen = rep["chosen"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--from-smart: {p} is not a SMART report ({type(e).__name__}: {e})") from None
+    if not isinstance(chosen, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in chosen):
+        raise ConfigError(f"--from-smart: {p}: 'chosen' is not a list of layer indices")
+    n = rep.get("num_layers")
+    return chosen, n if isinstance(n, int) else None
+
+
+def cmd_smart(args) -> Dict[str, Any]:
+    from hybridlm.data import DataConfig
+
+    for flag, d in (("--mla-student", args.mla_student), ("--mamba-student", args.mamba_student)):
+        if not Path(d).expanduser().is_dir():
+            raise ConfigError(f"{flag}: {d} is not a directory")
+    layers = parse_layers(args.layers) if args.layers is not None else None
+    data_cfg = DataConfig(path=args.data_path, seq_len=args.seq_len, sources=list(args.data_source or []),
+                          tokenizer="teacher", text_field=args.text_field)
+    return run_smart(args.teacher, args.mla_student, args.mamba_student, data_cfg, n_mla=args.n_mla,
+                     out_dir=args.out, layers=layers, batches=args.batches, batch_size=args.batch_size,
+                     split=args.split, device=args.device)
+
+
+def cmd_compose(args) -> Dict[str, Any]:
+    from upcycle.compose import compose_from_dirs
+
+    for flag, d in (("--mla-student", args.mla_student), ("--mamba-student", args.mamba_student)):
+        if not Path(d).expanduser().is_dir():
+            raise ConfigError(f"{flag}: {d} is not a directory")
+    if (args.layers is None) == (args.from_smart is None):
+        raise ConfigError("compose: give exactly one of --layers or --from-smart")
+    if args.layers is not None:
+        layers = parse_layers(args.layers)
+    else:
+        layers, n = layers_from_report(args.from_smart)
+        cfg_file = Path(args.mamba_student).expanduser() / "config.json"
+        if n is not None and cfg_file.is_file():
+            plan_len = len(json.loads(cfg_file.read_text(encoding="utf-8")).get("hybrid_override_pattern", ""))
+            if plan_len and plan_len != 2 * n:
+                raise ConfigError(f"--from-smart: the report is for {n} layers, the students have {plan_len // 2}")
+    info = compose_from_dirs(args.mla_student, args.mamba_student, layers, args.out, overwrite=args.overwrite)
+    print(f"hybrid {info['pattern']} (MLA layers {','.join(map(str, info['mla_layers'])) or 'none'}) -> {info['out']}",
+          flush=True)
+    return info
+
+
+def add_subcommands(subparsers) -> None:
+    """Register ``smart`` and ``compose`` on an ``argparse`` subparsers object (``fn`` takes the namespace)."""
+    s = subparsers.add_parser("smart", help="SMART: per-layer KL sensitivities of the ILD students, MLA layer choice, report")
+    s.add_argument("--teacher", required=True, help="Llama directory, .gguf file, or asset:smollm2")
+    s.add_argument("--mla-student", required=True, help="the pure-MLA student directory (after ILD)")
+    s.add_argument("--mamba-student", required=True, help="the pure-Mamba2 student directory (after ILD)")
+    s.add_argument("--data-path", required=True, help="packed dataset directory (prepared here if missing)")
+    s.add_argument("--data-source", action="append", default=None,
+                   help="source file / dataset to prepare --data-path from with the teacher's tokenizer (repeatable)")
+    s.add_argument("--text-field", default="text", help="text field of JSON records (alpaca records work as is)")
+    s.add_argument("--seq-len", type=int, default=512, help="calibration window length")
+    s.add_argument("--batches", type=int, default=8, help="number of calibration batches")
+    s.add_argument("--batch-size", type=int, default=4, help="windows per calibration batch")
+    s.add_argument("--split", choices=("val", "train"), default="val", help="split the calibration windows come from")
+    g = s.add_mutually_exclusive_group(required=True)
+    g.add_argument("--n-mla", type=int, default=None, help="number of MLA layers to choose by sensitivity")
+    g.add_argument("--layers", default=None, help="explicit comma-separated MLA layers (still measured and reported)")
+    s.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    s.add_argument("--out", required=True, help="report directory (smart_report.json / .md / .png, smart_run.json)")
+    s.set_defaults(fn=cmd_smart)
+    c = subparsers.add_parser("compose", help="compose the MLA + Mamba2 hybrid from the two students")
+    c.add_argument("--mla-student", required=True)
+    c.add_argument("--mamba-student", required=True)
+    g = c.add_mutually_exclusive_group(required=True)
+    g.add_argument("--layers", default=None, help="comma-separated MLA layers, e.g. 0,5,10,14")
+    g.add_argument("--from-smart", default=None, help="smart_report.json (or its directory) of `upcycle smart`")
+    c.add_argument("--out", required=True)
+    c.add_argument("--overwrite", action="store_true")
+    c.set_defaults(fn=cmd_compose)
+
+
+def main(argv=None) -> int:
+    """Standalone entry (``python -m upcycle.smart_stage smart|compose ...``) until the upcycle CLI wires these in."""
+    p = argparse.ArgumentParser(prog="python -m upcycle.smart_stage", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    add_subcommands(sub)
+    args = p.parse_args(argv)
+    try:
+        args.fn(args)
+    except (ConfigError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
