@@ -9,7 +9,8 @@ Loss: :func:`distill.dpo.dpo_loss` (sigmoid, checked against trl) on sequence lo
 answer tokens (:func:`distill.dpo.sequence_logps`); chosen and rejected run as one ``[chosen; rejected]``
 batch (:func:`distill.preference_data.collate_pairs`). Logged per step with trl's names:
 ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
-``logps/rejected``. At step 1 the policy equals the reference, so the loss is exactly log 2.
+``logps/rejected``. At step 1 the policy equals the reference, so the loss is log 2 (exactly, with
+deterministic kernels).
 
 Held-out evaluation: the shared loop's ``evaluate`` averages only the loss, so the loss function also
 accumulates per-pair sums whenever it runs in eval mode; the last evaluation (the loop's final one) gives

@@ -1,11 +1,11 @@
 """KD-SFT loss, chat SFT data and batches, and the ``kd`` / ``dpo`` stages end to end (CPU, tiny models)."""
-import argparse
 import json
 import math
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -189,9 +189,13 @@ def test_sft_batches_shard_pad_and_resume_identically():
     ex = _examples()
     a = SFTBatches(ex, 2, rank=0, world_size=1, seed=3, pad_id=0)
     first = [next(a) for _ in range(7)]  # 5 steps per epoch: crosses into epoch 1
+    as_arrays = [{k: np.asarray(v, dtype=np.int32) for k, v in e.items()} for e in ex]
+    arr = SFTBatches(as_arrays, 2, seed=3, pad_id=0)
+    assert arr.state_dict() == SFTBatches(ex, 2, seed=3, pad_id=0).state_dict()  # same fingerprint
+    got = next(arr)
+    assert all(torch.equal(got[k], v) for k, v in first[0].items())
     b = first[0]
     assert b["input_ids"].shape[0] == 2 and (b["labels"][b["attention_mask"] == 0] == -100).all()
-    state = None
     fresh = SFTBatches(ex, 2, seed=3, pad_id=0)
     for _ in range(4):
         next(fresh)
@@ -231,7 +235,8 @@ for argv in json.loads(sys.argv[1]):
 
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory):
-    """One tiny random Llama teacher -> `upcycle init` -> kd -> dpo (from the KD output) -> kd again (skip)."""
+    """One tiny random Llama teacher -> `upcycle init` -> kd -> dpo (from the KD output) -> kd again (skipped:
+    finished). Resuming is the shared loop's; the data iterator's part is test_sft_batches_*."""
     if not (ALPACA.is_file() and DPO_DEMO.is_file()):
         pytest.skip("shared data not present")
     from hybridlm.data import load_tokenizer

@@ -102,8 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     d.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. student.path=... optim.lr=1e-4")
     d.set_defaults(fn=cmd_ild)
+    from distill import dpo_stage, kd
     from upcycle.smart_stage import add_subcommands as add_smart_and_compose
     add_smart_and_compose(sub)
+    kd.add_subcommands(sub)
+    dpo_stage.add_subcommands(sub)
     k = sub.add_parser("kv-report", help="KV-cache size of a hybrid against its Llama teacher, without weights")
     k.add_argument("--teacher", required=True, help="config.json, model directory, or asset:smollm2")
     k.add_argument("--mla-layers", required=True, help="comma-separated MLA layer indices, e.g. 0,5,10,14")

@@ -159,8 +159,9 @@ def tokenize_conversation(tokenizer, messages: Messages, max_length: int) -> Opt
 
 
 def collate_sft(examples: Sequence[Dict[str, Sequence[int]]], pad_id: int) -> Dict[str, torch.Tensor]:
-    """Examples (int lists or arrays) as right-padded ``input_ids``, ``labels`` (-100 on pads) and ``attention_mask`` of shape ``(B, T_max)``.
-    Causal models never let a real token see the pads after it, so the mask is informational."""
+    """Examples (int lists or arrays) as right-padded ``input_ids``, ``labels`` (-100 on pads) and
+    ``attention_mask``, each ``(B, T_max)``. Causal models never let a real token see the pads after it, so the
+    mask is informational."""
     T = max(len(e["input_ids"]) for e in examples)
     input_ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), T), IGNORE_INDEX, dtype=torch.long)
@@ -338,6 +339,8 @@ class SFTDataConfig:
 
 def split_records(n: int, val_fraction: float, seed: int) -> Tuple[np.ndarray, np.ndarray]:
     """(train indices, val indices): the packed-data split (``prepare``'s, a seeded permutation)."""
+    if n < 2:
+        raise ConfigError(f"data: {n} record(s), need at least 2 (one for training, one for validation)")
     split = _split_docs(n, float(val_fraction), seed)
     return split["train"], split["val"]
 
