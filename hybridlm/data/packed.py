@@ -16,6 +16,7 @@ import torch
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.data.prepare import FORMAT, FORMAT_VERSION, META, SPLITS
+from hybridlm.data.sampler import ShuffledBatches, check_int
 
 DTYPES = ("uint16", "uint32")
 
@@ -138,9 +139,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ConfigError(f"{name}: expected an integer >= {low}, got {value!r}")
 
 
 def _window_batch(tokens: PackedTokens, window_ids: np.ndarray, seq_len: int) -> Dict[str, torch.Tensor]:
@@ -150,77 +148,37 @@ def _window_batch(tokens: PackedTokens, window_ids: np.ndarray, seq_len: int) ->
     return {"input_ids": arr[:, :-1].contiguous(), "labels": arr[:, 1:].contiguous()}
 
 
-class PackedBatches:
+class PackedBatches(ShuffledBatches):
     """Endless iterator of ``{"input_ids", "labels"}`` LongTensors ``[micro_batch_size, seq_len]``.
 
     The stream is cut into ``num_windows`` non-overlapping windows of ``seq_len + 1`` tokens (inputs are
-    ``w[:-1]``, labels ``w[1:]``). Each epoch visits them in a permutation seeded by ``(seed, epoch)``;
-    consecutive runs of ``micro_batch_size * world_size`` windows form a global batch and rank ``r`` takes
-    its entries ``r, r + world_size, ...``. The tail that does not fill a global batch is skipped that
-    epoch (a different tail each epoch). ``state_dict`` is (epoch, windows consumed), so a resumed
-    run continues with exactly the batches an uninterrupted one would see, even with another world size.
+    ``w[:-1]``, labels ``w[1:]``), served by the shared shuffle / shard / resume policy of
+    :class:`~hybridlm.data.sampler.ShuffledBatches`.
     """
+
+    resume_hint = "resume with the same data, data.seq_len and seed"
 
     def __init__(self, tokens: PackedTokens, seq_len: int, micro_batch_size: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0):
-        _check_int("seq_len", seq_len, 1)
-        _check_int("micro_batch_size", micro_batch_size, 1)
-        _check_int("world_size", world_size, 1)
-        _check_int("rank", rank, 0)
-        _check_int("seed", seed, 0)
-        if rank >= world_size:
-            raise ConfigError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
-        self.tokens, self.seq_len, self.micro_batch_size = tokens, seq_len, micro_batch_size
-        self.rank, self.world_size, self.seed = rank, world_size, seed
+        check_int("seq_len", seq_len, 1)
+        self.tokens, self.seq_len = tokens, seq_len
         self.num_windows = len(tokens) // (seq_len + 1)
         if self.num_windows == 0:
             raise ConfigError(f"{tokens.name}: {len(tokens)} tokens, fewer than one window of seq_len + 1 = "
                               f"{seq_len + 1}; lower data.seq_len or add data")
-        self.global_batch = micro_batch_size * world_size
-        self.steps_per_epoch = self.num_windows // self.global_batch
-        if self.steps_per_epoch == 0:
-            raise ConfigError(f"{tokens.name}: {self.num_windows} windows of {seq_len + 1} tokens, fewer than one "
-                              f"global batch of micro_batch_size * world_size = {self.global_batch}")
-        self.epoch = 0
-        self.position = 0  # windows of the current epoch's order already handed out (all ranks together)
-        self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
+        super().__init__(self.num_windows, micro_batch_size, rank, world_size, seed,
+                         too_few=f"{tokens.name}: {self.num_windows} windows of {seq_len + 1} tokens")
 
     @property
     def tokens_per_epoch(self) -> int:
         """Input tokens trained on per epoch, all ranks together (the skipped tail excluded)."""
         return self.steps_per_epoch * self.global_batch * self.seq_len
 
-    def order(self, epoch: int) -> np.ndarray:
-        """The window permutation of ``epoch`` (same on every rank)."""
-        if epoch != self._order_epoch:
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
-            self._order_epoch = epoch
-        return self._order
+    def make_batch(self, indices: np.ndarray) -> Dict[str, torch.Tensor]:
+        return _window_batch(self.tokens, indices, self.seq_len)
 
-    def __iter__(self) -> "PackedBatches":
-        return self
-
-    def __next__(self) -> Dict[str, torch.Tensor]:
-        if self.position + self.global_batch > self.steps_per_epoch * self.global_batch:
-            self.epoch, self.position = self.epoch + 1, 0
-        chunk = self.order(self.epoch)[self.position:self.position + self.global_batch]
-        self.position += self.global_batch
-        return _window_batch(self.tokens, chunk[self.rank::self.world_size], self.seq_len)
-
-    def state_dict(self) -> Dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "seq_len": self.seq_len,
-                "num_windows": self.num_windows}
-
-    def load_state_dict(self, state: Dict[str, int]) -> None:
-        """Continue where ``state`` left off; the data, seq_len and seed must be those it was saved with."""
-        for key in ("seed", "seq_len", "num_windows"):
-            if key in state and state[key] != getattr(self, key):
-                raise ConfigError(f"data state: saved {key} = {state[key]}, but now {getattr(self, key)} "
-                                  f"(resume with the same data, data.seq_len and seed)")
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position <= self.num_windows:
-            raise ConfigError(f"data state: epoch {epoch} / position {position} out of range")
-        self.epoch, self.position = epoch, position
+    def identity(self) -> Dict[str, Any]:
+        return {"seed": self.seed, "seq_len": self.seq_len, "num_windows": self.num_windows}
 
 
 def validation_batches(tokens: PackedTokens, seq_len: int, micro_batch_size: int, max_batches: int,
@@ -230,10 +188,10 @@ def validation_batches(tokens: PackedTokens, seq_len: int, micro_batch_size: int
     Ranks share each global batch as in training. When the split is small the per-rank batch shrinks so
     that every rank still gets the same number (>= 1) of equal batches.
     """
-    _check_int("seq_len", seq_len, 1)
-    _check_int("micro_batch_size", micro_batch_size, 1)
-    _check_int("max_batches", max_batches, 1)
-    _check_int("world_size", world_size, 1)
+    check_int("seq_len", seq_len, 1)
+    check_int("micro_batch_size", micro_batch_size, 1)
+    check_int("max_batches", max_batches, 1)
+    check_int("world_size", world_size, 1)
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
     num_windows = len(tokens) // (seq_len + 1)

@@ -40,6 +40,7 @@ from distill.preference_data import (_RecordError, _common_prefix, _ids, _messag
                                      render_prompt)
 from hybridlm.config.errors import ConfigError
 from hybridlm.data.prepare import _json_records, _split_docs
+from hybridlm.data.sampler import ShuffledBatches, check_int
 
 IGNORE_INDEX = -100
 Messages = List[Dict[str, str]]
@@ -183,9 +184,6 @@ def pad_token_id(tokenizer) -> int:
 
 
 # ------------------------------------------------------------------------------------- batching
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ConfigError(f"{name}: expected an integer >= {low}, got {value!r}")
 
 
 def fingerprint(examples: Sequence[Any]) -> str:
@@ -203,34 +201,19 @@ def fingerprint(examples: Sequence[Any]) -> str:
     return h.hexdigest()[:16]
 
 
-class ExampleBatches:
-    """Endless, resumable, rank-sharded micro-batches of a fixed list of examples.
+class ExampleBatches(ShuffledBatches):
+    """Endless, resumable, rank-sharded micro-batches of a fixed list of examples (collated by ``collate``),
+    served by the shared shuffle / shard / resume policy of :class:`~hybridlm.data.sampler.ShuffledBatches`;
+    the saved state also carries a fingerprint of the examples so a resume on other data is refused."""
 
-    Each epoch visits the examples in a permutation seeded by ``(seed, epoch)``; consecutive runs of
-    ``micro_batch_size * world_size`` examples form a global batch and rank ``r`` takes entries
-    ``r, r + world_size, ...`` (collated by ``collate``). The tail that does not fill a global batch is
-    skipped that epoch (a different tail each epoch). ``state_dict`` is (epoch, examples consumed), so a
-    resumed run sees exactly the batches an uninterrupted one would, even with another world size.
-    """
+    resume_hint = "resume with the same data file, max_length, tokenizer and seed"
 
     def __init__(self, examples: Sequence[Any], micro_batch_size: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, collate: Callable[[List[Any]], Dict[str, torch.Tensor]] = list, name: str = "data"):
-        _check_int("micro_batch_size", micro_batch_size, 1)
-        _check_int("world_size", world_size, 1)
-        _check_int("rank", rank, 0)
-        _check_int("seed", seed, 0)
-        if rank >= world_size:
-            raise ConfigError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
         self.examples, self.collate = list(examples), collate
-        self.micro_batch_size, self.rank, self.world_size, self.seed = micro_batch_size, rank, world_size, seed
         self.num_examples = len(self.examples)
-        self.global_batch = micro_batch_size * world_size
-        self.steps_per_epoch = self.num_examples // self.global_batch
-        if self.steps_per_epoch == 0:
-            raise ConfigError(f"{name}: {self.num_examples} training examples, fewer than one global batch of "
-                              f"micro_batch_size * world_size = {self.global_batch}")
-        self.epoch, self.position = 0, 0
-        self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
+        super().__init__(self.num_examples, micro_batch_size, rank, world_size, seed,
+                         too_few=f"{name}: {self.num_examples} training examples")
         self._fingerprint: Optional[str] = None
 
     @property
@@ -239,36 +222,11 @@ class ExampleBatches:
             self._fingerprint = fingerprint(self.examples)
         return self._fingerprint
 
-    def order(self, epoch: int) -> np.ndarray:
-        if epoch != self._order_epoch:
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
-            self._order_epoch = epoch
-        return self._order
+    def make_batch(self, indices: np.ndarray) -> Dict[str, torch.Tensor]:
+        return self.collate([self.examples[int(i)] for i in indices])
 
-    def __iter__(self) -> "ExampleBatches":
-        return self
-
-    def __next__(self) -> Dict[str, torch.Tensor]:
-        if self.position + self.global_batch > self.steps_per_epoch * self.global_batch:
-            self.epoch, self.position = self.epoch + 1, 0
-        chunk = self.order(self.epoch)[self.position:self.position + self.global_batch]
-        self.position += self.global_batch
-        return self.collate([self.examples[int(i)] for i in chunk[self.rank::self.world_size]])
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "num_examples": self.num_examples, "fingerprint": self.fingerprint}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Continue where ``state`` left off; the examples and seed must be those it was saved with."""
-        for key in ("seed", "num_examples", "fingerprint"):
-            if key in state and state[key] != getattr(self, key):
-                raise ConfigError(f"data state: saved {key} = {state[key]!r}, but now {getattr(self, key)!r} "
-                                  f"(resume with the same data file, max_length, tokenizer and seed)")
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position <= self.num_examples:
-            raise ConfigError(f"data state: epoch {epoch} / position {position} out of range")
-        self.epoch, self.position = epoch, position
+    def identity(self) -> Dict[str, Any]:
+        return {"seed": self.seed, "num_examples": self.num_examples, "fingerprint": self.fingerprint}
 
 
 class SFTBatches(ExampleBatches):
@@ -286,9 +244,9 @@ def validation_example_batches(examples: Sequence[Any], micro_batch_size: int, m
     """At most ``max_batches`` batches of the leading examples, in order, the same on every call. Ranks
     share each global batch; with few examples the per-rank batch shrinks so every rank gets the same
     number (>= 1) of equal-sized batches."""
-    _check_int("micro_batch_size", micro_batch_size, 1)
-    _check_int("max_batches", max_batches, 1)
-    _check_int("world_size", world_size, 1)
+    check_int("micro_batch_size", micro_batch_size, 1)
+    check_int("max_batches", max_batches, 1)
+    check_int("world_size", world_size, 1)
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
     n_ex = len(examples)
