@@ -89,8 +89,8 @@ def _parser():
 
 
 def _run_main(argv):
-    """(rc, stderr lines) of the standalone entry point, in process."""
-    from upcycle.smart_stage import main
+    """(rc, stderr lines) of the ``upcycle`` CLI, in process."""
+    from upcycle.cli import main
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         rc = main(argv)

@@ -381,20 +381,3 @@ def add_subcommands(subparsers) -> None:
     c.add_argument("--overwrite", action="store_true")
     c.set_defaults(fn=cmd_compose)
 
-
-def main(argv=None) -> int:
-    """Standalone entry (``python -m upcycle.smart_stage smart|compose ...``) until the upcycle CLI wires these in."""
-    p = argparse.ArgumentParser(prog="python -m upcycle.smart_stage", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    add_subcommands(sub)
-    args = p.parse_args(argv)
-    try:
-        args.fn(args)
-    except (ConfigError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
