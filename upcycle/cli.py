@@ -32,8 +32,11 @@ def cmd_kv_report(args) -> dict:
     return report
 
 
-def cmd_init(args) -> dict:
+def init_students(teacher_spec, out, *, q_rank=None, kv_rank=128, energy=None, rope_dim=32,
+                  rope_init="frequency_matched", linear_mixer="mamba2", seed=0, overwrite=False) -> dict:
+    """Build and save the pure-MLA and pure linear-mixer students of a Llama teacher (``upcycle init``)."""
     import torch
+    from hybridlm.model import HybridForCausalLM
     from hybridlm.utils.atomic import atomic_directory
     from upcycle.init_mamba import init_student_from_teacher
     from upcycle.init_mla import energy_ranks
@@ -41,39 +44,50 @@ def cmd_init(args) -> dict:
     from upcycle.student import llama_shapes, student_config
     from upcycle.teacher import load_teacher, load_teacher_tokenizer
 
-    teacher = load_teacher(args.teacher, dtype=torch.float32)
-    tokenizer = load_teacher_tokenizer(args.teacher)
+    teacher = load_teacher(teacher_spec, dtype=torch.float32)
+    tokenizer = load_teacher_tokenizer(teacher_spec)
     s = llama_shapes(teacher.config)
-    ranks = {"q_lora_rank": args.q_rank or s["n_h"] * s["d_h"], "kv_lora_rank": args.kv_rank}
-    if args.energy is not None:  # one MLA shape for all layers: the largest rank any layer needs
+    ranks = {"q_lora_rank": q_rank or s["n_h"] * s["d_h"], "kv_lora_rank": kv_rank}
+    if energy is not None:  # one MLA shape for all layers: the largest rank any layer needs
         ranks = energy_ranks([l.self_attn for l in teacher.model.layers], s["n_h"], s["n_kv"], s["d_h"],
-                             args.rope_dim, args.energy, args.rope_init)
-    out = Path(args.out)
-    summary = {"teacher": str(args.teacher), "ranks": ranks, "rope_dim": args.rope_dim, "rope_init": args.rope_init,
+                             rope_dim, energy, rope_init)
+    out = Path(out)
+    summary = {"teacher": str(teacher_spec), "ranks": ranks, "rope_dim": rope_dim, "rope_init": rope_init,
                "students": {}}
-    for kind in ("mla", args.linear_mixer):
+    for kind in ("mla", linear_mixer):
         kinds = [kind] * s["L"]
-        cfg = student_config(teacher.config, kinds, rope_dim=args.rope_dim, rope_init=args.rope_init, **ranks)
-        from hybridlm.model import HybridForCausalLM
-        torch.manual_seed(args.seed)
+        cfg = student_config(teacher.config, kinds, rope_dim=rope_dim, rope_init=rope_init, **ranks)
+        torch.manual_seed(seed)
         student = HybridForCausalLM(cfg)
-        info = init_student_from_teacher(student, teacher, kinds, mla_options={"rope_init": args.rope_init})
+        info = init_student_from_teacher(student, teacher, kinds, mla_options={"rope_init": rope_init})
         target = out / f"{kind}_student"
-        with atomic_directory(target, overwrite=args.overwrite) as tmp:
+        with atomic_directory(target, overwrite=overwrite) as tmp:
             student.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-        kv = kv_report(teacher.config, range(s["L"]) if kind == "mla" else [], ranks["kv_lora_rank"], args.rope_dim)
-        energy = info["mla"]
+        kv = kv_report(teacher.config, range(s["L"]) if kind == "mla" else [], ranks["kv_lora_rank"], rope_dim)
+        energy_kept = info["mla"]
         summary["students"][kind] = {
             "path": str(target), "params": sum(p.numel() for p in student.parameters()),
             "kv_values_per_token": kv["hybrid_values_per_token"],
             "teacher_kv_values_per_token": kv["teacher_values_per_token"], "kv_ratio": kv["ratio"],
-            "min_energy_kept": ({k: min(e[k] for e in energy.values()) for k in ("q_energy", "kv_energy")}
-                                if energy else None)}
+            "min_energy_kept": ({k: min(e[k] for e in energy_kept.values()) for k in ("q_energy", "kv_energy")}
+                                if energy_kept else None)}
         print(f"{kind} student -> {target}")
         print(format_kv_report(kv))
     (out / "init_report.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def cmd_init(args) -> dict:
+    return init_students(args.teacher, args.out, q_rank=args.q_rank, kv_rank=args.kv_rank, energy=args.energy,
+                         rope_dim=args.rope_dim, rope_init=args.rope_init, linear_mixer=args.linear_mixer,
+                         seed=args.seed, overwrite=args.overwrite)
+
+
+def cmd_run(args) -> dict:
+    from hybridlm.config.loader import load_config
+    from upcycle.route import ROUTE_SECTIONS, run_route
+    return run_route(load_config(args.config, args.overrides, sections=ROUTE_SECTIONS))
 
 
 def cmd_ild(args) -> dict:
@@ -97,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--seed", type=int, default=0, help="seed of the default-initialised parameters (z, dt, conv)")
     i.add_argument("--overwrite", action="store_true")
     i.set_defaults(fn=cmd_init)
+    r = sub.add_parser("run", help="the whole route: init, ILD of both students, SMART, compose, KD, DPO")
+    r.add_argument("--config", required=True, help="route YAML: output_dir, teacher, init, ild, smart, kd, dpo")
+    r.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    r.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. smart.n_mla=8")
+    r.set_defaults(fn=cmd_run)
     d = sub.add_parser("ild", help="Intermediate Layer Distillation of a student (teacher-forced, per layer)")
     d.add_argument("--config", required=True, help="stage YAML: teacher, student, data, optim, run sections")
     d.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)

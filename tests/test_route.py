@@ -1,0 +1,51 @@
+"""``upcycle run``: the whole route end to end on a tiny random Llama (every stage a few steps), then a
+rerun that skips every finished stage."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import REPO, SHARED_DATA
+
+
+def test_route_runs_every_stage_and_resumes(tmp_path):
+    if not (SHARED_DATA / "dpo_en_demo.json").is_file():
+        pytest.skip("shared data not present")
+    from hybridlm.data import load_tokenizer
+    tok = load_tokenizer("asset:llama3.2")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=len(tok), tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    teacher = tmp_path / "teacher"
+    LlamaForCausalLM(cfg).save_pretrained(teacher)
+    tok.save_pretrained(teacher)
+    out = tmp_path / "route"
+    small = ["optim.micro_batch_size=2", "optim.global_batch_size=2", "optim.max_steps=2", "optim.warmup_steps=1",
+             "run.progress=false", "run.eval_interval=0", "run.save_interval=0"]
+    overrides = [f"output_dir={out}", f"teacher={teacher}", "init.kv_rank=32", "init.rope_dim=8",
+                 f"ild.data.path={tmp_path / 'data'}", f"ild.data.sources=[{SHARED_DATA / 'alpaca_en_demo.json'}]",
+                 "ild.data.seq_len=32", "smart.n_mla=2", "smart.batches=2", "smart.batch_size=2",
+                 f"kd.data.path={SHARED_DATA / 'alpaca_en_demo.json'}", "kd.data.max_length=64",
+                 f"dpo.data.path={SHARED_DATA / 'dpo_en_demo.json'}", "dpo.data.max_length=64",
+                 "dpo.data.max_prompt_length=32"]
+    overrides += [f"{stage}.{o}" for stage in ("ild", "kd", "dpo") for o in small]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "upcycle.cli", "run", "--config", "configs/upcycle/smollm2_route_cpu.yaml", *overrides]
+    first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    route = json.loads((out / "route.json").read_text())
+    assert len(route["smart"]["mla_layers"]) == 2 and route["smart"]["mla_layers"][0] == 0
+    for stage in ("ild_mla", "ild_mamba2", "kd", "dpo"):
+        assert json.loads((out / stage / "final" / "stage.json").read_text())["steps"] == 2, stage
+    assert (out / "smart" / "smart_report.png").is_file()
+    hybrid = json.loads((out / "dpo" / "final" / "config.json").read_text())
+    assert hybrid["hybrid_override_pattern"].count("*") == 2
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.count("already finished") == 4  # ild x2, kd, dpo skipped; init/smart/compose reused

@@ -1,0 +1,85 @@
+"""``upcycle run``: the whole route, each stage skipped when its output is complete.
+
+init (SVD MLA + MambaInLlama students) -> ILD of both -> SMART layer choice -> compose -> KD -> DPO.
+A route config names the teacher, one ``output_dir`` and a section per stage; each training section holds
+that stage's ``data`` / ``optim`` / ``run`` (and ``kd`` / ``dpo``) settings, as in the single-stage configs.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict
+
+from hybridlm.config.errors import ConfigError
+from hybridlm.config.structured import build_dataclass
+from hybridlm.data import DataConfig
+from hybridlm.engine import barrier, init_distributed
+
+ROUTE_SECTIONS = ("output_dir", "teacher", "init", "ild", "smart", "kd", "dpo")
+
+
+def _stage_sections(section: Dict[str, Any], where: str, **fixed) -> Dict[str, Any]:
+    unknown = sorted(set(section) - {"data", "optim", "run", "kd", "dpo"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known keys: data, optim, run, kd, dpo)")
+    out = {k: dict(v or {}) for k, v in section.items()}
+    for key, value in fixed.items():
+        name, _, field = key.partition("__")
+        out.setdefault(name, {})[field] = value
+    return out
+
+
+def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    from distill.dpo_stage import run_dpo
+    from distill.kd import run_kd
+    from upcycle.cli import init_students
+    from upcycle.compose import compose_from_dirs
+    from upcycle.smart_stage import layers_from_report, run_smart
+    from upcycle.stage import run_ild
+
+    if not isinstance(cfg.get("output_dir"), str) or not cfg["output_dir"]:
+        raise ConfigError("output_dir: expected the directory the route writes every stage into")
+    out = Path(cfg["output_dir"])
+    teacher = cfg.get("teacher") or "asset:smollm2"
+    init_opts = dict(cfg.get("init") or {})
+    linear = init_opts.get("linear_mixer", "mamba2")
+    dist = init_distributed()
+    summary: Dict[str, Any] = {"teacher": teacher}
+
+    init_dir = out / "init"
+    if dist.rank == 0 and not (init_dir / "init_report.json").is_file():
+        init_students(teacher, init_dir, overwrite=True, **init_opts)
+    barrier()
+    summary["init"] = json.loads((init_dir / "init_report.json").read_text())
+
+    ild = cfg.get("ild") or {}
+    for kind in ("mla", linear):
+        summary[f"ild_{kind}"] = run_ild(_stage_sections(
+            ild, "ild", teacher__path=teacher, student__path=str(init_dir / f"{kind}_student"),
+            run__output_dir=str(out / f"ild_{kind}")))
+
+    smart = dict(cfg.get("smart") or {})
+    smart_dir = out / "smart"
+    if dist.rank == 0 and not (smart_dir / "smart_report.json").is_file():
+        data_cfg = build_dataclass(DataConfig, (ild.get("data") or {}), "ild.data")
+        run_smart(teacher, out / "ild_mla" / "final", out / f"ild_{linear}" / "final", data_cfg,
+                  n_mla=smart.get("n_mla"), layers=smart.get("layers"), out_dir=smart_dir,
+                  batches=smart.get("batches", 8), batch_size=smart.get("batch_size", 4))
+    barrier()
+    chosen, _ = layers_from_report(smart_dir)
+    summary["smart"] = {"mla_layers": chosen}
+
+    hybrid = out / "hybrid"
+    if dist.rank == 0 and not (hybrid / "config.json").is_file():
+        compose_from_dirs(out / "ild_mla" / "final", out / f"ild_{linear}" / "final", chosen, hybrid,
+                          overwrite=True)
+    barrier()
+
+    summary["kd"] = run_kd(_stage_sections(cfg.get("kd") or {}, "kd", teacher__path=teacher,
+                                           student__path=str(hybrid), run__output_dir=str(out / "kd")))
+    summary["dpo"] = run_dpo(_stage_sections(cfg.get("dpo") or {}, "dpo", student__path=str(out / "kd" / "final"),
+                                             run__output_dir=str(out / "dpo")))
+    if dist.rank == 0:
+        (out / "route.json").write_text(json.dumps(summary, indent=2, default=str))
+        print(f"route finished: {out / 'route.json'}", flush=True)
+    return summary
