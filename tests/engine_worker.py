@@ -185,6 +185,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     }
     with open(os.path.join(args.out, f"rank{info.rank}.json"), "w") as f:
         json.dump(out, f)
+    from hybridlm.engine import shutdown_distributed
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from hybridlm.engine.distributed import (
     free_port,
     get_dist_info,
     init_distributed,
+    shutdown_distributed,
     is_main,
     world_size,
 )
@@ -49,5 +50,6 @@ __all__ = [
     "no_weight_decay",
     "seed_everything",
     "set_rng_state",
+    "shutdown_distributed",
     "world_size",
 ]

@@ -13,6 +13,7 @@ the CPU accelerator.  Calling it again returns the same :class:`DistInfo`.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ def init_distributed(timeout_minutes: int = 30) -> DistInfo:
     global _INFO
     if _INFO is not None and dist.is_available() and dist.is_initialized():
         return _INFO
+    atexit.register(_destroy_at_exit)  # a second registration after a re-init only adds a no-op
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -136,6 +138,22 @@ def barrier() -> None:
     """Wait for every rank; a no-op in a one-process world."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def _destroy_at_exit() -> None:
+    """Tear the group down before interpreter teardown: left to exit, gloo's threads can abort a rank
+    ("terminate called without an active exception", seen once in a 2-rank CPU run)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shutdown_distributed() -> None:
+    """Wait for every rank, then tear the process group down (see :func:`_destroy_at_exit`)."""
+    global _INFO
+    if dist.is_available() and dist.is_initialized():
+        barrier()
+        dist.destroy_process_group()
+    _INFO = None
 
 
 def all_reduce_flag(flag: bool) -> bool:
