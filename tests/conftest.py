@@ -35,3 +35,17 @@ def seeded():
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def save_tiny_llama(out, num_layers: int = 4):
+    """A tiny random LlamaForCausalLM with the real Llama-3.2 tokenizer, saved as a teacher directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from hybridlm.data import load_tokenizer
+    tok = load_tokenizer("asset:llama3.2")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=len(tok), tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO, SHARED_DATA
+from conftest import REPO, SHARED_DATA, save_tiny_llama
 from distill.ild import ild_loss, teacher_trace
 from hybridlm.model import HybridForCausalLM
 from upcycle.init_mamba import init_student_from_teacher
@@ -57,16 +57,7 @@ def test_exact_student_has_zero_ild_loss_and_a_random_one_does_not():
 
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory):
-    from hybridlm.data import load_tokenizer
-    tok = load_tokenizer("asset:llama3.2")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=len(tok), tie_word_embeddings=True,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    out = tmp_path_factory.mktemp("teacher") / "llama"
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return save_tiny_llama(tmp_path_factory.mktemp("teacher") / "llama", num_layers=2)
 
 
 def test_ild_stage_trains_exports_and_skips_when_done(tmp_path, teacher_dir):

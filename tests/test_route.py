@@ -6,24 +6,14 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO, SHARED_DATA
+from conftest import REPO, SHARED_DATA, save_tiny_llama
 
 
 def test_route_runs_every_stage_and_resumes(tmp_path):
     if not (SHARED_DATA / "dpo_en_demo.json").is_file():
         pytest.skip("shared data not present")
-    from hybridlm.data import load_tokenizer
-    tok = load_tokenizer("asset:llama3.2")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=len(tok), tie_word_embeddings=True,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    teacher = tmp_path / "teacher"
-    LlamaForCausalLM(cfg).save_pretrained(teacher)
-    tok.save_pretrained(teacher)
+    teacher = save_tiny_llama(tmp_path / "teacher")
     out = tmp_path / "route"
     small = ["optim.micro_batch_size=2", "optim.global_batch_size=2", "optim.max_steps=2", "optim.warmup_steps=1",
              "run.progress=false", "run.eval_interval=0", "run.save_interval=0"]

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
-from conftest import REPO
+from conftest import REPO, save_tiny_llama
 from hybridlm.model import HybridForCausalLM
 
 
@@ -19,16 +19,7 @@ def upcycle(*args):
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    from hybridlm.data import load_tokenizer
-    torch.manual_seed(0)
-    tok = load_tokenizer("asset:llama3.2")
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=len(tok), tie_word_embeddings=True,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    out = tmp_path_factory.mktemp("teacher") / "llama"
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return save_tiny_llama(tmp_path_factory.mktemp("teacher") / "llama")
 
 
 def test_kv_report_reproduces_a_published_ratio():
