@@ -45,6 +45,13 @@ def test_bad_config_is_one_clear_line(values, field):
     assert str(e.value).startswith(field) and "\n" not in str(e.value)
 
 
+def test_default_config_builds_but_a_model_file_must_name_its_pattern():
+    # transformers instantiates HybridConfig() when it diffs a config for saving (seen with 5.17)
+    assert HybridConfig().hybrid_override_pattern == "*-M-M-M-"
+    with pytest.raises(ConfigError, match=r"^model.hybrid_override_pattern: missing"):
+        HybridConfig.from_user_dict({"hidden_size": 64, "num_layers": 4})
+
+
 def test_unknown_top_level_model_key():
     with pytest.raises(ConfigError, match="model: unknown key 'hiden_size'"):
         HybridConfig.from_user_dict({"hiden_size": 3, "hybrid_override_pattern": "M-"})

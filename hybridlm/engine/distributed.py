@@ -137,7 +137,9 @@ def world_size() -> int:
 def barrier() -> None:
     """Wait for every rank; a no-op in a one-process world."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        # naming the device spares nccl its guess (and the warning that a guess may hang)
+        on_gpu = dist.get_backend() == "nccl"
+        dist.barrier(device_ids=[torch.cuda.current_device()] if on_gpu else None)
 
 
 def _destroy_at_exit() -> None:

@@ -95,6 +95,9 @@ class Mamba2Args:
 MIXER_ARGS = {"mla": MLAArgs, "gdn": DeltaRuleArgs, "kda": DeltaRuleArgs, "mamba2": Mamba2Args}
 
 
+DEFAULT_PATTERN = "*-M-M-M-"  # what ``HybridConfig()`` builds; YAML model files must say what they want
+
+
 class HybridConfig(PretrainedConfig):
     model_type = "hybrid_lm"
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -137,6 +140,9 @@ class HybridConfig(PretrainedConfig):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "loss_chunks"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if hybrid_override_pattern is None and hybrid_attention_ratio is None and num_layers is None:
+            # transformers builds ``HybridConfig()`` to diff against when saving: it must be a valid default
+            hybrid_override_pattern = DEFAULT_PATTERN
         if hybrid_override_pattern is None:
             if hybrid_attention_ratio is None or num_layers is None:
                 raise ConfigError("hybrid_override_pattern: missing; give a pattern such as '*-M-M-M-' "
@@ -170,6 +176,9 @@ class HybridConfig(PretrainedConfig):
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known keys: {', '.join(sorted(known))})")
+        if values.get("hybrid_override_pattern") is None and values.get("hybrid_attention_ratio") is None:
+            raise ConfigError(f"{where}.hybrid_override_pattern: missing; give a pattern such as '*-M-M-M-' "
+                              "or num_layers with hybrid_attention_ratio")
         return cls(**values)
 
     @property

