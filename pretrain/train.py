@@ -2,20 +2,23 @@
 
 Composes: the data layer (prepare if needed, packed resumable batches), the model definition, the
 engine (loss = chunked fused cross-entropy), the shared training loop, then export + a sample.
+:func:`prepare_pretraining` and :func:`build_engine` are the first two steps on their own, so that
+``hybridlm.bench.train_speed`` times exactly this job's training steps.
 """
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import build_dataclass, to_dict
-from hybridlm.data import DataConfig, ensure_prepared, load_tokenizer, open_splits, read_meta
-from hybridlm.engine import Engine, OptimConfig, barrier, init_distributed, seed_everything
+from hybridlm.data import DataConfig, PackedBatches, ensure_prepared, load_tokenizer, open_splits, read_meta
+from hybridlm.engine import DistInfo, Engine, OptimConfig, barrier, init_distributed, seed_everything
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.generate import greedy_generate
 from hybridlm.model.summary import model_summary
@@ -44,14 +47,29 @@ def resolve_model_config(model_section: Dict[str, Any], meta: Dict[str, Any], da
     return HybridConfig.from_user_dict(values)
 
 
-def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None) -> Dict[str, Any]:
+@dataclass
+class PretrainingSetup:
+    """Everything :func:`run_pretraining` trains with, before the model exists (see :func:`build_engine`)."""
+    data: DataConfig
+    optim: OptimConfig
+    run: RunConfig
+    dist: DistInfo
+    data_path: Path
+    meta: Dict[str, Any]
+    config: HybridConfig
+    train_batches: PackedBatches
+    val_batches: List[Dict[str, torch.Tensor]]
+
+
+def prepare_pretraining(sections: Dict[str, Any]) -> PretrainingSetup:
+    """Validate the sections, join the process group, prepare the data if needed (rank 0), resolve the
+    model config against the tokenizer and open this rank's training / validation batches."""
     data_cfg = build_dataclass(DataConfig, sections["data"], "data")
     optim = build_dataclass(OptimConfig, sections["optim"], "optim")
     run = build_dataclass(RunConfig, sections["run"], "run")
     dist = init_distributed()
     optim.gradient_accumulation_steps(dist.world_size)  # fail early, with the field named
-    main = dist.rank == 0
-    if main:
+    if dist.rank == 0:
         ensure_prepared(data_cfg)
     barrier()
     data_path = Path(data_cfg.path).expanduser()
@@ -59,6 +77,22 @@ def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None)
     config = resolve_model_config(sections["model"], meta, data_path)
     train_batches, val_batches = open_splits(data_path, data_cfg.seq_len, optim.micro_batch_size,
                                              data_cfg.val_max_batches, dist.rank, dist.world_size, data_cfg.seed)
+    return PretrainingSetup(data_cfg, optim, run, dist, data_path, meta, config, train_batches, val_batches)
+
+
+def build_engine(setup: PretrainingSetup) -> Engine:
+    """The model (identical initial weights on every rank) inside the ZeRO engine, loss = :func:`lm_loss`."""
+    seed_everything(setup.optim.seed)
+    model = HybridForCausalLM(setup.config)
+    return Engine(model, setup.optim,
+                  with_nan_faults(lm_loss, setup.optim.gradient_accumulation_steps(setup.dist.world_size)))
+
+
+def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None) -> Dict[str, Any]:
+    setup = prepare_pretraining(sections)
+    data_cfg, optim, run, dist, meta, config = (setup.data, setup.optim, setup.run, setup.dist, setup.meta,
+                                                setup.config)
+    main = dist.rank == 0
     out = Path(run.output_dir)
     if main:
         out.mkdir(parents=True, exist_ok=True)
@@ -69,9 +103,8 @@ def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None)
                           "layer_plan": summary["layer_plan"], "world_size": dist.world_size,
                           "device": str(dist.device), "precision": optim.precision,
                           "tokens_per_step": optim.global_batch_size * data_cfg.seq_len}), flush=True)
-    seed_everything(optim.seed)  # identical initial weights on every rank
-    model = HybridForCausalLM(config)
-    engine = Engine(model, optim, with_nan_faults(lm_loss, optim.gradient_accumulation_steps(dist.world_size)))
+    engine = build_engine(setup)
+    train_batches, val_batches = setup.train_batches, setup.val_batches
     outcome = train_loop(engine, train_batches, run, val_batches, title=config_path or "")
     result = {"steps": outcome.steps, "tokens": outcome.tokens, "final_train_loss": outcome.final_loss,
               "val_loss": outcome.val_loss,

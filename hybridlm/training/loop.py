@@ -12,10 +12,10 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from hybridlm.config.errors import ConfigError
-from hybridlm.engine import Engine, NonFiniteLossError, all_reduce_sum, barrier, is_main
+from hybridlm.engine import Engine, NonFiniteLossError, StepResult, all_reduce_sum, barrier, is_main
 from hybridlm.training.faults import kill_if_requested
 from hybridlm.utils.metrics import MetricsLogger, plot_curves, read_jsonl
 
@@ -34,12 +34,13 @@ class RunConfig:
     export: bool = True           # transformers-format model in output_dir/final
     sample_prompt: str = "It is a truth universally acknowledged"
     sample_tokens: int = 24
+    max_minutes: float = 0.0      # stop (evaluate, save, export) after this much training time; 0: no limit
 
     def validate(self, where: str = "run") -> None:
         for name in ("log_interval", "keep_last"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name}: expected an integer >= 1, got {getattr(self, name)}")
-        for name in ("eval_interval", "save_interval", "sample_tokens"):
+        for name in ("eval_interval", "save_interval", "sample_tokens", "max_minutes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{where}.{name}: expected an integer >= 0, got {getattr(self, name)}")
 
@@ -79,16 +80,29 @@ def _progress(enabled: bool, total: int, initial: int):
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=1.0, desc="train")
 
 
+def _out_of_time(t_start: float, max_minutes: float) -> bool:
+    """Whether the time budget is spent, decided by rank 0's clock so that every rank stops at the same step."""
+    spent = float(is_main() and time.perf_counter() - t_start >= 60.0 * max_minutes)
+    return all_reduce_sum([spent])[0] > 0
+
+
 def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Sequence[Dict[str, Any]] = (),
-               client_state: Optional[Dict[str, Any]] = None, title: str = "") -> TrainingOutcome:
-    """Train until ``engine.config.max_steps`` optimizer steps (resuming if a checkpoint exists)."""
+               client_state: Optional[Dict[str, Any]] = None, title: str = "",
+               on_step: Optional[Callable[[StepResult], None]] = None,
+               checkpoints: bool = True) -> TrainingOutcome:
+    """Train until ``engine.config.max_steps`` optimizer steps (resuming if a checkpoint exists).
+
+    ``on_step(result)``, if given, is called at the very end of every step (after its logging,
+    evaluation and checkpoint), e.g. to time steps. ``checkpoints=False`` neither resumes nor saves
+    (benchmarks: a ZeRO checkpoint of a 1B model is tens of GB).
+    """
     max_steps = engine.config.max_steps
     gas = engine.gradient_accumulation_steps
     main = is_main()
     out = Path(run.output_dir)
     state = {"tokens": 0, "max_loss_increase": 0.0, "prev_loss": None}
     resumed = (engine.load_checkpoint(str(run.checkpoint_dir))
-               if run.resume and run.checkpoint_dir.exists() else None)
+               if checkpoints and run.resume and run.checkpoint_dir.exists() else None)
     if resumed:
         train_batches.load_state_dict(resumed["data"])
         state.update(resumed["loop"])
@@ -97,6 +111,8 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
     logger = MetricsLogger(out, enabled=main, resume_step=engine.global_step, tensorboard=run.tensorboard)
 
     def save():
+        if not checkpoints:
+            return
         engine.save_checkpoint(str(run.checkpoint_dir), engine.global_step,
                                {"data": train_batches.state_dict(), "loop": dict(state), **(client_state or {})},
                                keep_last=run.keep_last)
@@ -112,6 +128,8 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
             try:
                 res = engine.train_step(micro)
             except NonFiniteLossError as e:
+                if not checkpoints:
+                    raise
                 save()
                 raise NonFiniteLossError(f"{e}; stopped at step {engine.global_step}, "
                                          f"checkpoint saved in {run.checkpoint_dir}") from None
@@ -143,6 +161,12 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
                 save()
                 window_tokens, window_t0 = 0, time.perf_counter()
             kill_if_requested(step)
+            if on_step is not None:
+                on_step(res)
+            if run.max_minutes and _out_of_time(t_start, run.max_minutes):
+                if main:
+                    print(f"run.max_minutes={run.max_minutes} reached at step {step} of {max_steps}", flush=True)
+                break
         if val_batches:
             val = evaluate(engine, val_batches)
             logger.log(engine.global_step, val)

@@ -1,0 +1,491 @@
+"""Training throughput of the real pre-training step, and of peers in a plain PyTorch loop (issue #5).
+
+    python -m hybridlm.bench.train_speed --out DIR \\
+        [--configs gdn_300m kda_300m mamba2_300m gdn_300m_hybrid mamba2_300m_hybrid gdn_1b] \\
+        [--peers fla_gdn fla_kda llama] [--micro-batch 32 | --find-max-batch] [--seq 2048] \\
+        [--steps 12] [--warmup 3] [--data data_cache/janeausten-llama3.2] [--peak-tflops 989.5]
+    deepspeed --num_gpus 2 -m hybridlm.bench.train_speed --out DIR ...   # ZeRO-1 data parallel
+
+**Ours** is ``pretrain.py``'s job itself: :func:`pretrain.train.prepare_pretraining` (packed shards, the
+rank-sharded ``PackedBatches`` loader), :func:`pretrain.train.build_engine` (the model in the DeepSpeed
+ZeRO-1 :class:`~hybridlm.engine.Engine`, bf16 weights with fp32 master weights and gradient accumulation,
+fused AdamW, clipping) and the shared :func:`~hybridlm.training.train_loop`, timed through its
+``on_step`` hook (after ``torch.cuda.synchronize()``) with checkpoints off. A config is a model YAML
+name from ``configs/models`` (or any model / experiment YAML path; only its model section is used).
+
+**Peers** (one-process runs only): fla's ``GatedDeltaNetForCausalLM`` / ``KDAForCausalLM`` with the
+shapes of our GDN / KDA config (``fla_gdn[:CONFIG]``, default ``gdn_300m``; ``fla_kda[:CONFIG]``, default
+``kda_300m``), and transformers' ``LlamaForCausalLM`` (sdpa) with the hidden size, FFN width, block
+count, vocabulary and tying of ``CONFIG`` (``llama[:CONFIG]``, default ``gdn_300m``; heads of 64, a
+quarter as many KV heads). They train as a user would write it: fp32 parameters, bf16 autocast,
+``torch.optim.AdamW(fused=True)``, clipping at 1.0, on the same batches from the same loader.
+
+Per entry: median step time over ``--steps`` steps after ``--warmup`` steps (the first includes Triton
+autotuning), tokens/s = global tokens per step / that, MFU by :mod:`hybridlm.bench.flops`, and peak
+``torch.cuda.max_memory_allocated`` over the measured steps. ``--find-max-batch`` tries
+``--batch-candidates`` from the largest, each in a fresh model / engine, and measures the largest that
+does not run out of memory. Writes ``DIR/train_speed.json`` and ``DIR/train_speed.png`` after every
+entry; ``--merge A.json B.json --out DIR`` joins reports of separate runs and redraws the chart.
+On a machine without CUDA everything runs in fp32 on the CPU (fla peers are skipped: Triton).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from hybridlm.bench import flops as F
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIGS = ["gdn_300m", "kda_300m", "mamba2_300m", "gdn_300m_hybrid", "mamba2_300m_hybrid", "gdn_1b"]
+DEFAULT_PEERS = ["fla_gdn", "fla_kda", "llama"]
+PEER_BASE = {"fla_gdn": "gdn_300m", "fla_kda": "kda_300m", "llama": "gdn_300m"}
+DEFAULT_DATA = "data_cache/janeausten-llama3.2"
+DEFAULT_SOURCES = ["asset:janeausten"]
+DEFAULT_TOKENIZER = "asset:llama3.2"
+OOM = "out of memory"
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+def config_path(name: str) -> Path:
+    """A model YAML by name (``configs/models/NAME.yaml``) or path."""
+    p = Path(name).expanduser()
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        return p
+    return REPO / "configs" / "models" / f"{name}.yaml"
+
+
+def model_section(name: str, overrides: Sequence[str]) -> Dict[str, Any]:
+    from hybridlm.config.loader import load_config
+    return load_config(str(config_path(name)), [f"model.{o}" for o in overrides])["model"]
+
+
+def is_oom(e: BaseException) -> bool:
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(e, RuntimeError) and ("out of memory" in str(e).lower() or "CUBLAS_STATUS_ALLOC_FAILED" in str(e))
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def versions() -> Dict[str, Optional[str]]:
+    from importlib import metadata
+    out: Dict[str, Optional[str]] = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    for key, dist in (("triton", "triton"), ("fla", "flash-linear-attention"), ("deepspeed", "deepspeed"),
+                      ("transformers", "transformers")):
+        try:
+            out[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[key] = None
+    return out
+
+
+class StepTimer:
+    """``on_step`` hook: wall time at the end of every step (after a device sync), peak memory from the
+    end of the warm-up on; step ``i``'s time is the gap to step ``i - 1``'s end (data loading included)."""
+
+    def __init__(self, warmup: int, device: torch.device):
+        self.warmup, self.device = warmup, device
+        self.ends: List[float] = []
+        self.tokens: List[int] = []
+        self.losses: List[float] = []
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __call__(self, result) -> None:
+        self.record(result.tokens, result.loss)
+
+    def record(self, tokens: int, loss: float) -> None:
+        self.sync()
+        self.ends.append(time.perf_counter())
+        self.tokens.append(int(tokens))
+        self.losses.append(float(loss))
+        if len(self.ends) == self.warmup and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def summary(self) -> Dict[str, Any]:
+        w = self.warmup
+        times = [b - a for a, b in zip(self.ends[w - 1:], self.ends[w:])]
+        if not times:
+            raise RuntimeError("no measured steps")
+        tokens = self.tokens[w:]
+        per_step = statistics.median(tokens)
+        step_s = statistics.median(times)
+        out = {"tokens_per_step": int(per_step), "step_ms": 1e3 * step_s, "tokens_per_s": per_step / step_s,
+               "step_ms_all": [round(1e3 * t, 3) for t in times],
+               "warmup_step_ms": [round(1e3 * (b - a), 1) for a, b in zip(self.ends[:w - 1], self.ends[1:w])],
+               "final_loss": self.losses[-1]}
+        if self.device.type == "cuda":
+            out["peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+        else:
+            import resource
+            out["peak_gib"] = None
+            out["process_max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        return out
+
+
+# -------------------------------------------------------------------------------------- ours
+
+def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[str, Any]:
+    """One config through pretrain.py's own setup, engine and training loop."""
+    from hybridlm.model.summary import build_on_meta, model_summary
+    from hybridlm.training import train_loop
+    from pretrain.train import build_engine, prepare_pretraining
+
+    cuda = torch.cuda.is_available()
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    sections = {
+        "model": model_section(name, args.model_override),
+        "data": {"path": str(data_dir), "seq_len": args.seq, "val_max_batches": 1, "sources": [],
+                 "tokenizer": DEFAULT_TOKENIZER},
+        "optim": {"micro_batch_size": mb, "global_batch_size": mb * world, "lr": 3.0e-4, "min_lr": 3.0e-5,
+                  "warmup_steps": 0, "max_steps": args.warmup + args.steps, "weight_decay": 0.01,
+                  "grad_clip": 1.0, "precision": args.precision, "zero_stage": 1, "seed": 42},
+        "run": {"output_dir": str(run_root / f"{Path(name).stem}-mb{mb}"), "log_interval": 1, "eval_interval": 0,
+                "save_interval": 0, "resume": False, "progress": False, "tensorboard": False, "export": False,
+                "sample_tokens": 0},
+    }
+    setup = prepare_pretraining(sections)
+    summary = model_summary(setup.config)
+    n_mm = F.matmul_params(build_on_meta(setup.config))
+    mixers = F.hybrid_mixers(setup.config)
+    timer = StepTimer(args.warmup, setup.dist.device)
+    engine = None
+    try:
+        engine = build_engine(setup)
+        train_loop(engine, setup.train_batches, setup.run, (), title=name, on_step=timer, checkpoints=False)
+    finally:
+        if engine is not None:
+            engine.ds_engine.destroy()
+        del engine
+    return {"params": summary["params"], "non_embedding_params": summary["non_embedding_params"],
+            "matmul_params": n_mm, "mixers": F.describe(mixers),
+            "flops": F.train_flops_per_token(n_mm, mixers, args.seq), "timing": timer.summary(),
+            "precision": args.precision,
+            "recipe": f"pretrain.py: DeepSpeed ZeRO-1 {'bf16 weights, fp32 master + grad accumulation' if args.precision == 'bf16' else 'fp32'}, "
+                      f"{'fused ' if cuda else ''}AdamW, clip 1.0, backend {setup.config.backend} "
+                      f"({'Triton' if cuda else 'torch'} kernels)"}
+
+
+# ------------------------------------------------------------------------------------- peers
+
+def resolved_base(name: str, args, data_dir: Path):
+    from hybridlm.data import read_meta
+    from pretrain.train import resolve_model_config
+    return resolve_model_config(model_section(name, args.model_override), read_meta(data_dir), data_dir)
+
+
+def num_blocks(config) -> int:
+    """Sequence-mixer sublayers of a pattern: each peer block is one mixer + one MLP."""
+    return sum(1 for k in config.layer_plan if k != "mlp")
+
+
+def build_peer(kind: str, base, args) -> Tuple[torch.nn.Module, List[F.MixerSpec], Dict[str, Any]]:
+    """(model, mixers, its config as a dict) of a peer with ``base``'s shapes."""
+    common = dict(hidden_size=base.hidden_size, intermediate_size=base.intermediate_size,
+                  num_hidden_layers=num_blocks(base), vocab_size=base.vocab_size,
+                  tie_word_embeddings=base.tie_word_embeddings, initializer_range=base.initializer_range,
+                  bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id, use_cache=False)
+    if kind in ("fla_gdn", "fla_kda"):
+        mixer = "gdn" if kind == "fla_gdn" else "kda"
+        a = base.mixer_args(mixer)
+        shape = dict(num_heads=a.num_heads, head_dim=a.head_dim, num_v_heads=a.num_v_heads,
+                     expand_v=a.head_v_dim / a.head_dim, conv_size=a.conv_size, use_short_conv=True,
+                     hidden_act="swish", norm_eps=base.rms_norm_eps, max_position_embeddings=args.seq,
+                     fuse_cross_entropy=not args.fla_fused_linear_ce,
+                     fuse_linear_cross_entropy=args.fla_fused_linear_ce)
+        if kind == "fla_gdn":
+            from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+            cfg = GatedDeltaNetConfig(use_gate=True, **shape, **common)
+            model = GatedDeltaNetForCausalLM(cfg)
+        else:
+            from fla.models import KDAConfig, KDAForCausalLM
+            cfg = KDAConfig(**shape, **common)
+            model = KDAForCausalLM(cfg)
+        return model, F.fla_delta_rule_mixers(cfg), cfg.to_diff_dict()
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        heads = max(1, base.hidden_size // 64)
+        kv = heads // 4 if heads % 4 == 0 else heads
+        cfg = LlamaConfig(num_attention_heads=heads, num_key_value_heads=kv, head_dim=base.hidden_size // heads,
+                          max_position_embeddings=args.seq, rms_norm_eps=base.rms_norm_eps,
+                          attn_implementation="sdpa", **common)
+        model = LlamaForCausalLM(cfg)
+        return model, F.llama_mixers(cfg), cfg.to_diff_dict()
+    raise ValueError(f"unknown peer {kind!r}; expected one of {', '.join(PEER_BASE)}")
+
+
+def run_peer(spec: str, mb: int, args, data_dir: Path, device: torch.device) -> Dict[str, Any]:
+    """A peer in the plain loop a user would write: fp32 params, bf16 autocast, fused AdamW, clipping."""
+    from hybridlm.data import DataConfig, PackedBatches, PackedTokens
+    kind, _, base_name = spec.partition(":")
+    base = resolved_base(base_name or PEER_BASE[kind], args, data_dir)
+    torch.manual_seed(42)
+    model, mixers, cfg = build_peer(kind, base, args)
+    n_mm = F.matmul_params(model)
+    params = sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings().weight.numel()
+    bf16 = args.precision == "bf16"
+    batches = PackedBatches(PackedTokens(data_dir, "train"), args.seq, mb, 0, 1, DataConfig.seed)
+    timer = StepTimer(args.warmup, device)
+    opt = None
+    try:
+        model.to(device).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=3.0e-4, betas=(0.9, 0.95), weight_decay=0.01,
+                                fused=device.type == "cuda")
+        for _ in range(args.warmup + args.steps):
+            ids = next(batches)["input_ids"].to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = model(input_ids=ids, labels=ids).loss  # the model shifts the labels itself
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            timer.record(ids.numel(), loss.item())
+    finally:
+        del opt, model
+    recipe = ("plain PyTorch: fp32 params" + (", bf16 autocast" if bf16 else "") + ", torch AdamW"
+              + (" (fused)" if device.type == "cuda" else "") + ", clip 1.0")
+    return {"params": params, "non_embedding_params": params - emb, "matmul_params": n_mm,
+            "mixers": F.describe(mixers), "flops": F.train_flops_per_token(n_mm, mixers, args.seq),
+            "timing": timer.summary(), "precision": args.precision, "recipe": recipe, "peer_config": cfg,
+            "shapes_of": base_name or PEER_BASE[kind]}
+
+
+# ------------------------------------------------------------------------------------- driver
+
+def measure(name: str, kind: str, fn: Callable[[int], Dict[str, Any]], candidates: List[int], catch_oom: bool,
+            args, world: int) -> Dict[str, Any]:
+    """Run ``fn(micro_batch)`` over the candidates (largest first) until one fits; one entry of the report."""
+    tried: Dict[str, str] = {}
+    entry: Dict[str, Any] = {"name": name, "kind": kind}
+    for mb in candidates:
+        failed = None
+        try:
+            res = fn(mb)
+        except Exception as e:  # noqa: BLE001 - only OOM is caught, anything else re-raised
+            if not (catch_oom and is_oom(e)):
+                raise
+            failed = OOM
+            res = None
+        free_memory()
+        if failed:
+            tried[str(mb)] = failed
+            continue
+        tried[str(mb)] = "ok"
+        t = res.pop("timing")
+        entry.update(status="ok", micro_batch=mb, global_batch=mb * world, seq_len=args.seq, **t, **res)
+        entry["tokens_per_s_per_gpu"] = entry["tokens_per_s"] / world
+        entry["flops_per_token"] = entry["flops"]["total"]
+        entry["model_tflops_per_s"] = entry["flops_per_token"] * entry["tokens_per_s"] / 1e12
+        entry["mfu"] = F.mfu(entry["flops_per_token"], entry["tokens_per_s"], args.peak_tflops, world)
+        break
+    else:
+        entry.update(status=OOM, micro_batch=candidates[-1])
+    if len(candidates) > 1 or entry["status"] != "ok":
+        entry["micro_batches_tried"] = tried
+    return entry
+
+
+def progress_line(entry: Dict[str, Any], t0: float) -> str:
+    head = f"[{time.perf_counter() - t0:6.0f}s] {entry['kind']:<4} {entry['name']:<22}"
+    if entry["status"] != "ok":
+        return f"{head} {entry['status']}" + (f" ({entry['reason']})" if entry.get("reason") else "")
+    peak = f"{entry['peak_gib']:6.1f} GiB" if entry.get("peak_gib") is not None else "  (cpu)"
+    return (f"{head} mb={entry['micro_batch']:<3} {entry['tokens_per_s']:>11,.0f} tok/s {entry['step_ms']:9.1f} ms/step "
+            f"MFU {100 * entry['mfu']:5.1f}%  peak {peak}  loss {entry['final_loss']:.3f}")
+
+
+def _si(x: float) -> str:
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+
+def plot(report: Dict[str, Any], png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = report["entries"]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(entries) + 2), 4.8))
+    top = max([e.get("tokens_per_s", 0.0) for e in entries if e["status"] == "ok"] or [1.0])
+    for i, e in enumerate(entries):
+        ok = e["status"] == "ok"
+        peer = e["kind"] == "peer"
+        h = e["tokens_per_s"] if ok else 0.0
+        ax.bar(i, h, color="#c9a227" if peer else "#2a6f97", hatch="//" if peer else None, edgecolor="black",
+               linewidth=0.6)
+        label = (f"{_si(h)}\nMFU {100 * e['mfu']:.1f}%" if ok else
+                 ("OOM" if e["status"] == OOM else "skipped"))
+        ax.text(i, h + 0.01 * top, label, ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(entries)))
+    ax.set_xticklabels([e["name"] + (f"\nmb {e['micro_batch']}" if "micro_batch" in e else "") for e in entries],
+                       rotation=30, ha="right",
+                       fontsize=8)
+    ax.set_ylabel(f"training tokens/s ({report.get('world_size', 1)} x {report.get('gpu') or 'cpu'})")
+    ax.set_ylim(0, 1.18 * top)
+    ax.set_title(f"Training throughput, seq {report.get('seq_len')}, {report.get('precision')} "
+                 f"(hatched: peers in a plain PyTorch loop)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def write(report: Dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "train_speed.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2, default=str))
+    tmp.replace(out / "train_speed.json")
+    plot(report, out / "train_speed.png")
+
+
+def merge(paths: Sequence[str], out: Path) -> Dict[str, Any]:
+    """Entries of several reports (a later report's entry replaces an earlier one of the same name and kind)."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    merged = {k: v for k, v in reports[0].items() if k != "entries"}
+    merged["merged_from"] = [str(p) for p in paths]
+    entries: Dict[Tuple[str, str], Dict[str, Any]] = {}
+    for r in reports:
+        for e in r["entries"]:
+            entries[(e["kind"], e["name"])] = e
+    merged["entries"] = list(entries.values())
+    write(merged, out)
+    return merged
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hybridlm.bench.train_speed", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="directory for train_speed.json and train_speed.png")
+    p.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS,
+                   help="model YAML names in configs/models (or paths); none: peers only")
+    p.add_argument("--peers", nargs="*", default=DEFAULT_PEERS,
+                   help="fla_gdn, fla_kda, llama, each optionally :CONFIG for its shapes; none: ours only")
+    p.add_argument("--micro-batch", type=int, default=32, help="sequences per GPU per step")
+    p.add_argument("--find-max-batch", action="store_true",
+                   help="per entry, measure the largest of --batch-candidates that fits (one process only)")
+    p.add_argument("--batch-candidates", type=int, nargs="+", default=[64, 48, 32, 16, 8, 4, 2, 1])
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=12, help="measured steps (median)")
+    p.add_argument("--warmup", type=int, default=3, help="steps before measuring (>= 1; the first autotunes)")
+    p.add_argument("--data", default=None,
+                   help=f"prepared packed shards (default {DEFAULT_DATA}, prepared from Jane Austen with the "
+                        "Llama-3.2 tokenizer when absent)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--peak-tflops", type=float, default=F.H200_BF16_DENSE_TFLOPS,
+                   help="peak dense FLOP/s per GPU for MFU (H200 bf16: 989.5)")
+    p.add_argument("--model-override", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="model keys for every config and peer base, e.g. hidden_size=64")
+    p.add_argument("--fla-fused-linear-ce", action="store_true",
+                   help="fla peers with fuse_linear_cross_entropy (default: fla's default fuse_cross_entropy)")
+    p.add_argument("--compare-to", default=None,
+                   help="a train_speed.json (e.g. of one GPU): adds each entry's tokens/s ratio to it")
+    p.add_argument("--run-dir", default=None, help="where the runs' metrics go (default: a temp dir, removed)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="only merge these reports into --out (JSON + PNG), run nothing")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        p.error("--warmup and --steps must be >= 1")
+    return args
+
+
+def main(argv=None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    out = Path(args.out)
+    if args.merge:
+        return merge(args.merge, out)
+    from hybridlm.data import DataConfig, ensure_prepared
+    from hybridlm.engine import barrier, init_distributed
+
+    t0 = time.perf_counter()
+    dist = init_distributed()
+    world, main_rank, device = dist.world_size, dist.rank == 0, dist.device
+    cuda = device.type == "cuda"
+    args.precision = args.precision or ("bf16" if cuda else "fp32")
+    if args.find_max_batch and world > 1:
+        raise SystemExit("--find-max-batch runs in one process (an OOM on one rank would hang the others); "
+                         "pass --micro-batch for multi-GPU runs")
+    candidates = sorted(set(args.batch_candidates), reverse=True) if args.find_max_batch else [args.micro_batch]
+
+    data_dir = Path(args.data or DEFAULT_DATA).expanduser()
+    if not data_dir.is_absolute():
+        data_dir = Path.cwd() / data_dir
+    if main_rank:  # only the default corpus is prepared here; another path must hold prepared shards
+        sources = [] if (data_dir / "meta.json").is_file() or args.data else DEFAULT_SOURCES
+        ensure_prepared(DataConfig(path=str(data_dir), sources=sources, tokenizer=DEFAULT_TOKENIZER,
+                                   seq_len=args.seq), progress=False)
+    barrier()
+
+    report: Dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(device) if cuda else None, "world_size": world,
+        **versions(), "seq_len": args.seq, "micro_batch": None if args.find_max_batch else args.micro_batch,
+        "find_max_batch": args.find_max_batch, "steps": args.steps, "warmup": args.warmup,
+        "precision": args.precision, "peak_tflops_per_gpu": args.peak_tflops, "flop_formula": F.FORMULA,
+        "data": str(data_dir), "command": " ".join(sys.argv), "started": datetime.now(timezone.utc).isoformat(),
+        "entries": [],
+    }
+    baseline = None
+    if args.compare_to:
+        base_report = json.loads(Path(args.compare_to).read_text())
+        baseline = {(e["kind"], e["name"]): e for e in base_report["entries"]}
+        report["compared_to"] = {"path": args.compare_to, "world_size": base_report.get("world_size"),
+                                 "gpu": base_report.get("gpu")}
+
+    def add(entry: Dict[str, Any]) -> None:
+        base = baseline.get((entry["kind"], entry["name"])) if baseline else None
+        if base and base.get("status") == "ok" and entry["status"] == "ok":
+            entry["tokens_per_s_ratio_to_baseline"] = entry["tokens_per_s"] / base["tokens_per_s"]
+        report["entries"].append(entry)
+        if main_rank:
+            print(progress_line(entry, t0), flush=True)
+            write(report, out)
+
+    run_root = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="train_speed-"))
+    try:
+        for name in args.configs:
+            add(measure(Path(name).stem if name.endswith((".yaml", ".yml")) else name, "ours",
+                        lambda mb, name=name: run_ours(name, mb, args, data_dir, run_root),
+                        candidates, catch_oom=world == 1, args=args, world=world))
+        for spec in args.peers:
+            kind = spec.split(":")[0]
+            if kind not in PEER_BASE:
+                raise SystemExit(f"--peers: unknown peer {kind!r}; expected one of {', '.join(PEER_BASE)}")
+            entry = {"name": spec, "kind": "peer", "status": "skipped"}
+            if world > 1:
+                entry["reason"] = "peers run only in a one-process run"
+            elif kind.startswith("fla_") and not cuda:
+                entry["reason"] = "fla's Triton kernels need a CUDA device"
+            else:
+                entry = measure(spec, "peer", lambda mb, spec=spec: run_peer(spec, mb, args, data_dir, device),
+                                candidates, catch_oom=True, args=args, world=1)
+            add(entry)
+    finally:
+        if not args.run_dir:
+            shutil.rmtree(run_root, ignore_errors=True)
+    barrier()
+    if main_rank:
+        print(f"wrote {out / 'train_speed.json'} and {out / 'train_speed.png'}", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

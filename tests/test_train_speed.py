@@ -1,0 +1,151 @@
+"""The training-throughput benchmark (issue #5): its FLOP formula by hand, and a real CPU run of the command.
+
+The run goes through pretrain.py's own setup / engine / loop on the real embedded data (Jane Austen,
+Llama-3.2 tokenizer) with a tiny model, plus the transformers Llama peer; fla peers need CUDA and are
+recorded as skipped.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import REPO
+from hybridlm.bench import flops as F
+
+
+class MLPOnly(nn.Module):
+    """Embedding -> two linears -> tied LM head: no sequence mixer, so FLOPs are exactly 6 N per token."""
+
+    def __init__(self, vocab=100, d=16, f=24, tied=True):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.up, self.down = nn.Linear(d, f, bias=True), nn.Linear(f, d, bias=False)
+        self.head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_mlp_only_model_costs_six_n_per_token(tied):
+    model = MLPOnly(tied=tied)
+    n = 16 * 24 + 24 * 16 + 100 * 16  # the two weights (bias is 1-D: not a matmul) + the LM head once
+    assert F.matmul_params(model) == n
+    tokens = 4 * 2048
+    f = F.train_flops_per_token(F.matmul_params(model), [], seq_len=2048)
+    assert f["total"] * tokens == 6 * n * tokens and f["attention"] == f["recurrence"] == 0
+
+
+def test_hybrid_gdn_layer_by_hand():
+    from hybridlm.model import HybridConfig
+    from hybridlm.model.summary import build_on_meta
+    cfg = HybridConfig(vocab_size=100, hidden_size=16, intermediate_size=24, hybrid_override_pattern="G-",
+                       backend="torch", gdn=dict(num_heads=2, head_dim=8, num_v_heads=2, head_v_dim=8, conv_size=4))
+    d = 16
+    gdn = d * (16 + 16 + 16 + 2 + 2 + 16) + 16 * d + 3 * 16 * 4  # q k v b a g, o_proj, three conv kernels
+    n = gdn + 3 * d * 24 + 100 * d                                 # + SwiGLU + tied LM head
+    assert F.matmul_params(build_on_meta(cfg)) == n == 4288
+    mixers = F.hybrid_mixers(cfg)
+    assert mixers == [F.MixerSpec(F.DELTA_RULE, 2, 8, 8)]
+    C = 64
+    rec = 2 * (18 * C * 8 + 12 * C * 8 + C * C + 18 * 8 * 8)       # = 41216
+    f = F.train_flops_per_token(n, mixers, seq_len=512)
+    assert f == {"dense": 6 * 4288, "attention": 0.0, "recurrence": rec, "total": 6 * 4288 + rec}
+
+
+def test_attention_and_chunk_terms_by_hand():
+    from hybridlm.model import HybridConfig
+    cfg = HybridConfig(vocab_size=100, hidden_size=32, intermediate_size=24, hybrid_override_pattern="*-S-",
+                       backend="torch", mla=dict(num_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,
+                                                 qk_rope_head_dim=4, v_head_dim=8),
+                       mamba2=dict(d_state=4, head_dim=16, n_groups=1, expand=2))
+    mla, ssd = F.hybrid_mixers(cfg)
+    assert mla == F.MixerSpec(F.ATTENTION, 2, 8, 8) and ssd == F.MixerSpec(F.SIMPLE_GLA, 4, 4, 16)
+    T = 10  # causal: half of the 6 H T (d_qk + d_v) of unmasked attention
+    assert F.mixer_flops(mla, T) == 6 * 2 * T * (8 + 8) / 2 == 960
+    assert F.mixer_flops(ssd, T, chunk=2) == 4 * (6 * 2 * (4 + 16) + 12 * 4 * 16)
+    assert F.delta_rule_flops(1, 1, 1, chunk=1) == 18 + 12 + 1 + 18
+    from transformers import LlamaConfig
+    llama = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=3)
+    assert F.llama_mixers(llama) == [F.MixerSpec(F.ATTENTION, 4, 16, 16)] * 3
+    assert F.mfu(1e9, 2e5, 989.5, 2) == pytest.approx(1e9 * 2e5 / (2 * 989.5e12))
+
+
+def test_find_max_batch_takes_the_largest_that_fits():
+    from types import SimpleNamespace
+    from hybridlm.bench.train_speed import OOM, measure
+
+    def fn(mb):
+        if mb > 16:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        t = {"tokens_per_step": mb * 8, "step_ms": 10.0, "tokens_per_s": mb * 800.0, "final_loss": 1.0}
+        return {"timing": t, "flops": {"total": 1e6}}
+
+    args = SimpleNamespace(seq=8, peak_tflops=1.0)
+    e = measure("x", "ours", fn, [64, 32, 16, 8], catch_oom=True, args=args, world=1)
+    assert e["status"] == "ok" and e["micro_batch"] == 16
+    assert e["micro_batches_tried"] == {"64": OOM, "32": OOM, "16": "ok"}
+    assert e["mfu"] == pytest.approx(1e6 * 16 * 800 / 1e12)
+    e = measure("x", "ours", fn, [64], catch_oom=True, args=args, world=1)
+    assert e["status"] == OOM
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        measure("x", "ours", fn, [64], catch_oom=False, args=args, world=2)
+
+
+@pytest.fixture(scope="module")
+def austen_data(tmp_path_factory):
+    from hybridlm.data import DataConfig, ensure_prepared
+    out = tmp_path_factory.mktemp("data") / "austen"
+    ensure_prepared(DataConfig(path=str(out), sources=["asset:janeausten"], tokenizer="asset:llama3.2",
+                               seq_len=32, num_proc=1), progress=False)
+    return out
+
+
+def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
+    out = tmp_path / "bench"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env.update(DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "hybridlm.bench.train_speed", "--out", str(out), "--data", str(austen_data),
+           "--configs", "tiny_hybrid", "--peers", "llama:tiny_hybrid", "fla_gdn", "--micro-batch", "2",
+           "--seq", "32", "--steps", "2", "--warmup", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "train_speed.json").read_text())
+    assert report["world_size"] == 1 and report["precision"] == "fp32" and report["seq_len"] == 32
+    entries = {e["name"]: e for e in report["entries"]}
+    assert list(entries) == ["tiny_hybrid", "llama:tiny_hybrid", "fla_gdn"]
+    assert entries["fla_gdn"]["status"] == "skipped" and "CUDA" in entries["fla_gdn"]["reason"]
+
+    from hybridlm.data import read_meta
+    from hybridlm.model.summary import build_on_meta
+    from hybridlm.bench.train_speed import model_section
+    from pretrain.train import resolve_model_config
+    cfg = resolve_model_config(model_section("tiny_hybrid", []), read_meta(austen_data), austen_data)
+    expected = F.train_flops_per_token(F.matmul_params(build_on_meta(cfg)), F.hybrid_mixers(cfg), 32)["total"]
+    ours, llama = entries["tiny_hybrid"], entries["llama:tiny_hybrid"]
+    assert ours["flops_per_token"] == expected and ours["flops"]["attention"] > 0 and ours["flops"]["recurrence"] > 0
+    for e in (ours, llama):
+        assert e["status"] == "ok" and e["micro_batch"] == 2 and e["tokens_per_step"] == 64
+        assert e["tokens_per_s"] > 0 and len(e["step_ms_all"]) == 2 and math.isfinite(e["final_loss"])
+        assert math.isfinite(e["mfu"]) and e["mfu"] > 0
+        assert e["mfu"] == pytest.approx(e["flops_per_token"] * e["tokens_per_s"] / (989.5e12))
+    assert llama["params"] == llama["non_embedding_params"] + 128256 * 128  # tied, hidden 128
+    assert "DeepSpeed ZeRO-1" in ours["recipe"] and "plain PyTorch" in llama["recipe"]
+    assert (out / "train_speed.png").stat().st_size > 5000
+    assert "ours tiny_hybrid" in proc.stdout and "tok/s" in proc.stdout
+
+    from hybridlm.bench.train_speed import merge
+    merged = merge([str(out / "train_speed.json"), str(out / "train_speed.json")], tmp_path / "merged")
+    assert [e["name"] for e in merged["entries"]] == list(entries)
+    assert (tmp_path / "merged" / "train_speed.png").is_file()
