@@ -1,6 +1,7 @@
 """``upcycle run``: the whole route end to end on a tiny random Llama (every stage a few steps), then a
 rerun that skips every finished stage."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -8,6 +9,9 @@ import sys
 import pytest
 
 from conftest import REPO, SHARED_DATA, save_tiny_llama
+from hybridlm.eval.perplexity import perplexity
+from upcycle.route_report import heldout_windows
+from upcycle.teacher import load_teacher
 
 
 def test_route_runs_every_stage_and_resumes(tmp_path):
@@ -22,7 +26,7 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
                  "ild.data.seq_len=32", "smart.n_mla=2", "smart.batches=2", "smart.batch_size=2",
                  f"kd.data.path={SHARED_DATA / 'alpaca_en_demo.json'}", "kd.data.max_length=64",
                  f"dpo.data.path={SHARED_DATA / 'dpo_en_demo.json'}", "dpo.data.max_length=64",
-                 "dpo.data.max_prompt_length=32"]
+                 "dpo.data.max_prompt_length=32", "report.seq_len=32", "report.max_tokens=256"]
     overrides += [f"{stage}.{o}" for stage in ("ild", "kd", "dpo") for o in small]
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env.update(DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
@@ -36,6 +40,16 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
     assert (out / "smart" / "smart_report.png").is_file()
     hybrid = json.loads((out / "dpo" / "final" / "config.json").read_text())
     assert hybrid["hybrid_override_pattern"].count("*") == 2
+    report = json.loads((out / "report.json").read_text())
+    ppl = {r["model"]: r["ppl"] for r in report["perplexity"]}
+    assert list(ppl) == ["teacher", "hybrid, init only", "hybrid after ILD", "after KD-SFT", "after DPO"]
+    assert all(math.isfinite(v) and v > 1 for v in ppl.values())
+    windows = heldout_windows(tmp_path / "data", 32, 256)
+    assert report["heldout"]["tokens"] == 32 * len(windows) == 256
+    assert ppl["teacher"] == pytest.approx(perplexity(load_teacher(teacher), windows)["ppl"], rel=1e-6)
+    assert [s["stage"] for s in report["stages"]] == ["ILD (MLA student)", "ILD (Mamba2 student)", "KD-SFT", "DPO"]
+    assert 0.0 <= report["stages"][-1]["dpo_heldout"]["rewards/accuracies"] <= 1.0
+    assert "| after DPO |" in (out / "report.md").read_text()
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-2000:]
     assert again.stdout.count("already finished") == 4  # ild x2, kd, dpo skipped; init/smart/compose reused

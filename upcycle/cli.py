@@ -96,6 +96,19 @@ def cmd_ild(args) -> dict:
     return run_ild(load_config(args.config, args.overrides, sections=STAGE_SECTIONS))
 
 
+def cmd_report(args) -> dict:
+    from upcycle.route_report import route_report
+    data = args.data
+    if data is None:  # the packed data ILD trained on, as the route recorded it
+        cfg_file = Path(args.route_dir) / "route_config.json"
+        if not cfg_file.is_file():
+            raise ConfigError(f"{cfg_file}: missing (expected a directory written by `upcycle run`)")
+        data = ((json.loads(cfg_file.read_text()).get("ild") or {}).get("data") or {}).get("path")
+        if not data:
+            raise ConfigError("--data: the route config names no ild.data.path; give the packed data to hold out")
+    return route_report(args.route_dir, data, seq_len=args.seq_len, max_tokens=args.tokens)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="upcycle", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -126,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_smart_and_compose(sub)
     kd.add_subcommands(sub)
     dpo_stage.add_subcommands(sub)
+    rp = sub.add_parser("report", help="perplexity of the teacher and of the hybrid after each stage of a route")
+    rp.add_argument("--route-dir", required=True, help="the output_dir of `upcycle run`")
+    rp.add_argument("--data", default=None, help="packed data whose validation split is the held-out text "
+                    "(default: the route's ild.data.path)")
+    rp.add_argument("--seq-len", type=int, default=512)
+    rp.add_argument("--tokens", type=int, default=65536, help="held-out tokens to score")
+    rp.set_defaults(fn=cmd_report)
     k = sub.add_parser("kv-report", help="KV-cache size of a hybrid against its Llama teacher, without weights")
     k.add_argument("--teacher", required=True, help="config.json, model directory, or asset:smollm2")
     k.add_argument("--mla-layers", required=True, help="comma-separated MLA layer indices, e.g. 0,5,10,14")

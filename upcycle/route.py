@@ -15,7 +15,7 @@ from hybridlm.config.structured import build_dataclass
 from hybridlm.data import DataConfig
 from hybridlm.engine import barrier, init_distributed
 
-ROUTE_SECTIONS = ("output_dir", "teacher", "init", "ild", "smart", "kd", "dpo")
+ROUTE_SECTIONS = ("output_dir", "teacher", "init", "ild", "smart", "kd", "dpo", "report")
 
 
 def _stage_sections(section: Dict[str, Any], where: str, **fixed) -> Dict[str, Any]:
@@ -43,8 +43,15 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     teacher = cfg.get("teacher") or "asset:smollm2"
     init_opts = dict(cfg.get("init") or {})
     linear = init_opts.get("linear_mixer", "mamba2")
+    report_opts = dict(cfg.get("report") or {})
+    unknown = sorted(set(report_opts) - {"seq_len", "max_tokens"})
+    if unknown:
+        raise ConfigError(f"report: unknown key {unknown[0]!r} (known keys: max_tokens, seq_len)")
     dist = init_distributed()
     summary: Dict[str, Any] = {"teacher": teacher}
+    if dist.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "route_config.json").write_text(json.dumps(cfg, indent=2, default=str))
 
     init_dir = out / "init"
     if dist.rank == 0 and not (init_dir / "init_report.json").is_file():
@@ -80,6 +87,10 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     summary["dpo"] = run_dpo(_stage_sections(cfg.get("dpo") or {}, "dpo", student__path=str(out / "kd" / "final"),
                                              run__output_dir=str(out / "dpo")))
     if dist.rank == 0:
+        from upcycle.route_report import route_report
+        ild_data = build_dataclass(DataConfig, (ild.get("data") or {}), "ild.data")
+        summary["report"] = route_report(out, ild_data.path, device=dist.device, **report_opts)
         (out / "route.json").write_text(json.dumps(summary, indent=2, default=str))
         print(f"route finished: {out / 'route.json'}", flush=True)
+    barrier()
     return summary
