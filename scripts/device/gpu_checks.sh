@@ -16,22 +16,22 @@ left() { echo $(( ${DEADLINE:-540} - (SECONDS - START) )); }  # seconds left bef
 
 export HYBRIDLM_PARITY_LOG=$OUT/parity.jsonl
 stamp "sublayer parity tests"
-for kind in gdn kda mamba2 mla mlp; do
+for kind in ${KINDS:-gdn kda mamba2 mla mlp}; do
   for dtype in float32 bfloat16; do
-    CUDA_VISIBLE_DEVICES=0 timeout 400 python3 -m pytest -q -m gpu -o addopts= tests/gpu \
+    CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 -m pytest -q -m gpu -o addopts= tests/gpu \
       -k "sublayer and $kind and $dtype" > "$LOGS/pytest_${kind}_${dtype}.log" 2>&1 &
   done
 done
 
 # warm the autotune cache for the SmolLM2 hybrid of the upcycling route, which a later call on this machine runs
-CUDA_VISIBLE_DEVICES=0 timeout 400 python3 scripts/device/pretune_route.py .xfer/smollm2_config.json \
+[ "${PRETUNE:-1}" = 1 ] && CUDA_VISIBLE_DEVICES=0 timeout 400 python3 scripts/device/pretune_route.py .xfer/smollm2_config.json \
   > "$LOGS/pretune_route.log" 2>&1 &
 
 PRETRAIN_ARGS=(--config configs/experiments/gdn_300m.yaml data.path=data_cache/janeausten-llama3.2
   optim.micro_batch_size=16 optim.global_batch_size=32 optim.max_steps=30 optim.warmup_steps=5
   run.eval_interval=15 run.save_interval=15 run.log_interval=1 data.val_max_batches=2 run.sample_tokens=16)
 stamp "pretrain on 1 GPU"
-CUDA_VISIBLE_DEVICES=1 timeout 240 deepspeed --master_port 29511 --num_gpus 1 pretrain.py "${PRETRAIN_ARGS[@]}" \
+CUDA_VISIBLE_DEVICES=1 timeout $(( $(left) < 240 ? $(left) : 240 )) deepspeed --master_port 29511 --num_gpus 1 pretrain.py "${PRETRAIN_ARGS[@]}" \
   run.output_dir=/tmp/runs/gdn_1gpu > "$LOGS/pretrain_1gpu.log" 2>&1
 stamp "pretrain on 1 GPU: exit $?"
 timeout $(( $(left) < 200 ? $(left) : 200 )) deepspeed --master_port 29512 --num_gpus 2 pretrain.py "${PRETRAIN_ARGS[@]}" \
@@ -45,7 +45,7 @@ stamp "sublayer parity tests done"
 grep -h -E "passed|failed|error" "$LOGS"/pytest_*.log
 CUDA_VISIBLE_DEVICES=1 timeout $(left) python3 -m pytest -q -m gpu -o addopts= tests/gpu -k whole_model \
   > "$LOGS/pytest_model.log" 2>&1 &
-CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 -m hybridlm.bench.mixers --out "$OUT/mixers.json" --dtypes \
+CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 -m hybridlm.bench.mixers --out "$OUT/mixers.json" --dtypes --kinds ${KINDS:-gdn kda mamba2 mla mlp} \
   > "$LOGS/bench_mixers.log" 2>&1
 stamp "mixer timing: exit $?"
 wait
