@@ -2,6 +2,10 @@
 
 ``HybridForCausalLM`` is a transformers ``PreTrainedModel``: ``save_pretrained`` / ``from_pretrained``
 work and loading is strict (see :meth:`HybridForCausalLM.from_pretrained`).
+
+Generation: ``model.generate`` (or ``forward(..., use_cache=True)``) carries a
+:class:`~hybridlm.model.cache.HybridCache`; ``attention_mask`` (left padding) and ``position_ids`` are honoured.
+Without any of cache / mask / positions the forward is the training path, untouched.
 """
 from __future__ import annotations
 
@@ -9,14 +13,18 @@ from typing import Optional
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from hybridlm.model.cache import HybridCache, InferenceContext
 from hybridlm.model.configuration import HybridConfig
 from hybridlm.model.layers import SUBLAYERS, RMSNorm
 from hybridlm.model.layers.conv import ShortConv
 from hybridlm.model.loss import IGNORE_INDEX, linear_cross_entropy
 from hybridlm.ops.backend import use_triton
+
+# transformers renamed the output's cache field past_key_values -> cache (5.2x); fill the one this version has
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 class HybridBlock(nn.Module):
@@ -28,8 +36,8 @@ class HybridBlock(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.backend)
         self.mixer = SUBLAYERS[kind](config, layer_idx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mixer(self.norm(x))
+    def forward(self, x: torch.Tensor, ctx: Optional[InferenceContext] = None) -> torch.Tensor:
+        return x + self.mixer(self.norm(x), ctx)
 
 
 class HybridPreTrainedModel(PreTrainedModel):
@@ -74,18 +82,27 @@ class HybridModel(HybridPreTrainedModel):
         self.embed_tokens = value
 
     def forward(self, input_ids: Optional[torch.LongTensor] = None,
-                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+                inputs_embeds: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None,
+                cache: Optional[HybridCache] = None) -> torch.Tensor:
+        """Final-norm hidden states. ``attention_mask [B, past + T]`` (0 = padding), ``position_ids`` and
+        ``cache`` (updated in place) switch the sublayers to their inference path."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        ctx = None
+        if cache is not None or attention_mask is not None or position_ids is not None:
+            ctx = InferenceContext.build(cache, attention_mask, position_ids, x.shape[1], x.device)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
-                x = self._gradient_checkpointing_func(layer.__call__, x)
+                x = self._gradient_checkpointing_func(layer.__call__, x, ctx)
             else:
-                x = layer(x)
+                x = layer(x, ctx)
         return self.norm(x)
 
 
-class HybridForCausalLM(HybridPreTrainedModel):
+class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _is_stateful = True  # recurrent states cannot be rolled back (no assisted decoding)
 
     def __init__(self, config: HybridConfig):
         super().__init__(config)
@@ -105,6 +122,10 @@ class HybridForCausalLM(HybridPreTrainedModel):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # generate must not build a DynamicCache: forward(use_cache=True) builds a HybridCache
+
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -113,12 +134,24 @@ class HybridForCausalLM(HybridPreTrainedModel):
         inputs_embeds: Optional[torch.Tensor] = None,
         logits_to_keep: int = 0,
         return_logits: Optional[bool] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        cache: Optional[HybridCache] = None,
+        past_key_values: Optional[HybridCache] = None,
+        use_cache: Optional[bool] = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """``labels`` follow transformers (aligned with ``input_ids``, shifted here); ``shift_labels`` are
         already the next-token targets. With either, the loss is computed chunk-wise and logits are not
-        returned unless ``return_logits=True``. ``logits_to_keep=k`` keeps only the last k positions."""
-        hidden = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds)
+        returned unless ``return_logits=True``. ``logits_to_keep=k`` keeps only the last k positions.
+
+        Generation: ``cache`` (or its older name ``past_key_values``) is a :class:`HybridCache` holding the
+        tokens seen so far, updated in place and returned as ``output.cache``; ``use_cache=True`` creates one.
+        ``attention_mask`` covers cached + new tokens (0 = padding, left padding for batches);
+        ``position_ids`` default to the mask's running count. ``cache_position`` is not needed."""
+        cache = self._resolve_cache(past_key_values if cache is None else cache, use_cache)
+        hidden = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                            position_ids=position_ids, cache=cache)
         loss = None
         if labels is not None and shift_labels is None:
             shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
@@ -130,7 +163,15 @@ class HybridForCausalLM(HybridPreTrainedModel):
                 return CausalLMOutputWithPast(loss=loss, logits=None)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        return CausalLMOutputWithPast(loss=loss, logits=self.lm_head(hidden).float())
+        return CausalLMOutputWithPast(loss=loss, logits=self.lm_head(hidden).float(), **{_CACHE_FIELD: cache})
+
+    def _resolve_cache(self, cache, use_cache: Optional[bool]) -> Optional[HybridCache]:
+        if cache is None:
+            return HybridCache(self.config) if use_cache else None
+        if not isinstance(cache, HybridCache):
+            raise TypeError(f"{type(self).__name__} caches MLA latents and recurrent states: pass a HybridCache "
+                            f"(or use_cache=True), not a {type(cache).__name__}")
+        return cache
 
 
 def _strict_from_pretrained(cls, *args, **kwargs):

@@ -117,3 +117,16 @@ def recurrent_gated_step(q, k, v, g, beta, state, scale):
         v = beta.to(dt).unsqueeze(-1) * (v - torch.einsum("bhk,bhkv->bhv", k, state))
     state = state + k.unsqueeze(-1) * v.unsqueeze(-2)
     return scale * torch.einsum("bhk,bhkv->bhv", q, state), state
+
+
+def gated_recurrence_with_state(q, k, v, g, beta, scale, initial_state=None, chunk_size: int = 64):
+    """Cached inference: continue from ``initial_state`` (None: zeros) and return ``(o, final state)``.
+
+    One token after a state is a decoding step (:func:`recurrent_gated_step`, fp32 state); anything longer
+    (a prompt, or several tokens at once) goes through the chunked form."""
+    if initial_state is not None and q.shape[1] == 1:
+        o, state = recurrent_gated_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], None if beta is None else beta[:, 0],
+                                        initial_state.float(), scale)
+        return o.unsqueeze(1).to(v.dtype), state
+    return chunk_gated_recurrence(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                  output_final_state=True, chunk_size=chunk_size)

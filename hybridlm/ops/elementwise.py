@@ -77,6 +77,24 @@ def conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     return (F.silu(y) if activation in ("silu", "swish") else y), conv_state
 
 
+def short_conv_with_state(x: torch.Tensor, conv_state: Optional[torch.Tensor], weight: torch.Tensor,
+                          bias: Optional[torch.Tensor] = None, activation: Optional[str] = "silu",
+                          triton: bool = False):
+    """:func:`short_conv` continuing from ``conv_state [B, D, W]`` (the last W inputs, as :func:`conv_step`
+    keeps them; None: nothing before, i.e. zeros). Returns ``(y [B, T, D], new conv_state)``."""
+    if conv_state is not None and x.shape[1] == 1:
+        y, conv_state = conv_step(x[:, 0], conv_state.to(x.dtype), weight, bias, activation)
+        return y.unsqueeze(1), conv_state
+    B, T, D = x.shape
+    W = weight.shape[-1]
+    if conv_state is None:
+        conv_state = x.new_zeros(B, D, W)
+    # prepend the W - 1 remembered inputs; outputs at those positions are dropped
+    ext = torch.cat([conv_state[..., 1:].transpose(1, 2).to(x.dtype), x], dim=1)
+    y = short_conv(ext, weight, bias, activation, triton)[:, W - 1:]
+    return y, ext[:, -W:].transpose(1, 2).contiguous()
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, triton: bool = False) -> torch.Tensor:
     if triton:
         from fla.modules.activations import swiglu as fla_swiglu

@@ -4,6 +4,8 @@ import math
 import torch
 from torch import nn
 
+from hybridlm.ops.elementwise import short_conv, short_conv_with_state
+
 
 class ShortConv(nn.Module):
     """Holds a depthwise kernel ``weight [dim, width]`` (and optional bias), initialised like nn.Conv1d."""
@@ -19,3 +21,13 @@ class ShortConv(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
+
+
+def run_short_conv(conv: ShortConv, x: torch.Tensor, triton: bool, cache=None, name: str = "conv") -> torch.Tensor:
+    """``silu(conv(x))``; with a :class:`~hybridlm.model.cache.RecurrentCacheLayer` the conv continues from
+    (and updates) its conv state ``name``."""
+    if cache is None:
+        return short_conv(x, conv.weight, conv.bias, "silu", triton)
+    y, cache.conv_states[name] = short_conv_with_state(x, cache.conv_states.get(name), conv.weight, conv.bias,
+                                                       "silu", triton)
+    return y

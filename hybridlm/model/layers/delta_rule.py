@@ -4,6 +4,11 @@ x -> q, k, v projections -> depthwise causal conv + SiLU -> L2-normalised q, k; 
 a log-decay gate g <= 0 -> gated delta rule -> per-head gated RMSNorm -> o_proj.
 Subclasses define the gate (scalar per head for GDN, per key channel for KDA) and the output gate.
 Grouped value heads (num_v_heads a multiple of num_heads) share each q/k head, as in fla.
+
+With an :class:`~hybridlm.model.cache.InferenceContext` (generation) the convs and the recurrence continue
+from the layer's cached states: a prompt goes through the chunked form, one new token through the
+recurrent step. Padded positions get a zero input: the q/k/v projections and convs have no bias, so q, k, v
+are exactly 0 there and the state does not move (the decay multiplies a zero state under left padding).
 """
 from __future__ import annotations
 
@@ -11,16 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.model.layers.conv import ShortConv
+from hybridlm.model.layers.conv import ShortConv, run_short_conv
 from hybridlm.model.layers.init import init_A_log, init_dt_bias
 from hybridlm.ops.backend import use_triton
-from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, l2_normalize
-from hybridlm.ops.elementwise import gated_rms_norm, short_conv
+from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state, l2_normalize
+from hybridlm.ops.elementwise import gated_rms_norm
 
 
 class DeltaRuleMixer(nn.Module):
     gate_per_key_channel: bool = False  # KDA: True
     output_gate_activation: str = "swish"
+    chunk_size: int = 64  # torch path's chunk length (tests shrink it)
 
     def __init__(self, config, args, layer_idx: int = 0):
         super().__init__()
@@ -60,7 +66,9 @@ class DeltaRuleMixer(nn.Module):
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def triton_delta_rule(self, q, k, v, a, b):
+    def triton_delta_rule(self, q, k, v, a, b, initial_state=None, output_final_state=False):
+        """fla's kernel with the gate, L2 norms and sigmoid fused in; returns ``(o, final state or None)``.
+        One token continuing a state goes through the fused recurrent kernel."""
         raise NotImplementedError
 
     # -------------------------------------------------------------------------------------------
@@ -75,23 +83,33 @@ class DeltaRuleMixer(nn.Module):
         g = -self.A_log.float().exp().view(-1, 1) * F.softplus(a)
         return g if self.gate_per_key_channel else g.squeeze(-1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         B, T, _ = x.shape
         triton = use_triton(self.backend, x)
-        q = short_conv(self.q_proj(x), self.q_conv1d.weight, self.q_conv1d.bias, "silu", triton)
-        k = short_conv(self.k_proj(x), self.k_conv1d.weight, self.k_conv1d.bias, "silu", triton)
-        v = short_conv(self.v_proj(x), self.v_conv1d.weight, self.v_conv1d.bias, "silu", triton)
+        cache = None
+        if ctx is not None:  # generation: cached states and padding
+            cache = ctx.layer(self.layer_idx)
+            x = ctx.zero_padding(x)
+        q = run_short_conv(self.q_conv1d, self.q_proj(x), triton, cache, "q")
+        k = run_short_conv(self.k_conv1d, self.k_proj(x), triton, cache, "k")
+        v = run_short_conv(self.v_conv1d, self.v_proj(x), triton, cache, "v")
         q = q.view(B, T, self.num_heads, self.head_k_dim)
         k = k.view(B, T, self.num_heads, self.head_k_dim)
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)
         a, b = self.gate_input(x), self.b_proj(x)
+        state = None if cache is None else cache.state
         if triton:
-            o = self.triton_delta_rule(q, k, v, a, b)
+            o, state = self.triton_delta_rule(q, k, v, a, b, initial_state=state, output_final_state=cache is not None)
         else:
             groups = self.num_v_heads // self.num_heads
             q, k = (l2_normalize(t.float()).repeat_interleave(groups, dim=2) for t in (q, k))
-            o, _ = chunk_gated_recurrence(q, k, v, self.log_decay(a), torch.sigmoid(b.float()),
-                                          scale=self.head_k_dim ** -0.5)
+            g, beta, scale = self.log_decay(a), torch.sigmoid(b.float()), self.head_k_dim ** -0.5
+            if cache is None:
+                o, _ = chunk_gated_recurrence(q, k, v, g, beta, scale=scale, chunk_size=self.chunk_size)
+            else:
+                o, state = gated_recurrence_with_state(q, k, v, g, beta, scale, state, self.chunk_size)
+        if cache is not None:
+            cache.advance(state, T)
         gate = self.output_gate(x).view(B, T, self.num_v_heads, self.head_v_dim)
         o = gated_rms_norm(o, gate, self.o_norm_weight, self.norm_eps,
                            activation=self.output_gate_activation, triton=triton)

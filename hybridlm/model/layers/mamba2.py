@@ -8,6 +8,11 @@ log-decay g = A * dt (A = -exp(A_log)) and scale 1, so the Triton path is fla's 
 the torch path is :func:`hybridlm.ops.chunked_recurrence.chunk_gated_recurrence` without a delta rule.
 ``d_xb`` (MambaInLlama) projects x and B to fewer channels and repeats them across heads after the conv,
 mirroring grouped-query attention.
+
+With an :class:`~hybridlm.model.cache.InferenceContext` (generation) the conv and the SSD continue from the
+layer's cached states (chunked form for a prompt, recurrent step for one token). Padding is zeroed at the
+input (in_proj has no bias, so the conv sees zeros) and again after the conv, whose bias would otherwise
+put non-zero B and x into the state.
 """
 from __future__ import annotations
 
@@ -15,14 +20,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.model.layers.conv import ShortConv
+from hybridlm.model.layers.conv import ShortConv, run_short_conv
 from hybridlm.model.layers.init import init_A_log, init_dt_bias
 from hybridlm.ops.backend import use_triton
-from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence
-from hybridlm.ops.elementwise import gated_rms_norm, short_conv
+from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state
+from hybridlm.ops.elementwise import gated_rms_norm
 
 
 class Mamba2(nn.Module):
+    chunk_size: int = 64  # torch path's chunk length (tests shrink it)
+
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         a = config.mixer_args("mamba2")
@@ -59,11 +66,17 @@ class Mamba2(nn.Module):
         B, T, _ = t.shape
         return t.view(B, T, groups, per_head).repeat_interleave(self.num_heads // groups, dim=2)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, ctx=None) -> torch.Tensor:
         Bsz, T, _ = hidden.shape
         triton = use_triton(self.backend, hidden)
+        cache = None
+        if ctx is not None:  # generation: cached states and padding
+            cache = ctx.layer(self.layer_idx)
+            hidden = ctx.zero_padding(hidden)
         z, xbc, dt = self.in_proj(hidden).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
-        xbc = short_conv(xbc, self.conv1d.weight, self.conv1d.bias, "silu", triton)
+        xbc = run_short_conv(self.conv1d, xbc, triton, cache)
+        if ctx is not None:
+            xbc = ctx.zero_padding(xbc)
         x, b, c = xbc.split([self.d_xb, self.d_b, self.n_groups * self.d_state], dim=-1)
         x = self._repeat_heads(x, self.d_xb // self.head_dim, self.head_dim)            # [B,T,H,P]
         b = self._repeat_heads(b, self.d_b // self.d_state, self.d_state)               # [B,T,H,N]
@@ -72,12 +85,23 @@ class Mamba2(nn.Module):
         g = -self.A_log.float().exp() * dt
         v = x.float() * dt.unsqueeze(-1)
         if triton:
-            from fla.ops.simple_gla import chunk_simple_gla
-            y, _ = chunk_simple_gla(q=c, k=b, v=v.to(x.dtype), g=g, scale=1.0)
+            y, state = self._triton_ssd(c, b, v.to(x.dtype), g, cache)
+        elif cache is None:
+            y, _ = chunk_gated_recurrence(c, b, v, g, beta=None, scale=1.0, chunk_size=self.chunk_size)
         else:
-            y, _ = chunk_gated_recurrence(c, b, v, g, beta=None, scale=1.0)
+            y, state = gated_recurrence_with_state(c, b, v, g, None, 1.0, cache.state, self.chunk_size)
+        if cache is not None:
+            cache.advance(state, T)
         y = y.float() + self.D.float().view(-1, 1) * x.float()
         y = gated_rms_norm(y.reshape(Bsz, T, self.d_inner), z, self.norm_weight, self.norm_eps,
                            activation="swish", norm_before_gate=False,
                            group_size=self.d_inner // self.n_groups, triton=triton)
         return self.out_proj(y.to(hidden.dtype))
+
+    @staticmethod
+    def _triton_ssd(c, b, v, g, cache):
+        """fla's simple GLA; one token continuing a cached state goes through the fused recurrent kernel."""
+        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+        state = None if cache is None else cache.state
+        op = fused_recurrent_simple_gla if state is not None and v.shape[1] == 1 else chunk_simple_gla
+        return op(q=c, k=b, v=v, g=g, scale=1.0, initial_state=state, output_final_state=cache is not None)

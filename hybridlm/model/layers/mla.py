@@ -6,6 +6,12 @@ k_nope, v = kv_b(norm(c_kv))             -> per head
 RoPE only on the rope dims; softmax scale (qk_nope + qk_rope)^-1/2.
 A KV cache needs only c_kv and k_rope per token: kv_lora_rank + qk_rope_head_dim values.
 ``latent_norm: false`` drops the two latent RMSNorms (exact SVD upcycling needs a linear path).
+
+Generation (an :class:`~hybridlm.model.cache.InferenceContext`): the prompt runs the expanded form above and
+stores ``norm(c_kv)`` and the rotated ``k_rope`` in the cache; later tokens attend to the cache directly in
+the latent space, with kv_b's key rows absorbed into the query and its value rows into the output:
+``q_nope . (W_UK c) = (W_UK^T q_nope) . c`` and ``sum_s p_s W_UV c_s = W_UV sum_s p_s c_s``.
+Padded keys are masked out and RoPE positions come per sequence from the attention mask.
 """
 from __future__ import annotations
 
@@ -45,19 +51,58 @@ class MultiHeadLatentAttention(nn.Module):
             return self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
         return self.q_proj(x)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         B, T, _ = x.shape
-        H = self.num_heads
-        positions = torch.arange(T, device=x.device) if positions is None else positions
+        if ctx is None:  # training: causal attention over the whole input
+            q_nope, q_rope, latent, k_rope = self._project(x, torch.arange(T, device=x.device))
+            o = self._attend_expanded(q_nope, q_rope, latent, k_rope, None)
+        else:
+            o = self._attend_cached(x, ctx)
+        return self.o_proj(o.reshape(B, T, self.num_heads * self.v_dim))
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+        """Queries ``q_nope [B,T,H,nope]``, rotated ``q_rope [B,T,H,rope]``, and what a cache keeps per token:
+        ``latent = norm(c_kv) [B,T,r_kv]`` and the rotated shared ``k_rope [B,T,rope]``."""
+        B, T, _ = x.shape
         cos, sin = rope_cos_sin(positions, self.rope, self.rope_theta)
-        q = self.project_q(x).view(B, T, H, self.nope + self.rope)
+        q = self.project_q(x).view(B, T, self.num_heads, self.nope + self.rope)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         c_kv, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_norm(c_kv)).view(B, T, H, self.nope + self.v_dim)
+        k_rope = apply_rope(k_rope.view(B, T, 1, self.rope), cos, sin).squeeze(2)
+        return q_nope, apply_rope(q_rope, cos, sin), self.kv_a_norm(c_kv), k_rope
+
+    def _attend_expanded(self, q_nope, q_rope, latent, k_rope, mask):
+        """Per-head keys and values decompressed from the latent by kv_b, then SDPA (causal when ``mask`` is None).
+        Returns ``[B, T, H, v_dim]``."""
+        B, S, H = latent.shape[0], latent.shape[1], self.num_heads
+        kv = self.kv_b_proj(latent).view(B, S, H, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q_rope = apply_rope(q_rope, cos, sin)
-        k_rope = apply_rope(k_rope.view(B, T, 1, self.rope), cos, sin).expand(B, T, H, self.rope)
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)
-        k = torch.cat([k_nope, k_rope], dim=-1).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, H * self.v_dim))
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, S, H, self.rope)], dim=-1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
+                                           scale=self.scale)
+        return o.transpose(1, 2)
+
+    def _attend_absorbed(self, q_nope, q_rope, latent, k_rope, mask):
+        """Attention straight against the latents ``[B, S, r_kv]`` (``mask`` None: every key is visible).
+        Returns ``[B, T, H, v_dim]``."""
+        H = self.num_heads
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
+        q = torch.cat([torch.einsum("bthn,hnr->bhtr", q_nope, w_uk), q_rope.transpose(1, 2)], dim=-1)
+        k = torch.cat([latent, k_rope], dim=-1).unsqueeze(1).expand(-1, H, -1, -1)  # one key head shared by all
+        o = F.scaled_dot_product_attention(q, k, latent.unsqueeze(1).expand(-1, H, -1, -1), attn_mask=mask,
+                                           scale=self.scale)
+        return torch.einsum("bhtr,hvr->bthv", o, w_uv)
+
+    def _attend_cached(self, x, ctx):
+        """A prompt (nothing cached yet) takes the expanded form; later tokens the absorbed one over the cache."""
+        q_nope, q_rope, latent, k_rope = self._project(x, ctx.positions)
+        cache = ctx.layer(self.layer_idx)
+        mask = ctx.attention_mask(x.shape[1])
+        if cache is None or ctx.past_length == 0:
+            if cache is not None:
+                cache.update(latent, k_rope)
+            return self._attend_expanded(q_nope, q_rope, latent, k_rope, mask)
+        latent, k_rope = cache.update(latent, k_rope)
+        return self._attend_absorbed(q_nope, q_rope, latent, k_rope, mask)

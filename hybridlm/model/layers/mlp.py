@@ -15,5 +15,5 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(f, d, bias=False)
         self.backend = config.backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:  # position-wise: nothing to cache or mask
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), triton=use_triton(self.backend, x)))
