@@ -5,7 +5,7 @@ export HYBRIDLM_CACHE=/tmp/hybridlm-cache
 # fla asks Triton to cache autotune results on disk; a shared folder lets later processes reuse them,
 # and the results carried back in .xfer/autotune.tar.xz spare the next machine the minutes of tuning.
 export TRITON_CACHE_DIR=/tmp/triton-cache
-LOGS=$OUT/logs
+LOGS=/tmp/device-logs   # raw logs stay here; pack_out bundles them (at most 8 files come back from $OUT)
 mkdir -p "$HYBRIDLM_CACHE" "$TRITON_CACHE_DIR" "$LOGS"
 # the shards' metadata names tokenizer and sources by their paths on the machine that prepared them
 relocate_meta() { sed -i "s#$(cat .xfer/cache_root.txt)#$HYBRIDLM_CACHE#g" data_cache/*/meta.json; }
@@ -17,8 +17,10 @@ if [ ! -f "$HYBRIDLM_CACHE/.unpacked" ]; then  # once per machine: later calls t
   touch "$HYBRIDLM_CACHE/.unpacked"
 fi
 
-finish_device_run() {
-  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar cJf "$OUT/autotune.tar.xz" -T -)
-  tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
-  ls -la "$OUT"
+# Call after every phase: a call cut off by its time limit still returns what the finished phases wrote.
+pack_out() {
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar cJf "$OUT/autotune.tar.xz.tmp" -T -) \
+    && mv "$OUT/autotune.tar.xz.tmp" "$OUT/autotune.tar.xz"
+  tar czf "$OUT/logs.tar.gz.tmp" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" && mv "$OUT/logs.tar.gz.tmp" "$OUT/logs.tar.gz"
 }
+finish_device_run() { pack_out; ls -la "$OUT"; }

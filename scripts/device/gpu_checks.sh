@@ -14,7 +14,7 @@ START=$SECONDS
 stamp() { echo "[$((SECONDS - START))s] $*"; }
 left() { echo $(( ${DEADLINE:-540} - (SECONDS - START) )); }  # seconds left before the logs must be packed
 
-export HYBRIDLM_PARITY_LOG=$OUT/parity.jsonl
+export HYBRIDLM_PARITY_LOG=$LOGS/parity.jsonl
 stamp "sublayer parity tests"
 for kind in ${KINDS:-gdn kda mamba2 mla mlp}; do
   for dtype in float32 bfloat16; do
@@ -33,15 +33,15 @@ PRETRAIN_ARGS=(--config configs/experiments/gdn_300m.yaml data.path=data_cache/j
 stamp "pretrain on 1 GPU"
 CUDA_VISIBLE_DEVICES=1 timeout $(( $(left) < 240 ? $(left) : 240 )) deepspeed --master_port 29511 --num_gpus 1 pretrain.py "${PRETRAIN_ARGS[@]}" \
   run.output_dir=/tmp/runs/gdn_1gpu > "$LOGS/pretrain_1gpu.log" 2>&1
-stamp "pretrain on 1 GPU: exit $?"
+stamp "pretrain on 1 GPU: exit $?"; pack_out
 timeout $(( $(left) < 200 ? $(left) : 200 )) deepspeed --master_port 29512 --num_gpus 2 pretrain.py "${PRETRAIN_ARGS[@]}" \
   run.output_dir=/tmp/runs/gdn_2gpu > "$LOGS/pretrain_2gpu.log" 2>&1
-stamp "pretrain on 2 GPUs: exit $?"
+stamp "pretrain on 2 GPUs: exit $?"; pack_out
 cp /tmp/runs/gdn_1gpu/metrics.jsonl "$LOGS/metrics_1gpu.jsonl" 2>/dev/null
 cp /tmp/runs/gdn_2gpu/metrics.jsonl "$LOGS/metrics_2gpu.jsonl" 2>/dev/null
 
 wait
-stamp "sublayer parity tests done"
+stamp "sublayer parity tests done"; pack_out
 grep -h -E "passed|failed|error" "$LOGS"/pytest_*.log
 CUDA_VISIBLE_DEVICES=1 timeout $(left) python3 -m pytest -q -m gpu -o addopts= tests/gpu -k whole_model \
   > "$LOGS/pytest_model.log" 2>&1 &
