@@ -43,12 +43,12 @@ cp /tmp/runs/gdn_2gpu/metrics.jsonl "$LOGS/metrics_2gpu.jsonl" 2>/dev/null
 wait
 stamp "sublayer parity tests done"; pack_out
 grep -h -E "passed|failed|error" "$LOGS"/pytest_*.log
-CUDA_VISIBLE_DEVICES=1 timeout $(left) python3 -m pytest -q -m gpu -o addopts= tests/gpu -k whole_model \
-  > "$LOGS/pytest_model.log" 2>&1 &
+CUDA_VISIBLE_DEVICES=1 timeout $(left) python3 -m pytest -q -m gpu -o addopts= tests/gpu -k "whole_model or generation" \
+  > "$LOGS/pytest_model_generation.log" 2>&1 &
 CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 -m hybridlm.bench.mixers --out "$OUT/mixers.json" --dtypes --kinds ${KINDS:-gdn kda mamba2 mla mlp} \
   > "$LOGS/bench_mixers.log" 2>&1
 stamp "mixer timing: exit $?"
 wait
 stamp "all done"
-tail -n 3 "$LOGS/pytest_model.log"
+tail -n 3 "$LOGS/pytest_model_generation.log"
 finish_device_run
