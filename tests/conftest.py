@@ -10,6 +10,28 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def subprocess_env(**extra) -> dict:
+    """Environment for a CLI subprocess on CPU: the repo importable, DeepSpeed on CPU, and without the
+    rendezvous variables a process group opened by an earlier test leaves in os.environ."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
+    env.update(DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="session")
+def austen_data(tmp_path_factory):
+    """The real embedded-default corpus (Jane Austen, Llama-3.2 tokenizer), prepared once per session."""
+    from hybridlm.data import DataConfig, ensure_prepared
+    out = tmp_path_factory.mktemp("data") / "austen"
+    ensure_prepared(DataConfig(path=str(out), sources=["asset:janeausten"], tokenizer="asset:llama3.2",
+                               seq_len=32, num_proc=1), progress=False)
+    return out
+
+
 def tiny_config(pattern="*-G-K-S-", mixer="gdn", **overrides):
     """A small hybrid with every sublayer kind; shapes only, random weights."""
     from hybridlm.model import HybridConfig

@@ -15,6 +15,7 @@ import torch
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import build_dataclass
+from conftest import subprocess_env
 from hybridlm.engine import (
     CheckpointError,
     Engine,
@@ -379,9 +380,7 @@ def test_distributed_helpers_single_process():
 # until the cause is found. fp32 keeps the same assertions in the default run.
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_two_rank_zero1_shards_state_and_matches_one_rank(tmp_path, precision):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env = subprocess_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            WORKER_PATH, "--out", str(tmp_path), "--precision", precision, "--steps", "6", "--save-at", "3",

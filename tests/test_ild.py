@@ -1,6 +1,5 @@
 """Intermediate Layer Distillation: teacher-forced per-layer loss and the ``upcycle ild`` stage."""
 import json
-import os
 import subprocess
 import sys
 
@@ -8,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO, SHARED_DATA, save_tiny_llama
+from conftest import REPO, SHARED_DATA, save_tiny_llama, subprocess_env
 from distill.ild import ild_loss, teacher_trace
 from hybridlm.model import HybridForCausalLM
 from upcycle.init_mamba import init_student_from_teacher
@@ -64,8 +63,7 @@ def test_ild_stage_trains_exports_and_skips_when_done(tmp_path, teacher_dir):
     alpaca = SHARED_DATA / "alpaca_en_demo.json"
     if not alpaca.is_file():
         pytest.skip("shared data not present")
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env.update(DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    env = subprocess_env()
     init = subprocess.run([sys.executable, "-m", "upcycle.cli", "init", "--teacher", str(teacher_dir), "--out",
                            str(tmp_path / "init"), "--kv-rank", "32", "--rope-dim", "8"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)

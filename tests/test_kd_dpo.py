@@ -1,7 +1,6 @@
 """KD-SFT loss, chat SFT data and batches, and the ``kd`` / ``dpo`` stages end to end (CPU, tiny models)."""
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO, SHARED_DATA, tiny_config
+from conftest import REPO, SHARED_DATA, tiny_config, subprocess_env
 from distill.kd import KDConfig, kd_loss
 from distill.preference_data import PreferencePair, tokenize_pair
 from hybridlm.config.errors import ConfigError
@@ -249,9 +248,7 @@ def stages(tmp_path_factory):
     teacher = tmp / "teacher"
     LlamaForCausalLM(cfg).save_pretrained(teacher)
     tok.save_pretrained(teacher)
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
-                                                            "WORLD_SIZE")}
-    env.update(DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    env = subprocess_env()
     init = subprocess.run([sys.executable, "-m", "upcycle.cli", "init", "--teacher", str(teacher), "--out",
                            str(tmp / "init"), "--kv-rank", "32", "--rope-dim", "8"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -4,7 +4,6 @@ Every run here is a subprocess of ``pretrain.py``; faults (SIGKILL, NaN losses) 
 through hybridlm.training.faults.
 """
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, subprocess_env
 
 TINY_MODEL = [
     "model.hidden_size=32", "model.intermediate_size=64",
@@ -23,14 +22,6 @@ TINY_MODEL = [
 ]
 
 
-@pytest.fixture(scope="session")
-def austen_data(tmp_path_factory):
-    """The real embedded-default corpus, prepared once per session."""
-    from hybridlm.data import DataConfig, ensure_prepared
-    out = tmp_path_factory.mktemp("data") / "austen"
-    ensure_prepared(DataConfig(path=str(out), sources=["asset:janeausten"], tokenizer="asset:llama3.2",
-                               seq_len=32, num_proc=1), progress=False)
-    return out
 
 
 def run_pretrain(out_dir, data, *extra, env=None, nproc=1, check=True, timeout=600):
@@ -38,10 +29,7 @@ def run_pretrain(out_dir, data, *extra, env=None, nproc=1, check=True, timeout=6
             "data.seq_len=32", "data.val_max_batches=2", "optim.micro_batch_size=2", "optim.global_batch_size=4",
             "optim.warmup_steps=2", "optim.max_steps=8", f"run.output_dir={out_dir}", "run.eval_interval=4",
             "run.save_interval=3", "run.sample_tokens=4", "run.progress=false", *TINY_MODEL, *extra]
-    # a process group opened by another test in this interpreter leaves its rendezvous in os.environ
-    inherited = {k: v for k, v in os.environ.items()
-                 if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    full_env = {**inherited, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = subprocess_env(**(env or {}))
     if nproc == 1:
         cmd = [sys.executable, "pretrain.py", *args]
     else:

@@ -2,13 +2,12 @@
 rerun that skips every finished stage."""
 import json
 import math
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, SHARED_DATA, save_tiny_llama
+from conftest import REPO, SHARED_DATA, save_tiny_llama, subprocess_env
 from hybridlm.eval.perplexity import perplexity
 from upcycle.route_report import heldout_windows
 from upcycle.teacher import load_teacher
@@ -28,8 +27,7 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
                  f"dpo.data.path={SHARED_DATA / 'dpo_en_demo.json'}", "dpo.data.max_length=64",
                  "dpo.data.max_prompt_length=32", "report.seq_len=32", "report.max_tokens=256"]
     overrides += [f"{stage}.{o}" for stage in ("ild", "kd", "dpo") for o in small]
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env.update(DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    env = subprocess_env()
     cmd = [sys.executable, "-m", "upcycle.cli", "run", "--config", "configs/upcycle/smollm2_route_cpu.yaml", *overrides]
     first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]

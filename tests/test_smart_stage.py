@@ -3,7 +3,6 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.model import HybridForCausalLM
+from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 ALPACA = Path(__file__).resolve().parents[2] / "shared" / "data" / "alpaca_en_demo.json"
@@ -23,9 +23,7 @@ needs_data = pytest.mark.skipif(not ALPACA.is_file(), reason="shared data (alpac
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env.update(DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
-    return env
+    return subprocess_env()
 
 
 def _make_upcycled(root: Path, n_kv: int, rope_dim: int) -> dict:

@@ -6,7 +6,6 @@ recorded as skipped.
 """
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO
+from conftest import REPO, subprocess_env
 from hybridlm.bench import flops as F
 
 
@@ -102,20 +101,11 @@ def test_find_max_batch_takes_the_largest_that_fits():
         measure("x", "ours", fn, [64], catch_oom=False, args=args, world=2)
 
 
-@pytest.fixture(scope="module")
-def austen_data(tmp_path_factory):
-    from hybridlm.data import DataConfig, ensure_prepared
-    out = tmp_path_factory.mktemp("data") / "austen"
-    ensure_prepared(DataConfig(path=str(out), sources=["asset:janeausten"], tokenizer="asset:llama3.2",
-                               seq_len=32, num_proc=1), progress=False)
-    return out
 
 
 def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     out = tmp_path / "bench"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    env.update(DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+    env = subprocess_env()
     cmd = [sys.executable, "-m", "hybridlm.bench.train_speed", "--out", str(out), "--data", str(austen_data),
            "--configs", "tiny_hybrid", "--peers", "llama:tiny_hybrid", "fla_gdn", "--micro-batch", "2",
            "--seq", "32", "--steps", "2", "--warmup", "1"]
