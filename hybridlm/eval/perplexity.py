@@ -2,23 +2,33 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Optional
 
 import torch
 import torch.nn.functional as F
 
 
-def token_windows(tokenizer, texts: Iterable[str], seq_len: int, max_tokens: int) -> List[torch.Tensor]:
-    """Consecutive non-overlapping windows of ``seq_len + 1`` tokens (EOS between texts), up to ``max_tokens``."""
+def token_stream(tokenizer, texts: Iterable[str], limit: Optional[int] = None) -> List[int]:
+    """Token ids of the texts, each followed by EOS, no other special tokens; stops once ``limit`` ids are read."""
     ids: List[int] = []
     for text in texts:
         ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
         if tokenizer.eos_token_id is not None:
             ids.append(tokenizer.eos_token_id)
-        if len(ids) >= max_tokens + seq_len + 1:
+        if limit is not None and len(ids) >= limit:
             break
+    return ids
+
+
+def windows_from_ids(ids: List[int], seq_len: int, max_tokens: int) -> List[torch.Tensor]:
+    """Consecutive non-overlapping windows of ``seq_len + 1`` ids (``seq_len`` targets each), up to ``max_tokens`` targets."""
     n = min(len(ids) - 1, max_tokens) // seq_len
     return [torch.tensor(ids[i * seq_len: (i + 1) * seq_len + 1]) for i in range(n)]
+
+
+def token_windows(tokenizer, texts: Iterable[str], seq_len: int, max_tokens: int) -> List[torch.Tensor]:
+    """Consecutive non-overlapping windows of ``seq_len + 1`` tokens (EOS between texts), up to ``max_tokens``."""
+    return windows_from_ids(token_stream(tokenizer, texts, max_tokens + seq_len + 1), seq_len, max_tokens)
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ it between steps. :class:`InferenceContext` is what the sublayers see of one cac
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
 import torch
@@ -76,36 +76,48 @@ class CacheLayer:
 
 
 class LatentCacheLayer(CacheLayer):
-    """An MLA layer's cache: ``latent [B, S, kv_lora_rank]`` and ``k_rope [B, S, qk_rope_head_dim]``."""
+    """An MLA layer's cache: ``latent [B, S, kv_lora_rank]`` and ``k_rope [B, S, qk_rope_head_dim]``, held as
+    one joint tensor ``kv [B, S, kv_lora_rank + qk_rope_head_dim]`` (``latent`` and ``k_rope`` are views of it):
+    the absorbed decode attends with ``kv`` itself as the key, so no per-step concatenation is needed."""
 
     def __init__(self):
-        self.latent: Optional[torch.Tensor] = None
-        self.k_rope: Optional[torch.Tensor] = None
+        self.kv: Optional[torch.Tensor] = None
+        self.kv_lora_rank = 0
+
+    @property
+    def latent(self) -> Optional[torch.Tensor]:
+        return None if self.kv is None else self.kv[..., :self.kv_lora_rank]
+
+    @property
+    def k_rope(self) -> Optional[torch.Tensor]:
+        return None if self.kv is None else self.kv[..., self.kv_lora_rank:]
 
     def tensors(self):
-        return {} if self.latent is None else {"latent": self.latent, "k_rope": self.k_rope}
+        return {} if self.kv is None else {"latent": self.latent, "k_rope": self.k_rope}
 
-    def update(self, latent: torch.Tensor, k_rope: torch.Tensor):
-        """Append the new tokens' entries; returns the whole cached ``(latent, k_rope)``."""
-        if self.latent is None:
-            self.latent, self.k_rope = latent, k_rope
-        else:
-            self.latent = torch.cat([self.latent, latent], dim=1)
-            self.k_rope = torch.cat([self.k_rope, k_rope], dim=1)
-        return self.latent, self.k_rope
+    def _map(self, fn):
+        if self.kv is not None:
+            self.kv = fn(self.kv)
+
+    def update(self, latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+        """Append the new tokens' entries; returns the whole cached ``kv = [latent | k_rope]`` ``[B, S, r + rope]``."""
+        new = torch.cat([latent, k_rope], dim=-1)
+        self.kv_lora_rank = latent.shape[-1]
+        self.kv = new if self.kv is None else torch.cat([self.kv, new], dim=1)
+        return self.kv
 
     def get_seq_length(self) -> int:
-        return 0 if self.latent is None else self.latent.shape[1]
+        return 0 if self.kv is None else self.kv.shape[1]
 
     def bytes_per_token(self) -> int:
         """Bytes one token of one sequence occupies: (kv_lora_rank + qk_rope_head_dim) * dtype size."""
-        return sum(t.shape[-1] * t.element_size() for t in self.tensors().values())
+        return 0 if self.kv is None else self.kv.shape[-1] * self.kv.element_size()
 
     def crop(self, tokens_to_remove: int) -> None:
         self._map(lambda t: t[:, :_kept_length(self.get_seq_length(), tokens_to_remove)])
 
     def reset(self) -> None:
-        self.latent = self.k_rope = None
+        self.kv = None
 
 
 class RecurrentCacheLayer(CacheLayer):
@@ -199,6 +211,7 @@ class InferenceContext:
     key_mask: Optional[torch.Tensor]
     positions: torch.Tensor
     past_length: int
+    _rope: Dict[tuple, tuple] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, cache: Optional[HybridCache], attention_mask: Optional[torch.Tensor],
@@ -223,6 +236,15 @@ class InferenceContext:
 
     def layer(self, idx: int):
         return None if self.cache is None else self.cache.layers[idx]
+
+    def rope_cos_sin(self, dim: int, theta: float):
+        """RoPE ``cos, sin`` tables of :attr:`positions`, computed once per forward and shared by every MLA
+        layer of that shape (decoding would otherwise rebuild them in each layer at each step)."""
+        key = (dim, float(theta))
+        if key not in self._rope:
+            from hybridlm.model.layers.rope import rope_cos_sin
+            self._rope[key] = rope_cos_sin(self.positions, dim, theta)
+        return self._rope[key]
 
     def zero_padding(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, T, ...]`` with padded positions set to 0 (``where``, not a product: padding may hold inf/nan)."""

@@ -102,7 +102,9 @@ class DeltaRuleMixer(nn.Module):
             o, state = self.triton_delta_rule(q, k, v, a, b, initial_state=state, output_final_state=cache is not None)
         else:
             groups = self.num_v_heads // self.num_heads
-            q, k = (l2_normalize(t.float()).repeat_interleave(groups, dim=2) for t in (q, k))
+            q, k = (l2_normalize(t.float()) for t in (q, k))
+            if groups > 1:
+                q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
             g, beta, scale = self.log_decay(a), torch.sigmoid(b.float()), self.head_k_dim ** -0.5
             if cache is None:
                 o, _ = chunk_gated_recurrence(q, k, v, g, beta, scale=scale, chunk_size=self.chunk_size)

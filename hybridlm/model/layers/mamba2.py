@@ -64,7 +64,8 @@ class Mamba2(nn.Module):
     def _repeat_heads(self, t: torch.Tensor, groups: int, per_head: int) -> torch.Tensor:
         """[B, T, groups * per_head] -> [B, T, num_heads, per_head], each group serving consecutive heads."""
         B, T, _ = t.shape
-        return t.view(B, T, groups, per_head).repeat_interleave(self.num_heads // groups, dim=2)
+        t = t.view(B, T, groups, per_head)
+        return t if groups == self.num_heads else t.repeat_interleave(self.num_heads // groups, dim=2)
 
     def forward(self, hidden: torch.Tensor, ctx=None) -> torch.Tensor:
         Bsz, T, _ = hidden.shape

@@ -60,11 +60,12 @@ class MultiHeadLatentAttention(nn.Module):
             o = self._attend_cached(x, ctx)
         return self.o_proj(o.reshape(B, T, self.num_heads * self.v_dim))
 
-    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+    def _project(self, x: torch.Tensor, positions: torch.Tensor, cos_sin=None):
         """Queries ``q_nope [B,T,H,nope]``, rotated ``q_rope [B,T,H,rope]``, and what a cache keeps per token:
-        ``latent = norm(c_kv) [B,T,r_kv]`` and the rotated shared ``k_rope [B,T,rope]``."""
+        ``latent = norm(c_kv) [B,T,r_kv]`` and the rotated shared ``k_rope [B,T,rope]``. ``cos_sin``: the RoPE
+        tables of ``positions`` when already computed (one inference forward shares them across layers)."""
         B, T, _ = x.shape
-        cos, sin = rope_cos_sin(positions, self.rope, self.rope_theta)
+        cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(positions, self.rope, self.rope_theta)
         q = self.project_q(x).view(B, T, self.num_heads, self.nope + self.rope)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         c_kv, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, self.rope], dim=-1)
@@ -83,26 +84,35 @@ class MultiHeadLatentAttention(nn.Module):
                                            scale=self.scale)
         return o.transpose(1, 2)
 
-    def _attend_absorbed(self, q_nope, q_rope, latent, k_rope, mask):
-        """Attention straight against the latents ``[B, S, r_kv]`` (``mask`` None: every key is visible).
-        Returns ``[B, T, H, v_dim]``."""
-        H = self.num_heads
-        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.kv_lora_rank)
+    def _attend_absorbed(self, q_nope, q_rope, kv, mask):
+        """Attention straight against the cached ``kv = [latent | k_rope]`` ``[B, S, r_kv + rope]`` (``mask``
+        ``[B|1, 1, T, S]``, None: every key is visible). Returns ``[B, T, H, v_dim]``.
+
+        The one key "head" is shared by all query heads, so the heads are folded into the query length
+        (``[B, 1, H*T, r_kv + rope]`` against ``[B, 1, S, r_kv + rope]``): the latents are read once per layer,
+        not once per head through an expanded view. ``kv`` itself also serves as the value (its rope columns
+        are dropped from the output): q, k and v then share one head size, which lets SDPA pick its flash
+        kernel on GPU, and nothing is sliced or copied per step."""
+        B, T, H = q_nope.shape[0], q_nope.shape[1], self.num_heads
+        r = self.kv_lora_rank
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, r)
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
         q = torch.cat([torch.einsum("bthn,hnr->bhtr", q_nope, w_uk), q_rope.transpose(1, 2)], dim=-1)
-        k = torch.cat([latent, k_rope], dim=-1).unsqueeze(1).expand(-1, H, -1, -1)  # one key head shared by all
-        o = F.scaled_dot_product_attention(q, k, latent.unsqueeze(1).expand(-1, H, -1, -1), attn_mask=mask,
-                                           scale=self.scale)
-        return torch.einsum("bhtr,hvr->bthv", o, w_uv)
+        q = q.reshape(B, 1, H * T, q.shape[-1])
+        if mask is not None:  # [B|1, 1, T, S] -> the same rows for every head: [B|1, 1, H*T, S]
+            mask = mask.reshape(-1, 1, T, mask.shape[-1])
+            mask = mask.unsqueeze(2).expand(mask.shape[0], 1, H, T, mask.shape[-1]).reshape(mask.shape[0], 1, H * T, -1)
+        k = kv.unsqueeze(1)
+        o = F.scaled_dot_product_attention(q, k, k, attn_mask=mask, scale=self.scale)  # [B, 1, H*T, r + rope]
+        return torch.einsum("bhtr,hvr->bthv", o[..., :r].reshape(B, H, T, r), w_uv)
 
     def _attend_cached(self, x, ctx):
         """A prompt (nothing cached yet) takes the expanded form; later tokens the absorbed one over the cache."""
-        q_nope, q_rope, latent, k_rope = self._project(x, ctx.positions)
+        q_nope, q_rope, latent, k_rope = self._project(x, ctx.positions, ctx.rope_cos_sin(self.rope, self.rope_theta))
         cache = ctx.layer(self.layer_idx)
         mask = ctx.attention_mask(x.shape[1])
         if cache is None or ctx.past_length == 0:
             if cache is not None:
                 cache.update(latent, k_rope)
             return self._attend_expanded(q_nope, q_rope, latent, k_rope, mask)
-        latent, k_rope = cache.update(latent, k_rope)
-        return self._attend_absorbed(q_nope, q_rope, latent, k_rope, mask)
+        return self._attend_absorbed(q_nope, q_rope, cache.update(latent, k_rope), mask)

@@ -1,0 +1,633 @@
+"""Generation throughput and memory of an upcycled hybrid against its Llama teacher (issue #6).
+
+    python -m hybridlm.bench.generation --hybrid DIR --teacher DIR_OR_ASSET --out DIR \\
+        [--prompt-lens 1024 8192] [--new-tokens 1024] [--batches 1 8 16 32 48 64 96 128] \\
+        [--dtype bf16] [--repeats 1] [--warmup-steps 4] [--models hybrid teacher] [--check-generate N]
+    python -m hybridlm.bench.generation --merge A.json B.json --out DIR   # join runs, redraw
+
+**Models.** The hybrid is loaded with ``HybridForCausalLM.from_pretrained`` (its own backend: fla's Triton
+kernels on CUDA) and decodes with its :class:`~hybridlm.model.cache.HybridCache` (MLA layers cache the latent
++ RoPE key only, mixers a constant recurrent + conv state). The teacher is loaded by
+:func:`upcycle.teacher.load_teacher` (transformers ``LlamaForCausalLM``, ``sdpa`` attention) and decodes with
+transformers' default ``DynamicCache``. Both run in ``--dtype`` (bf16 by default on CUDA, fp32 on CPU).
+The models are measured one after the other; only one is on the device at a time.
+
+**Decoding.** Both go through the same explicit greedy loop (:func:`greedy_decode`), not ``generate()``:
+one prefill forward over the prompt (``use_cache=True``, ``logits_to_keep=1``: only the last position's
+logits), then ``new_tokens - 1`` single-token forwards carrying the cache, each followed by an ``argmax``;
+no attention mask (no padding: the prompts are full rows) and no stopping criterion, so exactly
+``new_tokens`` tokens are produced whatever the model predicts (EOS included) and both models do the same
+work. ``generate()`` would add its per-step logits processors, stopping checks (a host sync each step) and
+mask bookkeeping (an all-ones attention mask costs the hybrid a host sync per step to find there is no
+padding), which differ between the two models' code paths; the explicit loop keeps the timing to the
+models' own forwards. The loop is checked to produce exactly ``model.generate(do_sample=False)``'s tokens
+and those of uncached full forwards (``tests/test_bench_generation.py``); on GPU ``--check-generate N``
+records, at the smallest batch of each model and prompt length, for how many leading tokens the loop agrees
+with ``generate`` (``generate_agree_tokens``, ``matches_generate``) and with full forwards
+(``full_forward_agree_tokens``; in bf16 those may drift after a while: other kernels). Nothing in the
+timed loop syncs with the host: the generated ids stay on the device.
+
+**Prompts.** Random token ids, seeded (``--seed``), uniform over the model's vocabulary: the content does not
+change the amount of work, only the prompt length does.
+
+**Per entry** (model, prompt length P, batch B), after an untimed warm-up of the same shape (prefill plus
+``--warmup-steps`` decode steps: Triton autotuning, cuBLAS handles), ``--repeats`` timed runs (medians):
+
+* ``prefill_s``: the prompt forward and the first token's argmax (``torch.cuda.synchronize`` around it);
+* ``decode_s``: the ``new_tokens - 1`` further steps; ``decode_tokens_per_s = B * (new_tokens - 1) / decode_s``
+  (the tokens the decode steps produce; the first token comes from the prefill), ``decode_ms_per_step``;
+* ``e2e_tokens_per_s = B * new_tokens / (prefill_s + decode_s)``: generation throughput, prompt included;
+* ``peak_gib``: ``torch.cuda.max_memory_allocated`` over the run (peak stats reset before it; weights
+  included; ``peak_prefill_gib`` / ``peak_decode_gib`` per phase; ``weights_gib``);
+* ``cache_bytes`` after the run (P + new_tokens - 1 tokens cached per sequence): the hybrid's
+  ``HybridCache.memory_bytes()`` split into ``cache_bytes_kv`` (MLA latents + RoPE keys, growing with the
+  length) and ``cache_bytes_recurrent`` (constant states); the teacher's sum of the DynamicCache key / value
+  tensors' bytes (all of it ``cache_bytes_kv``); ``cache_bytes_per_token_per_seq`` and
+  ``cache_bytes_kv_per_token_per_seq`` divide by ``B * cached_tokens``; ``predicted_cache_bytes_kv`` from
+  :func:`upcycle.kv_report.kv_report` of the hybrid's MLA layers.
+
+An out-of-memory error (``torch.cuda.OutOfMemoryError``, or a RuntimeError saying so) makes the entry
+``status: "oom"`` (with the phase) and stops the larger batches of that model and prompt length.
+``comparisons`` pair the two models at each (P, B): decode and end-to-end speedups (hybrid / teacher), the
+measured KV ratio ``teacher cache_bytes_kv / hybrid cache_bytes_kv`` next to the one kv_report predicts, the
+ratio of whole caches (recurrent states included) and of peak memory; ``target`` is issue #6's
+(>= 1.5x the teacher at P 8192, B 48). ``DIR/generation.json`` and ``DIR/generation.png`` (decode tokens/s
+and peak memory against the batch, one line per model per prompt length, OOM marked) are rewritten after
+every entry, so a run cut off by a time limit still leaves what it measured.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+MODELS = ("hybrid", "teacher")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+OOM = "oom"
+TARGET = {"prompt_len": 8192, "batch": 48, "min_speedup": 1.5}
+GIB = 2 ** 30
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def is_oom(e: BaseException) -> bool:
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(e, RuntimeError) and ("out of memory" in str(e).lower() or "CUBLAS_STATUS_ALLOC_FAILED" in str(e))
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def versions() -> Dict[str, Optional[str]]:
+    from importlib import metadata
+    out: Dict[str, Optional[str]] = {"torch": torch.__version__, "python": sys.version.split()[0],
+                                     "cuda": torch.version.cuda}
+    for key, dist in (("transformers", "transformers"), ("triton", "triton"), ("fla", "flash-linear-attention")):
+        try:
+            out[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[key] = None
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen:  # tied embeddings count once
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+# ------------------------------------------------------------------------------------------ models
+
+def load_hybrid(path: str, dtype: torch.dtype, device: torch.device):
+    from hybridlm.model import HybridForCausalLM
+    model = HybridForCausalLM.from_pretrained(str(Path(path).expanduser()), dtype=dtype)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_teacher_model(spec: str, dtype: torch.dtype, device: torch.device):
+    """The Llama teacher through the project's strict loader, with transformers' sdpa attention."""
+    from upcycle.teacher import load_teacher
+    model = load_teacher(spec, dtype=dtype)
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        model.set_attn_implementation("sdpa")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _cache_kwarg(model) -> str:
+    """The forward's name for the cache: ``cache`` (transformers >= 5.2x, and the hybrid) or ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _output_cache(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+def cache_stats(cache) -> Dict[str, int]:
+    """Bytes held by a HybridCache (split into KV latents and recurrent states) or a transformers KV cache."""
+    from hybridlm.model.cache import HybridCache
+    if isinstance(cache, HybridCache):
+        kv, rec = cache.memory_bytes("mla"), cache.memory_bytes("recurrent")
+        return {"cache_bytes": cache.memory_bytes(), "cache_bytes_kv": kv, "cache_bytes_recurrent": rec}
+    total = 0
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        tensors = [getattr(layer, name, None) for layer in layers for name in ("keys", "values")]
+    else:  # older transformers: key_cache / value_cache lists
+        tensors = list(getattr(cache, "key_cache", [])) + list(getattr(cache, "value_cache", []))
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+    return {"cache_bytes": total, "cache_bytes_kv": total, "cache_bytes_recurrent": 0}
+
+
+# ------------------------------------------------------------------------------------- decode loop
+
+class DecodeRun:
+    """One greedy run: generated ``tokens [B, new_tokens]``, the final cache, phase times and peaks."""
+
+    def __init__(self):
+        self.tokens: Optional[torch.Tensor] = None
+        self.cache = None
+        self.prefill_s = self.decode_s = 0.0
+        self.peak_prefill: Optional[int] = None
+        self.peak_decode: Optional[int] = None
+        self.phase = "prefill"
+
+
+@torch.inference_mode()
+def greedy_decode(model, input_ids: torch.LongTensor, new_tokens: int, run: Optional[DecodeRun] = None) -> DecodeRun:
+    """Prefill over ``input_ids`` then ``new_tokens - 1`` cached single-token steps, argmax each time.
+
+    The same loop serves the hybrid and the Llama teacher. Times are taken around device synchronisations;
+    the generated ids stay on the device (no host sync inside the loop). ``run.phase`` tells where an
+    out-of-memory error happened."""
+    if new_tokens < 1:
+        raise ValueError("new_tokens must be >= 1")
+    run = run or DecodeRun()
+    device = input_ids.device
+    cuda = device.type == "cuda"
+    key = _cache_kwarg(model)
+    B = input_ids.shape[0]
+    tokens = torch.empty(B, new_tokens, dtype=torch.long, device=device)
+
+    run.phase = "prefill"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    t0 = time.perf_counter()
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+    cache = _output_cache(out)
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    tokens[:, :1] = nxt
+    del out
+    sync(device)
+    t1 = time.perf_counter()
+    if cuda:
+        run.peak_prefill = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+    run.phase = "decode"
+    for i in range(1, new_tokens):
+        out = model(input_ids=nxt, use_cache=True, **{key: cache})
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens[:, i:i + 1] = nxt
+        del out
+    sync(device)
+    t2 = time.perf_counter()
+    if cuda:
+        run.peak_decode = torch.cuda.max_memory_allocated(device)
+    run.tokens, run.cache = tokens, cache
+    run.prefill_s, run.decode_s = t1 - t0, t2 - t1
+    run.phase = "done"
+    return run
+
+
+@torch.inference_mode()
+def generate_reference(model, input_ids: torch.LongTensor, new_tokens: int) -> torch.LongTensor:
+    """``model.generate`` greedy, exactly ``new_tokens`` tokens (EOS disabled, ``min_new_tokens`` =
+    ``max_new_tokens``); returns the new tokens ``[B, new_tokens]``."""
+    gen_cfg = getattr(model, "generation_config", None)
+    saved = None if gen_cfg is None else gen_cfg.eos_token_id
+    if gen_cfg is not None:
+        gen_cfg.eos_token_id = None  # a passed eos_token_id=None would fall back to the model's default
+    try:
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    finally:
+        if gen_cfg is not None:
+            gen_cfg.eos_token_id = saved
+    return out[:, input_ids.shape[1]:]
+
+
+def leading_agreement(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many leading positions of two ``[B, N]`` token tensors agree in every row."""
+    same = (a.cpu() == b.cpu()).all(0).tolist()
+    return next((i for i, ok in enumerate(same) if not ok), len(same))
+
+
+def check_tokens(model, input_ids: torch.LongTensor, tokens: torch.LongTensor) -> Dict[str, Any]:
+    """The loop's ``tokens [B, N]`` against ``model.generate`` (greedy, same cache path) and against N full
+    forwards without any cache (:func:`hybridlm.model.generate.greedy_generate`). In bf16 the uncached path
+    may drift from the cached one after some tokens (different kernels), hence counts, not only a flag."""
+    from hybridlm.model.generate import greedy_generate
+    n = tokens.shape[1]
+    gen = leading_agreement(generate_reference(model, input_ids, n), tokens)
+    full = leading_agreement(greedy_generate(model, input_ids, n)[:, input_ids.shape[1]:], tokens)
+    return {"check_tokens": n, "matches_generate": gen == n, "generate_agree_tokens": gen,
+            "full_forward_agree_tokens": full}
+
+
+def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int, device: torch.device) -> torch.LongTensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, prompt_len), generator=g).to(device)
+
+
+# --------------------------------------------------------------------------------------- predictions
+
+def mla_teacher_layers(hybrid_cfg) -> List[int]:
+    """Teacher-layer indices whose mixer is MLA in an upcycled hybrid (mixer 2i + MLP 2i+1 per teacher layer)."""
+    from upcycle.compose import student_kinds
+    return [i for i, k in enumerate(student_kinds(hybrid_cfg, "hybrid")) if k == "mla"]
+
+
+def predict_kv(hybrid_cfg, teacher_cfg, bytes_per_value: int) -> Dict[str, Any]:
+    """``upcycle.kv_report`` of the hybrid's MLA layers against the teacher (bytes per token per sequence)."""
+    from upcycle.kv_report import kv_report
+    try:
+        a = hybrid_cfg.mixer_args("mla")
+        rep = kv_report(teacher_cfg, mla_teacher_layers(hybrid_cfg), a.kv_lora_rank, a.qk_rope_head_dim,
+                        bytes_per_value=bytes_per_value)
+    except Exception as e:  # noqa: BLE001 - a prediction that cannot be made is reported, not fatal
+        return {"error": f"{type(e).__name__}: {e}"}
+    rep.pop("per_layer", None)
+    return rep
+
+
+def _teacher_config(spec: str):
+    """The teacher's LlamaConfig without loading its weights (None where only loading would tell)."""
+    try:
+        from upcycle.kv_report import load_teacher_config
+        from upcycle.teacher import resolve_teacher
+        return load_teacher_config(resolve_teacher(spec))
+    except Exception:  # noqa: BLE001 - e.g. a .gguf file: the config comes with the loaded model
+        return None
+
+
+# ------------------------------------------------------------------------------------------ entries
+
+def measure_entry(model, name: str, prompt_len: int, batch: int, args, device: torch.device,
+                  vocab: int, check_generate: int = 0) -> Dict[str, Any]:
+    """One (model, prompt length, batch) entry: warm-up, ``args.repeats`` timed runs, cache accounting."""
+    entry: Dict[str, Any] = {"model": name, "prompt_len": prompt_len, "batch": batch, "new_tokens": args.new_tokens}
+    run = DecodeRun()
+    runs: List[Tuple[float, float, Optional[int], Optional[int]]] = []
+    failed = None
+    stats: Dict[str, int] = {}
+    checks: Optional[Dict[str, Any]] = None
+    where = "warm-up "
+    try:
+        ids = make_prompts(batch, prompt_len, vocab, args.seed, device)
+        if args.warmup_steps > 0:
+            greedy_decode(model, ids, min(args.new_tokens, args.warmup_steps + 1), run)
+        where = ""
+        for r in range(args.repeats):
+            run = DecodeRun()
+            greedy_decode(model, ids, args.new_tokens, run)
+            runs.append((run.prefill_s, run.decode_s, run.peak_prefill, run.peak_decode))
+            if r == 0:
+                stats = cache_stats(run.cache)
+                if check_generate:
+                    run.phase = "generate check"
+                    checks = check_tokens(model, ids, run.tokens[:, :min(check_generate, args.new_tokens)])
+            run.cache = run.tokens = None
+    except Exception as e:  # noqa: BLE001 - only OOM is caught, anything else re-raised
+        if not is_oom(e):
+            raise
+        failed = where + run.phase
+    run = None
+    free_memory()
+    if failed:
+        entry.update(status=OOM, oom_phase=failed)
+        return entry
+
+    prefill = statistics.median(r[0] for r in runs)
+    decode = statistics.median(r[1] for r in runs)
+    steps = args.new_tokens - 1
+    cached = prompt_len + args.new_tokens - 1  # the last generated token is never fed back
+    entry.update(
+        status="ok", repeats=len(runs), decode_steps=steps, cached_tokens=cached,
+        prefill_s=prefill, decode_s=decode, e2e_s=prefill + decode,
+        prefill_tokens_per_s=batch * prompt_len / prefill,
+        decode_tokens_per_s=batch * steps / decode if steps else None,
+        decode_ms_per_step=1e3 * decode / steps if steps else None,
+        e2e_tokens_per_s=batch * args.new_tokens / (prefill + decode),
+        prefill_s_all=[round(r[0], 6) for r in runs], decode_s_all=[round(r[1], 6) for r in runs],
+    )
+    if device.type == "cuda":
+        pp = max(r[2] for r in runs)
+        pd = max(r[3] for r in runs)
+        entry.update(peak_gib=max(pp, pd) / GIB, peak_prefill_gib=pp / GIB, peak_decode_gib=pd / GIB)
+    else:
+        entry.update(peak_gib=None, peak_prefill_gib=None, peak_decode_gib=None)
+    per_seq_tokens = batch * cached
+    entry.update(stats)
+    entry["cache_bytes_per_token_per_seq"] = stats["cache_bytes"] / per_seq_tokens
+    entry["cache_bytes_kv_per_token_per_seq"] = stats["cache_bytes_kv"] / per_seq_tokens
+    if checks is not None:
+        entry.update(checks)
+    return entry
+
+
+def compare(entries: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Hybrid against teacher at every (prompt length, batch) both measured."""
+    ok = {(e["model"], e["prompt_len"], e["batch"]): e for e in entries if e.get("status") == "ok"}
+    rows = []
+    for (model, P, B), h in sorted(ok.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        t = ok.get(("teacher", P, B))
+        if model != "hybrid" or t is None:
+            continue
+        row: Dict[str, Any] = {"prompt_len": P, "batch": B}
+        if h.get("decode_tokens_per_s") and t.get("decode_tokens_per_s"):
+            row["decode_speedup"] = h["decode_tokens_per_s"] / t["decode_tokens_per_s"]
+        row["e2e_speedup"] = h["e2e_tokens_per_s"] / t["e2e_tokens_per_s"]
+        row["prefill_speedup"] = t["prefill_s"] / h["prefill_s"]
+        row["kv_ratio_measured"] = t["cache_bytes_kv"] / h["cache_bytes_kv"] if h["cache_bytes_kv"] else None
+        row["kv_ratio_predicted"] = h.get("kv_ratio_predicted")
+        row["cache_ratio_total"] = t["cache_bytes"] / h["cache_bytes"] if h["cache_bytes"] else None
+        if h.get("peak_gib") and t.get("peak_gib"):
+            row["peak_memory_ratio"] = t["peak_gib"] / h["peak_gib"]
+        rows.append(row)
+    return rows
+
+
+def target_result(report: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(TARGET)
+    row = next((r for r in report["comparisons"]
+                if r["prompt_len"] == TARGET["prompt_len"] and r["batch"] == TARGET["batch"]), None)
+    if row is None:
+        status = {(e["model"], e["prompt_len"], e["batch"]): e["status"] for e in report["entries"]}
+        out["status"] = ("not measured: " + ", ".join(
+            f"{m} {status.get((m, TARGET['prompt_len'], TARGET['batch']), 'missing')}" for m in MODELS))
+        return out
+    out.update(decode_speedup=row.get("decode_speedup"), e2e_speedup=row["e2e_speedup"])
+    out["met_decode"] = row.get("decode_speedup") is not None and row["decode_speedup"] >= TARGET["min_speedup"]
+    out["met_e2e"] = row["e2e_speedup"] >= TARGET["min_speedup"]
+    out["status"] = "measured"
+    return out
+
+
+# ------------------------------------------------------------------------------------------- output
+
+def progress_line(e: Dict[str, Any], t0: float) -> str:
+    head = f"[{time.perf_counter() - t0:6.0f}s] {e['model']:<7} P={e['prompt_len']:<5} B={e['batch']:<3}"
+    if e["status"] != "ok":
+        return f"{head} {e['status']} (in {e.get('oom_phase')}); larger batches skipped"
+    peak = f"{e['peak_gib']:6.2f} GiB" if e.get("peak_gib") is not None else "(cpu)"
+    dec = (f"decode {e['decode_tokens_per_s']:>10,.0f} tok/s ({e['decode_ms_per_step']:7.2f} ms/step)"
+           if e.get("decode_tokens_per_s") else "decode -")
+    line = (f"{head} prefill {e['prefill_s']:7.3f} s  {dec}  e2e {e['e2e_tokens_per_s']:>10,.0f} tok/s  "
+            f"peak {peak}  cache {e['cache_bytes'] / 2**20:9.2f} MiB ({e['cache_bytes_kv_per_token_per_seq']:,.0f} "
+            f"B/token/seq KV)")
+    if "check_tokens" in e:
+        line += (f"  agree with generate {e['generate_agree_tokens']}/{e['check_tokens']}, "
+                 f"full forwards {e['full_forward_agree_tokens']}/{e['check_tokens']}")
+    return line
+
+
+def plot(report: Dict[str, Any], png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = report["entries"]
+    colors = {"hybrid": "#2a6f97", "teacher": "#c9a227"}
+    prompt_lens = sorted({e["prompt_len"] for e in entries})
+    styles = ["-", "--", ":", "-."]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for ax, key, ylabel in ((axes[0], "decode_tokens_per_s", "decode tokens/s"),
+                            (axes[1], "peak_gib", "peak memory allocated (GiB)")):
+        drawn = False
+        for model in MODELS:
+            for j, P in enumerate(prompt_lens):
+                rows = sorted((e for e in entries if e["model"] == model and e["prompt_len"] == P),
+                              key=lambda e: e["batch"])
+                pts = [(e["batch"], e[key]) for e in rows if e["status"] == "ok" and e.get(key)]
+                style = dict(color=colors.get(model, "gray"), linestyle=styles[j % len(styles)])
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=f"{model} P={P}", **style)
+                    drawn = True
+                for e in rows:
+                    if e["status"] == OOM:
+                        y = pts[-1][1] if pts else None
+                        if y is None:
+                            ax.annotate("OOM", (e["batch"], 0.02), xycoords=("data", "axes fraction"),
+                                        color=style["color"], ha="center", fontsize=8)
+                        else:
+                            ax.plot([e["batch"]], [y], marker="x", markersize=10, markeredgewidth=2,
+                                    color=style["color"], linestyle="none")
+                            ax.annotate("OOM", (e["batch"], y), textcoords="offset points", xytext=(4, 4),
+                                        color=style["color"], fontsize=8)
+        ax.set_xscale("log", base=2)
+        ticks = sorted({e["batch"] for e in entries})
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([str(b) for b in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("batch")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        if drawn:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not measured (no CUDA)" if key == "peak_gib" else "no data", ha="center",
+                    va="center", transform=ax.transAxes)
+    fig.suptitle(f"Greedy generation, {report.get('new_tokens')} new tokens, {report.get('dtype')}, "
+                 f"{report.get('gpu') or 'cpu'} (x: OOM)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def finalize(report: Dict[str, Any]) -> Dict[str, Any]:
+    report["comparisons"] = compare(report["entries"])
+    report["target"] = target_result(report)
+    return report
+
+
+def write(report: Dict[str, Any], out: Path) -> None:
+    finalize(report)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "generation.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2, default=str))
+    tmp.replace(out / "generation.json")
+    plot(report, out / "generation.png")
+
+
+def merge(paths: Sequence[str], out: Path) -> Dict[str, Any]:
+    """Entries of several reports (a later one replaces an entry of the same model, prompt length and batch)."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    merged = {k: v for k, v in reports[0].items() if k not in ("entries", "comparisons", "target")}
+    merged["merged_from"] = [str(p) for p in paths]
+    for r in reports:  # a report's model facts (kv prediction, config) fill in what the first lacked
+        for k, v in r.items():
+            if k not in ("entries", "comparisons", "target") and merged.get(k) in (None, {}):
+                merged[k] = v
+    entries: Dict[Tuple[str, int, int], Dict[str, Any]] = {}
+    for r in reports:
+        for e in r["entries"]:
+            entries[(e["model"], e["prompt_len"], e["batch"])] = e
+    merged["entries"] = sorted(entries.values(), key=lambda e: (MODELS.index(e["model"]), e["prompt_len"], e["batch"]))
+    write(merged, out)
+    return merged
+
+
+# --------------------------------------------------------------------------------------------- main
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hybridlm.bench.generation", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="directory for generation.json and generation.png")
+    p.add_argument("--hybrid", help="hybrid model directory (e.g. an `upcycle run`'s final hybrid)")
+    p.add_argument("--teacher", help="the Llama teacher: a transformers directory, a .gguf file or asset:smollm2")
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="which models to measure")
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 8192])
+    p.add_argument("--new-tokens", type=int, default=1024, help="tokens generated per sequence (exactly)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32, 48, 64, 96, 128],
+                   help="measured in increasing order until one runs out of memory")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per entry (medians reported)")
+    p.add_argument("--warmup-steps", type=int, default=4,
+                   help="untimed warm-up per entry: a prefill of the same shape + this many decode steps (0: none)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--check-generate", type=int, default=0, metavar="N",
+                   help="compare the loop's first N tokens with model.generate (smallest batch of each model "
+                        "and prompt length; recorded as matches_generate)")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="only merge these reports into --out (JSON + PNG), run nothing")
+    args = p.parse_args(argv)
+    if not args.merge:
+        if "hybrid" in args.models and not args.hybrid:
+            p.error("--hybrid is required to measure the hybrid")
+        if ("teacher" in args.models or "hybrid" in args.models) and not args.teacher:
+            p.error("--teacher is required (the teacher is measured, and its config predicts the KV ratio)")
+        if args.new_tokens < 1 or args.repeats < 1 or args.warmup_steps < 0:
+            p.error("--new-tokens and --repeats must be >= 1, --warmup-steps >= 0")
+        if min(args.prompt_lens) < 1 or min(args.batches) < 1:
+            p.error("--prompt-lens and --batches must be >= 1")
+    return args
+
+
+def main(argv=None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    out = Path(args.out)
+    if args.merge:
+        return merge(args.merge, out)
+    t0 = time.perf_counter()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    args.dtype = args.dtype or ("bf16" if cuda else "fp32")
+    dtype = DTYPES[args.dtype]
+    nbytes = torch.empty((), dtype=dtype).element_size()
+
+    report: Dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(device) if cuda else None,
+        "gpu_memory_gib": torch.cuda.get_device_properties(device).total_memory / GIB if cuda else None,
+        **versions(), "device": str(device), "dtype": args.dtype, "hybrid": args.hybrid, "teacher": args.teacher,
+        "prompt_lens": args.prompt_lens, "new_tokens": args.new_tokens, "batches": sorted(set(args.batches)),
+        "repeats": args.repeats, "warmup_steps": args.warmup_steps, "seed": args.seed,
+        "method": "explicit greedy loop shared by both models: prefill forward (use_cache, logits_to_keep=1) + "
+                  "new_tokens-1 cached single-token forwards, argmax, no mask, no stopping; cuda-synchronised "
+                  "timing of prefill and decode",
+        "command": " ".join(sys.argv), "started": datetime.now(timezone.utc).isoformat(),
+        "kv_prediction": None, "models": {}, "entries": [],
+    }
+    teacher_cfg = _teacher_config(args.teacher) if args.teacher else None
+    hybrid_cfg = None
+    if args.hybrid:
+        from hybridlm.model import HybridConfig
+        hybrid_cfg = HybridConfig.from_pretrained(str(Path(args.hybrid).expanduser()))
+
+    def predict(tcfg) -> None:
+        if hybrid_cfg is not None and tcfg is not None and report["kv_prediction"] is None:
+            report["kv_prediction"] = predict_kv(hybrid_cfg, tcfg, nbytes)
+
+    predict(teacher_cfg)
+
+    def add(entry: Dict[str, Any]) -> None:
+        pred = report["kv_prediction"] or {}
+        if entry["status"] == "ok" and "hybrid_bytes_per_token" in pred:
+            key = "hybrid_bytes_per_token" if entry["model"] == "hybrid" else "teacher_bytes_per_token"
+            entry["predicted_cache_bytes_kv"] = pred[key] * entry["batch"] * entry["cached_tokens"]
+            if entry["model"] == "hybrid":
+                entry["kv_ratio_predicted"] = pred.get("compression")
+        report["entries"].append(entry)
+        print(progress_line(entry, t0), flush=True)
+        write(report, out)
+
+    for name in MODELS:
+        if name not in args.models:
+            continue
+        print(f"[{time.perf_counter() - t0:6.0f}s] loading {name}", flush=True)
+        if name == "hybrid":
+            model = load_hybrid(args.hybrid, dtype, device)
+            from hybridlm.ops.backend import use_triton
+            probe = torch.empty(1, device=device)
+            info = {"path": args.hybrid, "pattern": model.config.hybrid_override_pattern,
+                    "backend": model.config.backend,
+                    "kernels": "triton (fla)" if use_triton(model.config.backend, probe) else "torch",
+                    "cache": "HybridCache"}
+        else:
+            model = load_teacher_model(args.teacher, dtype, device)
+            predict(model.config)
+            info = {"path": args.teacher, "attn_implementation": model.config._attn_implementation,
+                    "cache": "DynamicCache (transformers default)", "num_hidden_layers": model.config.num_hidden_layers}
+        info.update(params=sum(p.numel() for p in model.parameters()), weights_gib=weight_bytes(model) / GIB,
+                    vocab_size=model.config.vocab_size)
+        report["models"][name] = info
+        vocab = model.config.vocab_size
+        try:
+            for P in args.prompt_lens:
+                checked = False
+                for B in sorted(set(args.batches)):
+                    entry = measure_entry(model, name, P, B, args, device, vocab,
+                                          check_generate=0 if checked else args.check_generate)
+                    checked = checked or entry["status"] == "ok"
+                    entry["weights_gib"] = info["weights_gib"]
+                    add(entry)
+                    if entry["status"] != "ok":
+                        break
+        finally:
+            del model
+            free_memory()
+    write(report, out)
+    print(f"wrote {out / 'generation.json'} and {out / 'generation.png'}", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The generation-throughput benchmark (issue #6) on CPU: a tiny random Llama teacher and a tiny upcycled-shape
+hybrid (MLA + Mamba2 layers from ``upcycle.student.student_config``), fp32.
+
+Checks that the timed loop is real greedy decoding (equal to ``generate`` and to full forwards), that every
+entry is measured, that the cache bytes are exactly what the MLA / GQA shapes predict (and the KV ratio is
+kv_report's), and that an out-of-memory entry stops the larger batches.
+"""
+import json
+
+import pytest
+import torch
+
+from conftest import save_tiny_llama
+from hybridlm.bench import generation as G
+from hybridlm.model import HybridForCausalLM
+from hybridlm.model.generate import greedy_generate
+
+KINDS = ["mla", "mamba2", "mla", "mamba2"]
+KV_RANK, ROPE = 16, 8
+PROMPTS, NEW, BATCHES = (16, 32), 8, (1, 2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny shapes: one intra-op thread is faster, and steady on a shared CPU (no OpenMP spin-waits)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from transformers import LlamaConfig
+    from upcycle.student import student_config
+    root = tmp_path_factory.mktemp("bench_gen")
+    teacher = save_tiny_llama(root / "teacher", num_layers=len(KINDS))
+    cfg = student_config(LlamaConfig.from_pretrained(teacher), KINDS, kv_lora_rank=KV_RANK, rope_dim=ROPE)
+    torch.manual_seed(0)
+    HybridForCausalLM(cfg).save_pretrained(root / "hybrid")
+    return root, teacher, root / "hybrid"
+
+
+@pytest.fixture(scope="module")
+def report(models):
+    root, teacher, hybrid = models
+    argv = ["--hybrid", str(hybrid), "--teacher", str(teacher), "--prompt-lens", *map(str, PROMPTS),
+            "--new-tokens", str(NEW), "--batches", *map(str, BATCHES), "--dtype", "fp32", "--out", str(root / "out"),
+            "--warmup-steps", "1", "--check-generate", str(NEW)]
+    return G.main(argv), root / "out"
+
+
+def test_every_entry_measured_and_written(report):
+    rep, out = report
+    on_disk = json.loads((out / "generation.json").read_text())
+    assert (out / "generation.png").stat().st_size > 0
+    assert on_disk["entries"] == json.loads(json.dumps(rep["entries"]))
+    assert {(e["model"], e["prompt_len"], e["batch"]) for e in on_disk["entries"]} == {
+        (m, p, b) for m in G.MODELS for p in PROMPTS for b in BATCHES}
+    for e in on_disk["entries"]:
+        assert e["status"] == "ok" and e["decode_steps"] == NEW - 1 and e["cached_tokens"] == e["prompt_len"] + NEW - 1
+        for key in ("decode_tokens_per_s", "e2e_tokens_per_s", "prefill_tokens_per_s", "prefill_s", "decode_s"):
+            assert e[key] > 0, key
+        if e["batch"] == BATCHES[0]:  # the loop's tokens are generate()'s and full forwards', for both models
+            assert e["matches_generate"] is True, (e["model"], e["prompt_len"])
+            assert e["generate_agree_tokens"] == e["full_forward_agree_tokens"] == e["check_tokens"] == NEW
+        else:
+            assert "check_tokens" not in e
+    assert len(on_disk["comparisons"]) == len(PROMPTS) * len(BATCHES)
+    assert on_disk["models"]["teacher"]["attn_implementation"] == "sdpa"
+    assert on_disk["target"]["status"].startswith("not measured")
+
+
+def test_cache_bytes_match_the_shapes(report, models):
+    rep, _ = report
+    _, teacher_dir, hybrid_dir = models
+    hybrid = HybridForCausalLM.from_pretrained(hybrid_dir)
+    tcfg = json.loads((teacher_dir / "config.json").read_text())
+    n_mla = KINDS.count("mla")
+    recurrent_per_seq = 0  # Mamba2: fp32 state [H, d_state, head_dim] + conv state [conv_dim, width] (fp32 model)
+    for block in hybrid.model.layers:
+        if block.kind == "mamba2":
+            m = block.mixer
+            recurrent_per_seq += 4 * (m.num_heads * m.d_state * m.head_dim + m.conv_dim * m.conv1d.weight.shape[-1])
+    recurrent = {}
+    for e in rep["entries"]:
+        tokens = e["batch"] * e["cached_tokens"]
+        if e["model"] == "hybrid":
+            assert e["cache_bytes_kv"] == n_mla * (KV_RANK + ROPE) * 4 * tokens == e["predicted_cache_bytes_kv"]
+            assert e["cache_bytes_recurrent"] == e["batch"] * recurrent_per_seq  # constant in the length
+            assert e["cache_bytes"] == e["cache_bytes_kv"] + e["cache_bytes_recurrent"]
+            recurrent.setdefault(e["batch"], set()).add(e["cache_bytes_recurrent"])
+        else:
+            want = 2 * tcfg["num_hidden_layers"] * tcfg["num_key_value_heads"] * tcfg["head_dim"] * 4 * tokens
+            assert e["cache_bytes"] == e["cache_bytes_kv"] == want == e["predicted_cache_bytes_kv"]
+    assert all(len(v) == 1 for v in recurrent.values())
+    predicted = (2 * tcfg["num_key_value_heads"] * tcfg["head_dim"] * tcfg["num_hidden_layers"]) / (n_mla * (KV_RANK + ROPE))
+    assert rep["kv_prediction"]["compression"] == pytest.approx(predicted)
+    for row in rep["comparisons"]:
+        assert row["kv_ratio_measured"] == pytest.approx(predicted) and row["kv_ratio_predicted"] == pytest.approx(predicted)
+        assert row["cache_ratio_total"] < row["kv_ratio_measured"]  # the recurrent states count in the total
+
+
+def test_timed_loop_is_greedy_decoding(models):
+    _, _, hybrid_dir = models
+    model = G.load_hybrid(str(hybrid_dir), torch.float32, torch.device("cpu"))
+    ids = G.make_prompts(2, 12, model.config.vocab_size, seed=3, device=torch.device("cpu"))
+    run = G.greedy_decode(model, ids, NEW)
+    assert run.tokens.shape == (2, NEW) and run.cache.get_seq_length() == 12 + NEW - 1
+    assert torch.equal(run.tokens, G.generate_reference(model, ids, NEW))
+    assert torch.equal(run.tokens, greedy_generate(model, ids, NEW)[:, 12:])  # full forwards, no cache
+
+
+def test_oom_stops_larger_batches(models, tmp_path, monkeypatch):
+    _, teacher, hybrid = models
+    real = G.greedy_decode
+
+    def fake(model, ids, new_tokens, run=None):
+        if ids.shape[0] >= 2:
+            if run is not None:
+                run.phase = "decode"
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+        return real(model, ids, new_tokens, run)
+
+    monkeypatch.setattr(G, "greedy_decode", fake)
+    rep = G.main(["--hybrid", str(hybrid), "--teacher", str(teacher), "--models", "hybrid", "--prompt-lens", "8",
+                  "--new-tokens", "2", "--batches", "1", "2", "4", "--out", str(tmp_path), "--warmup-steps", "0"])
+    assert [(e["batch"], e["status"]) for e in rep["entries"]] == [(1, "ok"), (2, "oom")]
+    assert rep["entries"][1]["oom_phase"] == "decode"
+    assert (tmp_path / "generation.png").is_file()
+    merged = G.main(["--merge", str(tmp_path / "generation.json"), "--out", str(tmp_path / "merged")])
+    assert len(merged["entries"]) == 2 and (tmp_path / "merged" / "generation.png").is_file()
