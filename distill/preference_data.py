@@ -26,13 +26,10 @@ from typing import Any, Dict, List, NamedTuple, Sequence, Union
 import torch
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.data.chat import (RecordError, chat_messages, common_prefix_len, has_chat_template, render_prompt,
+                                sharegpt_turn, token_ids)
 
 IGNORE_INDEX = -100
-ROLES = ("system", "user", "assistant")
-# ShareGPT speaker names -> chat roles.
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system"}
-FALLBACK_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
 
 
 class PreferencePair(NamedTuple):
@@ -41,104 +38,70 @@ class PreferencePair(NamedTuple):
     rejected: str
 
 
-class _RecordError(Exception):
-    """A problem with one record; turned into a ConfigError naming the file and index."""
-
-
 # ------------------------------------------------------------------------------------- normalising
-def _message(m: Any, where: str) -> Dict[str, str]:
-    if not isinstance(m, dict) or "role" not in m or "content" not in m:
-        raise _RecordError(f"{where}: expected a message {{role, content}}, got {_short(m)}")
-    if m["role"] not in ROLES:
-        raise _RecordError(f"{where}: role must be one of {list(ROLES)}, got {m['role']!r}")
-    if not isinstance(m["content"], str):
-        raise _RecordError(f"{where}: content must be a string, got {type(m['content']).__name__}")
-    return {"role": m["role"], "content": m["content"]}
-
-
-def _messages(ms: Any, where: str) -> List[Dict[str, str]]:
-    if not isinstance(ms, list):
-        raise _RecordError(f"{where}: expected a list of messages, got {type(ms).__name__}")
-    return [_message(m, f"{where}[{i}]") for i, m in enumerate(ms)]
-
-
-def _sharegpt_turn(t: Any, where: str) -> Dict[str, str]:
-    if not isinstance(t, dict) or "from" not in t or "value" not in t:
-        raise _RecordError(f"{where}: expected a turn {{from, value}}, got {_short(t)}")
-    role = SHAREGPT_ROLES.get(t["from"])
-    if role is None:
-        raise _RecordError(f"{where}: 'from' must be one of {sorted(SHAREGPT_ROLES)}, got {t['from']!r}")
-    if not isinstance(t["value"], str):
-        raise _RecordError(f"{where}: value must be a string, got {type(t['value']).__name__}")
-    return {"role": role, "content": t["value"]}
 
 
 def _answer(v: Any, where: str) -> str:
     """A ShareGPT answer: a {from, value} turn spoken by the assistant, or a plain string."""
     if isinstance(v, str):
         return v
-    turn = _sharegpt_turn(v, where)
+    turn = sharegpt_turn(v, where)
     if turn["role"] != "assistant":
-        raise _RecordError(f"{where}: the answer must come from the assistant (gpt), got {v.get('from')!r}")
+        raise RecordError(f"{where}: the answer must come from the assistant (gpt), got {v.get('from')!r}")
     return turn["content"]
-
-
-def _short(v: Any, n: int = 60) -> str:
-    s = repr(v)
-    return s if len(s) <= n else s[: n - 3] + "..."
 
 
 def normalize_record(rec: Any) -> PreferencePair:
     """One record of any accepted layout -> :class:`PreferencePair`; raises ``ConfigError`` if malformed."""
     try:
         return _normalize(rec)
-    except _RecordError as e:
+    except RecordError as e:
         raise ConfigError(str(e)) from None
 
 
 def _normalize(rec: Any) -> PreferencePair:
     if not isinstance(rec, dict):
-        raise _RecordError(f"expected a JSON object, got {type(rec).__name__}")
+        raise RecordError(f"expected a JSON object, got {type(rec).__name__}")
     for key in ("chosen", "rejected"):
         if key not in rec:
-            raise _RecordError(f"missing field {key!r} (expected prompt/chosen/rejected, chat messages, "
+            raise RecordError(f"missing field {key!r} (expected prompt/chosen/rejected, chat messages, "
                                f"or ShareGPT conversations/chosen/rejected)")
     chosen, rejected = rec["chosen"], rec["rejected"]
 
     if "conversations" in rec:  # ShareGPT / LLaMA-Factory
         conv = rec["conversations"]
         if not isinstance(conv, list) or not conv:
-            raise _RecordError("conversations: expected a non-empty list of {from, value} turns")
-        prompt = [_sharegpt_turn(t, f"conversations[{i}]") for i, t in enumerate(conv)]
+            raise RecordError("conversations: expected a non-empty list of {from, value} turns")
+        prompt = [sharegpt_turn(t, f"conversations[{i}]") for i, t in enumerate(conv)]
         system = rec.get("system")
         if system is not None:
             if not isinstance(system, str):
-                raise _RecordError(f"system: expected a string, got {type(system).__name__}")
+                raise RecordError(f"system: expected a string, got {type(system).__name__}")
             if system and prompt[0]["role"] != "system":
                 prompt.insert(0, {"role": "system", "content": system})
         pair = PreferencePair(prompt, _answer(chosen, "chosen"), _answer(rejected, "rejected"))
 
     elif isinstance(chosen, list) or isinstance(rejected, list):  # chat messages
-        c, r = _messages(chosen, "chosen"), _messages(rejected, "rejected")
+        c, r = chat_messages(chosen, "chosen"), chat_messages(rejected, "rejected")
         for name, ms in (("chosen", c), ("rejected", r)):
             if not ms or ms[-1]["role"] != "assistant":
-                raise _RecordError(f"{name}: the last message must be the assistant's answer")
+                raise RecordError(f"{name}: the last message must be the assistant's answer")
         if c[:-1] != r[:-1]:
-            raise _RecordError("chosen / rejected: the messages before the answers must be the same in both")
-        prefix = _messages(rec["prompt"], "prompt") if "prompt" in rec else []
+            raise RecordError("chosen / rejected: the messages before the answers must be the same in both")
+        prefix = chat_messages(rec["prompt"], "prompt") if "prompt" in rec else []
         pair = PreferencePair(prefix + c[:-1], c[-1]["content"], r[-1]["content"])
 
     else:  # plain strings
         prompt = rec.get("prompt")
         for name, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
             if not isinstance(v, str):
-                raise _RecordError(f"{name}: expected a string, got {type(v).__name__ if v is not None else 'nothing'}")
+                raise RecordError(f"{name}: expected a string, got {type(v).__name__ if v is not None else 'nothing'}")
         pair = PreferencePair([{"role": "user", "content": prompt}], chosen, rejected)
 
     if not pair.prompt_messages:
-        raise _RecordError("the prompt is empty (no message before the answers)")
+        raise RecordError("the prompt is empty (no message before the answers)")
     if pair.prompt_messages[-1]["role"] == "assistant":
-        raise _RecordError("the prompt must not end with an assistant message")
+        raise RecordError("the prompt must not end with an assistant message")
     return pair
 
 
@@ -173,28 +136,12 @@ def load_preference_data(path: Union[str, Path]) -> List[PreferencePair]:
     for where, rec in records:
         try:
             pairs.append(_normalize(rec))
-        except _RecordError as e:
+        except RecordError as e:
             raise ConfigError(f"{p}: {where}: {e}") from None
     return pairs
 
 
 # ------------------------------------------------------------------------------------- tokenizing
-def has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
-def render_prompt(tokenizer, messages: Sequence[Dict[str, str]]) -> str:
-    """The prompt text, ending where the assistant's answer starts (use it for generation too).
-
-    With a chat template: the template with ``add_generation_prompt=True``. Without one, the plain format
-    ``"System: …\\n"`` / ``"User: …\\n"`` / ``"Assistant: …\\n"`` a message, then ``"Assistant:"``; the
-    answer follows after one space (``"User: hi\\nAssistant: Hello"``). The space belongs to the answer
-    so that the prompt ends on a token boundary (`` Hello`` is one token; a prompt ending in a lone space
-    would be tokenized differently at training and at generation time).
-    """
-    if has_chat_template(tokenizer):
-        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-    return "".join(f"{FALLBACK_NAMES[m['role']]}: {m['content']}\n" for m in messages) + "Assistant:"
 
 
 def render_texts(tokenizer, pair: PreferencePair) -> Dict[str, str]:
@@ -211,20 +158,6 @@ def render_texts(tokenizer, pair: PreferencePair) -> Dict[str, str]:
         else:
             out[f"prompt_{key}"] = prompt + " " + answer
     return out
-
-
-def _ids(tokenizer, text: str) -> List[int]:
-    # Chat templates write their own special tokens (bos); the plain format relies on the tokenizer's.
-    return tokenizer(text, add_special_tokens=not has_chat_template(tokenizer))["input_ids"]
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def tokenize_pair(tokenizer, example: Union[PreferencePair, Dict[str, Any]], max_length: int = 1024,
@@ -251,14 +184,14 @@ def tokenize_pair(tokenizer, example: Union[PreferencePair, Dict[str, Any]], max
                           f"(leave room for the answer), got {max_prompt_length}")
     pair = example if isinstance(example, PreferencePair) else normalize_record(example)
     texts = render_texts(tokenizer, pair)
-    prompt_ids = _ids(tokenizer, texts["prompt"])
+    prompt_ids = token_ids(tokenizer, texts["prompt"])
     full = {}
     for key in ("chosen", "rejected"):
-        ids = _ids(tokenizer, texts[f"prompt_{key}"])
+        ids = token_ids(tokenizer, texts[f"prompt_{key}"])
         if not has_chat_template(tokenizer) and tokenizer.eos_token_id is not None:
             ids = ids + [tokenizer.eos_token_id]
         full[key] = ids
-    n_prompt = min(_common_prefix(prompt_ids, full["chosen"]), _common_prefix(prompt_ids, full["rejected"]))
+    n_prompt = min(common_prefix_len(prompt_ids, full["chosen"]), common_prefix_len(prompt_ids, full["rejected"]))
     prompt = prompt_ids[:n_prompt]
     answers = {k: v[n_prompt:] for k, v in full.items()}
 

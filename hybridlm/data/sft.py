@@ -36,9 +36,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from distill.preference_data import (_RecordError, _common_prefix, _ids, _messages, _sharegpt_turn, has_chat_template,
-                                     render_prompt)
 from hybridlm.config.errors import ConfigError
+from hybridlm.data.chat import (RecordError, chat_messages, common_prefix_len, has_chat_template, render_prompt,
+                                sharegpt_turn, token_ids)
 from hybridlm.data.prepare import _json_records, _split_docs
 from hybridlm.data.sampler import ShuffledBatches, check_int
 
@@ -50,11 +50,11 @@ Messages = List[Dict[str, str]]
 def _text(rec: Dict[str, Any], key: str, required: bool = True) -> str:
     if key not in rec or (rec[key] is None and not required):
         if required:
-            raise _RecordError(f"missing field {key!r}")
+            raise RecordError(f"missing field {key!r}")
         return ""
     v = rec[key]
     if not isinstance(v, str):
-        raise _RecordError(f"{key}: expected a string, got {type(v).__name__}")
+        raise RecordError(f"{key}: expected a string, got {type(v).__name__}")
     return v
 
 
@@ -62,7 +62,7 @@ def _with_system(messages: Messages, system: Any) -> Messages:
     if system is None or system == "":
         return messages
     if not isinstance(system, str):
-        raise _RecordError(f"system: expected a string, got {type(system).__name__}")
+        raise RecordError(f"system: expected a string, got {type(system).__name__}")
     if messages and messages[0]["role"] == "system":
         return messages
     return [{"role": "system", "content": system}] + messages
@@ -70,14 +70,14 @@ def _with_system(messages: Messages, system: Any) -> Messages:
 
 def _normalize_conversation(rec: Any) -> Messages:
     if not isinstance(rec, dict):
-        raise _RecordError(f"expected a JSON object, got {type(rec).__name__}")
+        raise RecordError(f"expected a JSON object, got {type(rec).__name__}")
     if "messages" in rec:
-        messages = _messages(rec["messages"], "messages")
+        messages = chat_messages(rec["messages"], "messages")
     elif "conversations" in rec:
         conv = rec["conversations"]
         if not isinstance(conv, list):
-            raise _RecordError("conversations: expected a list of {from, value} turns")
-        messages = [_sharegpt_turn(t, f"conversations[{i}]") for i, t in enumerate(conv)]
+            raise RecordError("conversations: expected a list of {from, value} turns")
+        messages = [sharegpt_turn(t, f"conversations[{i}]") for i, t in enumerate(conv)]
     elif "instruction" in rec:
         user = _text(rec, "instruction")
         extra = _text(rec, "input", required=False)
@@ -86,22 +86,22 @@ def _normalize_conversation(rec: Any) -> Messages:
         messages = []
         history = rec.get("history") or []
         if not isinstance(history, list):
-            raise _RecordError("history: expected a list of [user, assistant] pairs")
+            raise RecordError("history: expected a list of [user, assistant] pairs")
         for i, turn in enumerate(history):
             if not (isinstance(turn, (list, tuple)) and len(turn) == 2 and all(isinstance(t, str) for t in turn)):
-                raise _RecordError(f"history[{i}]: expected a [user, assistant] pair of strings")
+                raise RecordError(f"history[{i}]: expected a [user, assistant] pair of strings")
             messages += [{"role": "user", "content": turn[0]}, {"role": "assistant", "content": turn[1]}]
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": _text(rec, "output")}]
     else:
-        raise _RecordError("expected alpaca instruction/input/output, a 'messages' list, or ShareGPT "
+        raise RecordError("expected alpaca instruction/input/output, a 'messages' list, or ShareGPT "
                            "'conversations'")
     messages = _with_system(messages, rec.get("system"))
     while messages and messages[-1]["role"] != "assistant":  # nothing to learn after the last answer
         messages = messages[:-1]
     if not any(m["role"] == "assistant" for m in messages):
-        raise _RecordError("no assistant turn to train on")
+        raise RecordError("no assistant turn to train on")
     if messages[0]["role"] == "assistant":
-        raise _RecordError("the conversation must not start with an assistant turn")
+        raise RecordError("the conversation must not start with an assistant turn")
     return messages
 
 
@@ -109,7 +109,7 @@ def normalize_conversation(rec: Any) -> Messages:
     """One record of any accepted layout -> a list of ``{role, content}`` messages ending with the assistant."""
     try:
         return _normalize_conversation(rec)
-    except _RecordError as e:
+    except RecordError as e:
         raise ConfigError(str(e)) from None
 
 
@@ -122,7 +122,7 @@ def load_sft_data(path) -> List[Messages]:
     for i, rec in enumerate(_json_records(p)):
         try:
             out.append(_normalize_conversation(rec))
-        except _RecordError as e:
+        except RecordError as e:
             raise ConfigError(f"{p}: record {i}: {e}") from None
     if not out:
         raise ConfigError(f"{p}: no SFT records")
@@ -143,15 +143,15 @@ def tokenize_conversation(tokenizer, messages: Messages, max_length: int) -> Opt
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
         raise ConfigError(f"max_length: expected an integer >= 2, got {max_length!r}")
     last = len(messages) - 1
-    full = _ids(tokenizer, _render_through(tokenizer, messages, last))
+    full = token_ids(tokenizer, _render_through(tokenizer, messages, last))
     if not has_chat_template(tokenizer) and tokenizer.eos_token_id is not None:
         full = full + [tokenizer.eos_token_id]
     labels = [IGNORE_INDEX] * len(full)
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = _common_prefix(_ids(tokenizer, render_prompt(tokenizer, messages[:k])), full)
-        end = len(full) if k == last else _common_prefix(_ids(tokenizer, _render_through(tokenizer, messages, k)), full)
+        start = common_prefix_len(token_ids(tokenizer, render_prompt(tokenizer, messages[:k])), full)
+        end = len(full) if k == last else common_prefix_len(token_ids(tokenizer, _render_through(tokenizer, messages, k)), full)
         labels[start:end] = full[start:end]
     ids, labels = full[:max_length], labels[:max_length]
     if all(l == IGNORE_INDEX for l in labels[1:]):  # label 0 is never a target (nothing predicts it)
