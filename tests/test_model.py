@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, rel_err, tiny_config
+from conftest import REPO, rel_err, subprocess_env, tiny_config
 from hybridlm.config.errors import ConfigError
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.loss import linear_cross_entropy
@@ -152,3 +152,21 @@ def test_cli_override_reads_exponent_floats_without_a_dot():
     from hybridlm.config.loader import parse_override
     assert parse_override("optim.lr=3e-4") == {"optim": {"lr": 3e-4}}
     assert parse_override("run.output_dir=runs/a.b") == {"run": {"output_dir": "runs/a.b"}}
+
+
+def test_saved_model_loads_through_trust_remote_code_without_importing_the_toolkit(tmp_path, seeded):
+    model = HybridForCausalLM(tiny_config()).eval()
+    model.save_pretrained(tmp_path / "m")
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / "ref.pt")
+    script = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"ref = torch.load({str(tmp_path / 'ref.pt')!r})\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'm')!r}, trust_remote_code=True).eval()\n"
+        "assert 'hybridlm.model' in sys.modules  # brought in by the saved hybrid_lm_auto.py, not by this script\n"
+        "assert torch.equal(model(ref['ids']).logits, ref['logits'])\n"
+        "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**subprocess_env(), "HF_MODULES_CACHE": str(tmp_path / "hf_modules")})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]

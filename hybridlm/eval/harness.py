@@ -3,11 +3,12 @@
 How the hybrid gets into the harness: ``lm_eval``'s ``hf`` model (``HFLM``) is given the exported *directory*
 (``pretrained=DIR``), not a model object, so the harness does its own loading exactly as it would for any
 transformers checkpoint: ``AutoConfig`` / ``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained(DIR)``.
-That works without ``trust_remote_code`` (the exported directory carries no code) because ``import
-hybridlm.model`` registers the ``hybrid_lm`` model type with the Auto classes in this process, and the Auto
-class then calls ``HybridForCausalLM.from_pretrained``, which is strict. ``backend="causal"`` is passed
-because the harness only auto-detects model types listed in transformers' own tables. (Running the plain
-``lm_eval`` CLI instead would fail to resolve ``hybrid_lm``, since nothing imports hybridlm there.)
+That works without ``trust_remote_code`` because ``import hybridlm.model`` registers the ``hybrid_lm`` model
+type with the Auto classes in this process, and the Auto class then calls ``HybridForCausalLM.from_pretrained``,
+which is strict. ``backend="causal"`` is passed because the harness only auto-detects model types listed in
+transformers' own tables. (The plain ``lm_eval`` CLI works too, with ``--model_args
+pretrained=DIR,trust_remote_code=True``: every saved model carries ``hybrid_lm_auto.py``, which imports the
+installed toolkit.)
 A pre-built ``HFLM(pretrained=model_obj, ...)`` would also work but makes the harness ignore its device,
 dtype and batch arguments; passing the directory keeps the harness' own ``hf`` path under test.
 

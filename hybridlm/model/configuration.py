@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List, Optional
 
 from transformers import PretrainedConfig
@@ -95,6 +96,15 @@ class Mamba2Args:
 MIXER_ARGS = {"mla": MLAArgs, "gdn": DeltaRuleArgs, "kda": DeltaRuleArgs, "mamba2": Mamba2Args}
 
 
+# Every saved model carries a one-line module that imports the installed toolkit, and config.json maps the
+# Auto classes to it: `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` (plain lm-eval,
+# vLLM-style loaders) then works without `import hybridlm.model` first, and no model code is copied.
+AUTO_MODULE = "hybrid_lm_auto"
+AUTO_MODULE_SOURCE = (
+    '"""Loads the hybrid-lm-toolkit classes for transformers\' trust_remote_code (pip install hybrid-lm-toolkit)."""\n'
+    "from hybridlm.model import HybridConfig, HybridForCausalLM  # noqa: F401\n")
+AUTO_MAP = {"AutoConfig": f"{AUTO_MODULE}.HybridConfig", "AutoModelForCausalLM": f"{AUTO_MODULE}.HybridForCausalLM"}
+
 DEFAULT_PATTERN = "*-M-M-M-"  # what ``HybridConfig()`` builds; YAML model files must say what they want
 
 
@@ -127,6 +137,7 @@ class HybridConfig(PretrainedConfig):
     ):
         kwargs.pop("num_hidden_layers", None)  # derived, written by to_dict for HF utilities
         kwargs.pop("layer_plan", None)
+        kwargs["auto_map"] = dict(AUTO_MAP)
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -180,6 +191,10 @@ class HybridConfig(PretrainedConfig):
             raise ConfigError(f"{where}.hybrid_override_pattern: missing; give a pattern such as '*-M-M-M-' "
                               "or num_layers with hybrid_attention_ratio")
         return cls(**values)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        super().save_pretrained(save_directory, *args, **kwargs)
+        (Path(save_directory) / f"{AUTO_MODULE}.py").write_text(AUTO_MODULE_SOURCE)
 
     @property
     def num_hidden_layers(self) -> int:  # what transformers' generic utilities read
