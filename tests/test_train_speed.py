@@ -108,7 +108,7 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     env = subprocess_env()
     cmd = [sys.executable, "-m", "hybridlm.bench.train_speed", "--out", str(out), "--data", str(austen_data),
            "--configs", "tiny_hybrid", "--peers", "llama:tiny_hybrid", "fla_gdn", "--micro-batch", "2",
-           "--seq", "32", "--steps", "2", "--warmup", "1"]
+           "--seq", "32", "--steps", "2", "--warmup", "1", "--profile", "2"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "train_speed.json").read_text())
@@ -129,6 +129,11 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
         assert e["status"] == "ok" and e["micro_batch"] == 2 and e["tokens_per_step"] == 64
         assert e["tokens_per_s"] > 0 and len(e["step_ms_all"]) == 2 and math.isfinite(e["final_loss"])
         assert math.isfinite(e["mfu"]) and e["mfu"] > 0
+        # two more steps ran under the profiler; they are not in the timing
+        prof = e["profile"]
+        assert prof["profiled_steps"] == 2 and prof["ms_per_step"] > 0
+        assert abs(sum(c["share"] for c in prof["categories"]) - 1) < 1e-6
+        assert any(c["category"] == "matmul (GEMM)" for c in prof["categories"])
         assert e["mfu"] == pytest.approx(e["flops_per_token"] * e["tokens_per_s"] / (989.5e12))
     assert llama["params"] == llama["non_embedding_params"] + 128256 * 128  # tied, hidden 128
     assert "DeepSpeed ZeRO-1" in ours["recipe"] and "plain PyTorch" in llama["recipe"]
@@ -139,3 +144,13 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     merged = merge([str(out / "train_speed.json"), str(out / "train_speed.json")], tmp_path / "merged")
     assert [e["name"] for e in merged["entries"]] == list(entries)
     assert (tmp_path / "merged" / "train_speed.png").is_file()
+
+
+def test_profile_categories():
+    from hybridlm.bench.profile_step import categorize
+    assert categorize("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul (GEMM)"
+    assert categorize("chunk_gated_delta_rule_fwd_kernel_h_blockdim64") == "linear recurrence (fla chunk / recurrent)"
+    assert categorize("ncclDevKernel_AllReduce_Sum_f32") == "nccl / communication"
+    assert categorize("multi_tensor_apply_kernel<FusedAdam>") == "optimizer"
+    assert categorize("aten::addmm") == "matmul (GEMM)"
+    assert categorize("something_unheard_of") == "other"

@@ -100,8 +100,8 @@ class StepTimer:
     """``on_step`` hook: wall time at the end of every step (after a device sync), peak memory from the
     end of the warm-up on; step ``i``'s time is the gap to step ``i - 1``'s end (data loading included)."""
 
-    def __init__(self, warmup: int, device: torch.device):
-        self.warmup, self.device = warmup, device
+    def __init__(self, warmup: int, device: torch.device, measured: Optional[int] = None):
+        self.warmup, self.device, self.measured = warmup, device, measured
         self.ends: List[float] = []
         self.tokens: List[int] = []
         self.losses: List[float] = []
@@ -123,10 +123,11 @@ class StepTimer:
 
     def summary(self) -> Dict[str, Any]:
         w = self.warmup
-        times = [b - a for a, b in zip(self.ends[w - 1:], self.ends[w:])]
+        last = None if self.measured is None else w + self.measured  # later steps are profiled, not timed
+        times = [b - a for a, b in zip(self.ends[w - 1:last], self.ends[w:last])]
         if not times:
             raise RuntimeError("no measured steps")
-        tokens = self.tokens[w:]
+        tokens = self.tokens[w:last]
         per_step = statistics.median(tokens)
         step_s = statistics.median(times)
         out = {"tokens_per_step": int(per_step), "step_ms": 1e3 * step_s, "tokens_per_s": per_step / step_s,
@@ -141,6 +142,18 @@ class StepTimer:
             out["peak_gib"] = None
             out["process_max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         return out
+
+
+def make_profiler(args, device: torch.device):
+    """A StepProfiler over the ``--profile`` steps that follow the timed ones (None without ``--profile``)."""
+    if not args.profile:
+        return None
+    from hybridlm.bench.profile_step import StepProfiler
+    return StepProfiler(skip=args.warmup + args.steps, active=args.profile, device=device)
+
+
+def profile_result(profiler) -> Dict[str, Any]:
+    return {"profile": profiler.summary()} if profiler is not None else {}
 
 
 # -------------------------------------------------------------------------------------- ours
@@ -158,7 +171,7 @@ def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[s
         "data": {"path": str(data_dir), "seq_len": args.seq, "val_max_batches": 1, "sources": [],
                  "tokenizer": DEFAULT_TOKENIZER},
         "optim": {"micro_batch_size": mb, "global_batch_size": mb * world, "lr": 3.0e-4, "min_lr": 3.0e-5,
-                  "warmup_steps": 0, "max_steps": args.warmup + args.steps, "weight_decay": 0.01,
+                  "warmup_steps": 0, "max_steps": args.warmup + args.steps + args.profile, "weight_decay": 0.01,
                   "grad_clip": 1.0, "precision": args.precision, "zero_stage": 1, "seed": 42},
         "run": {"output_dir": str(run_root / f"{Path(name).stem}-mb{mb}"), "log_interval": 1, "eval_interval": 0,
                 "save_interval": 0, "resume": False, "progress": False, "tensorboard": False, "export": False,
@@ -168,16 +181,18 @@ def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[s
     summary = model_summary(setup.config)
     n_mm = F.matmul_params(build_on_meta(setup.config))
     mixers = F.hybrid_mixers(setup.config)
-    timer = StepTimer(args.warmup, setup.dist.device)
+    timer = StepTimer(args.warmup, setup.dist.device, args.steps)
+    profiler = make_profiler(args, setup.dist.device)
     engine = None
     try:
         engine = build_engine(setup)
-        train_loop(engine, setup.train_batches, setup.run, (), title=name, on_step=timer, checkpoints=False)
+        train_loop(engine, setup.train_batches, setup.run, (), title=name, checkpoints=False,
+                   on_step=lambda r: (timer(r), profiler and profiler(r)))
     finally:
         if engine is not None:
             engine.ds_engine.destroy()
         del engine
-    return {"params": summary["params"], "non_embedding_params": summary["non_embedding_params"],
+    return {**profile_result(profiler), "params": summary["params"], "non_embedding_params": summary["non_embedding_params"],
             "matmul_params": n_mm, "mixers": F.describe(mixers),
             "flops": F.train_flops_per_token(n_mm, mixers, args.seq), "timing": timer.summary(),
             "precision": args.precision,
@@ -246,13 +261,14 @@ def run_peer(spec: str, mb: int, args, data_dir: Path, device: torch.device) -> 
     emb = model.get_input_embeddings().weight.numel()
     bf16 = args.precision == "bf16"
     batches = PackedBatches(PackedTokens(data_dir, "train"), args.seq, mb, 0, 1, DataConfig.seed)
-    timer = StepTimer(args.warmup, device)
+    timer = StepTimer(args.warmup, device, args.steps)
+    profiler = make_profiler(args, device)
     opt = None
     try:
         model.to(device).train()
         opt = torch.optim.AdamW(model.parameters(), lr=3.0e-4, betas=(0.9, 0.95), weight_decay=0.01,
                                 fused=device.type == "cuda")
-        for _ in range(args.warmup + args.steps):
+        for _ in range(args.warmup + args.steps + args.profile):
             ids = next(batches)["input_ids"].to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 loss = model(input_ids=ids, labels=ids).loss  # the model shifts the labels itself
@@ -261,11 +277,13 @@ def run_peer(spec: str, mb: int, args, data_dir: Path, device: torch.device) -> 
             opt.step()
             opt.zero_grad(set_to_none=True)
             timer.record(ids.numel(), loss.item())
+            if profiler:
+                profiler()
     finally:
         del opt, model
     recipe = ("plain PyTorch: fp32 params" + (", bf16 autocast" if bf16 else "") + ", torch AdamW"
               + (" (fused)" if device.type == "cuda" else "") + ", clip 1.0")
-    return {"params": params, "non_embedding_params": params - emb, "matmul_params": n_mm,
+    return {**profile_result(profiler), "params": params, "non_embedding_params": params - emb, "matmul_params": n_mm,
             "mixers": F.describe(mixers), "flops": F.train_flops_per_token(n_mm, mixers, args.seq),
             "timing": timer.summary(), "precision": args.precision, "recipe": recipe, "peer_config": cfg,
             "shapes_of": base_name or PEER_BASE[kind]}
@@ -386,6 +404,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=12, help="measured steps (median)")
     p.add_argument("--warmup", type=int, default=3, help="steps before measuring (>= 1; the first autotunes)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the timed steps, N more under torch.profiler: profile_<entry>.json (time per category)")
     p.add_argument("--data", default=None,
                    help=f"prepared packed shards (default {DEFAULT_DATA}, prepared from Jane Austen with the "
                         "Llama-3.2 tokenizer when absent)")
@@ -457,6 +477,9 @@ def main(argv=None) -> Dict[str, Any]:
         report["entries"].append(entry)
         if main_rank:
             print(progress_line(entry, t0), flush=True)
+            if entry.get("profile"):
+                from hybridlm.bench.profile_step import format_profile
+                print(format_profile(entry["profile"]), flush=True)
             write(report, out)
 
     run_root = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="train_speed-"))

@@ -1,0 +1,98 @@
+"""Where a training step's time goes: torch.profiler over a few steps, kernels grouped into categories.
+
+Used by ``python -m hybridlm.bench.train_speed --profile N``: after the timed steps, N more steps run under
+the profiler (its overhead stays out of the timing); each entry of ``train_speed.json`` then has a
+``profile`` with the device time per category and the top kernels. Categories are matched on kernel names,
+first match wins.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Optional
+
+import torch
+
+CATEGORIES = [  # (category, regex on the kernel / op name), first match wins
+    ("nccl / communication", r"nccl|all_reduce|allreduce|reduce_scatter|all_gather|broadcast|gloo"),
+    ("optimizer", r"adam|multi_tensor|_foreach|fused_adam|clip_grad|norm_ungrouped"),
+    ("cross-entropy / LM head loss", r"cross_entropy|fused_linear|flce|log_softmax|logsumexp|nll_loss"),
+    ("softmax attention (MLA / SDPA)", r"flash|fmha|attention|sdpa|efficient_attention|cudnn_attn"),
+    ("linear recurrence (fla chunk / recurrent)",
+     r"chunk|fused_recurrent|gated_delta|delta_rule|kda|simple_gla|gla_|wy_repr|solve_tril|recompute_w_u"),
+    ("short conv", r"conv1d|causal_conv|conv_"),
+    ("norms (RMSNorm, gated norm, l2norm)", r"rms|layer_norm|layernorm|l2norm|l2_norm|norm_fwd|norm_bwd"),
+    ("matmul (GEMM)", r"gemm|cutlass|cublas|sm90_xmma|matmul|_mm_|addmm|\bmm\b|bmm|wgmma|nvjet"),
+    ("activations / elementwise", r"swiglu|silu|sigmoid|elementwise|vectorized|unrolled|mul_|add_|copy|fill|cast"),
+]
+
+
+def categorize(name: str) -> str:
+    lowered = name.lower()
+    for category, pattern in CATEGORIES:
+        if re.search(pattern, lowered):
+            return category
+    return "other"
+
+
+class StepProfiler:
+    """An ``on_step``-style hook: profiles steps ``skip + 1 .. skip + active`` (1-based) of a run."""
+
+    def __init__(self, skip: int, active: int, device: torch.device):
+        from torch.profiler import ProfilerActivity, profile, schedule
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.device, self.active = device, active
+        self.prof = profile(activities=activities, schedule=schedule(wait=skip, warmup=0, active=active, repeat=1),
+                            record_shapes=False)
+        self.prof.__enter__()
+        self.steps = 0
+        self.closed = False
+
+    def __call__(self, _result=None) -> None:
+        if self.closed:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.prof.step()
+        self.steps += 1
+
+    def close(self) -> None:
+        if not self.closed:
+            self.prof.__exit__(None, None, None)
+            self.closed = True
+
+    def summary(self, top: int = 25) -> Dict[str, Any]:
+        """Device time per category (CUDA kernels on a GPU, CPU ops on a CPU) per profiled step, and the top
+        entries by self time."""
+        self.close()
+        cuda = self.device.type == "cuda"
+        rows: List[Dict[str, Any]] = []
+        for evt in self.prof.key_averages():
+            us = (getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)) if cuda \
+                else evt.self_cpu_time_total
+            if us and us > 0:
+                rows.append({"name": evt.key, "self_us": float(us), "calls": int(evt.count)})
+        rows.sort(key=lambda r: -r["self_us"])
+        total = sum(r["self_us"] for r in rows) or 1.0
+        per_cat: Dict[str, float] = {}
+        for r in rows:
+            r["category"] = categorize(r["name"])
+            per_cat[r["category"]] = per_cat.get(r["category"], 0.0) + r["self_us"]
+        steps = max(self.active, 1)
+        return {
+            "clock": "CUDA kernel self time" if cuda else "CPU op self time",
+            "profiled_steps": steps,
+            "ms_per_step": total / 1e3 / steps,
+            "categories": [{"category": c, "ms_per_step": us / 1e3 / steps, "share": us / total}
+                           for c, us in sorted(per_cat.items(), key=lambda kv: -kv[1])],
+            "top": [{**r, "ms_per_step": r["self_us"] / 1e3 / steps, "share": r["self_us"] / total}
+                    for r in rows[:top]],
+        }
+
+
+def format_profile(summary: Dict[str, Any], limit: Optional[int] = 10) -> str:
+    lines = [f"  {summary['clock']}: {summary['ms_per_step']:.1f} ms per step"]
+    for c in summary["categories"]:
+        lines.append(f"    {100 * c['share']:5.1f}%  {c['ms_per_step']:8.2f} ms  {c['category']}")
+    for r in summary["top"][:limit]:
+        lines.append(f"      {100 * r['share']:5.1f}%  {r['name'][:90]}")
+    return "\n".join(lines)
