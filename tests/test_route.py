@@ -48,6 +48,7 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
     assert [s["stage"] for s in report["stages"]] == ["ILD (MLA student)", "ILD (Mamba2 student)", "KD-SFT", "DPO"]
     assert 0.0 <= report["stages"][-1]["dpo_heldout"]["rewards/accuracies"] <= 1.0
     assert "| after DPO |" in (out / "report.md").read_text()
+    assert (out / "report.png").stat().st_size > 0
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-2000:]
     assert again.stdout.count("already finished") == 4  # ild x2, kd, dpo skipped; init/smart/compose reused

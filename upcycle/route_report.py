@@ -1,4 +1,4 @@
-"""The route's result table: perplexity on held-out real text of the teacher and of the hybrid after each
+"""The route's result table (``report.json``, ``report.md``, ``report.png``): perplexity on held-out real text of the teacher and of the hybrid after each
 stage (init only, ILD, KD, DPO), DPO's held-out reward accuracy, and the tokens and minutes each stage used.
 
     upcycle report --route-dir runs/smollm2_route [--data data_cache/janeausten-smollm2] [--tokens 65536]
@@ -93,8 +93,35 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
               "perplexity": rows, "stages": stages}
     atomic_write_text(str(out / "report.json"), json.dumps(report, indent=2))
     atomic_write_text(str(out / "report.md"), report_markdown(report))
+    plot_report(report, out / "report.png")
     print(f"route report: {out / 'report.md'}", flush=True)
     return report
+
+
+def plot_report(report: Dict[str, Any], png: Path) -> Path:
+    """Held-out perplexity of the teacher and of the hybrid after each stage (log scale), one bar each."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["perplexity"]
+    fig, ax = plt.subplots(figsize=(1.4 * len(rows) + 2, 4))
+    colors = ["#444444"] + ["#1f77b4"] * (len(rows) - 1)
+    bars = ax.bar([r["model"].replace(", ", ",\n").replace(" after ", "\nafter ") for r in rows],
+                  [r["ppl"] for r in rows], color=colors)
+    for bar, r in zip(bars, rows):
+        ax.annotate(f"{r['ppl']:.3g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("perplexity (held-out, log scale)")
+    ax.set_title(f"{report['heldout']['tokens']:,} held-out tokens")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    tmp = png.with_name(png.name + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(png)  # atomic, like the JSON and Markdown beside it
+    return png
 
 
 def report_markdown(report: Dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ echo "[$((SECONDS - START))s] route exit ${PIPESTATUS[0]}"
 if [ ! -f $ROUTE/report.json ] && [ -f $ROUTE/smart/smart_report.json ]; then  # cut off: measure what exists
   timeout 60 python3 -m upcycle.cli report --route-dir $ROUTE 2>&1 | grep -v "Loading weights" | tail -n 12
 fi
-cp $ROUTE/report.md $ROUTE/report.json "$OUT/" 2>/dev/null
+cp $ROUTE/report.md $ROUTE/report.json $ROUTE/report.png "$OUT/" 2>/dev/null
 cp $ROUTE/smart/smart_report.png "$OUT/" 2>/dev/null
 for f in $ROUTE/route.json $ROUTE/smart/smart_report.md $ROUTE/*/metrics.jsonl $ROUTE/*/loss_curve.png; do
   [ -f "$f" ] && cp "$f" "$LOGS/$(echo "${f#$ROUTE/}" | tr / _)"
