@@ -52,6 +52,14 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-2000:]
     assert again.stdout.count("already finished") == 4  # ild x2, kd, dpo skipped; init/smart/compose reused
+    (out / "report.json").unlink()
+    alone = subprocess.run([sys.executable, "-m", "upcycle.cli", "report", "--route-dir", str(out), "--seq-len", "32",
+                            "--tokens", "256"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    assert json.loads((out / "report.json").read_text())["perplexity"] == report["perplexity"]
+    missing = subprocess.run([sys.executable, "-m", "upcycle.cli", "report", "--route-dir", str(tmp_path / "nope")],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "route_config.json: missing" in missing.stderr
 
 
 def test_route_smoke_on_real_smollm2(tmp_path):
