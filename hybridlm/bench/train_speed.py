@@ -172,7 +172,8 @@ def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[s
                  "tokenizer": DEFAULT_TOKENIZER},
         "optim": {"micro_batch_size": mb, "global_batch_size": mb * world, "lr": 3.0e-4, "min_lr": 3.0e-5,
                   "warmup_steps": 0, "max_steps": args.warmup + args.steps + args.profile, "weight_decay": 0.01,
-                  "grad_clip": 1.0, "precision": args.precision, "zero_stage": 1, "seed": 42},
+                  "grad_clip": 1.0, "precision": args.precision, "zero_stage": 1, "seed": 42,
+                  "activation_checkpointing": args.activation_checkpointing},
         "run": {"output_dir": str(run_root / f"{Path(name).stem}-mb{mb}"), "log_interval": 1, "eval_interval": 0,
                 "save_interval": 0, "resume": False, "progress": False, "tensorboard": False, "export": False,
                 "sample_tokens": 0},
@@ -197,7 +198,8 @@ def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[s
             "flops": F.train_flops_per_token(n_mm, mixers, args.seq), "timing": timer.summary(),
             "precision": args.precision,
             "recipe": f"pretrain.py: DeepSpeed ZeRO-1 {'bf16 weights, fp32 master + grad accumulation' if args.precision == 'bf16' else 'fp32'}, "
-                      f"{'fused ' if cuda else ''}AdamW, clip 1.0, backend {setup.config.backend} "
+                      f"{'fused ' if cuda else ''}AdamW, clip 1.0, backend {setup.config.backend}"
+                      f"{', activation checkpointing' if args.activation_checkpointing else ''} "
                       f"({'Triton' if cuda else 'torch'} kernels)"}
 
 
@@ -404,6 +406,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=12, help="measured steps (median)")
     p.add_argument("--warmup", type=int, default=3, help="steps before measuring (>= 1; the first autotunes)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="ours: recompute blocks in the backward pass (optim.activation_checkpointing)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the timed steps, N more under torch.profiler: profile_<entry>.json (time per category)")
     p.add_argument("--data", default=None,

@@ -33,6 +33,9 @@ class OptimConfig:
     zero_stage: int = 1
     seed: int = 42
     max_consecutive_nonfinite: int = 5
+    # recompute each block's activations in the backward pass (transformers' gradient checkpointing):
+    # about a third more compute for a micro-batch several times larger
+    activation_checkpointing: bool = False
 
     def validate(self, where: str = "optim") -> None:
         def bad(field: str, expected: str) -> ConfigError:
@@ -76,6 +79,8 @@ class OptimConfig:
             raise bad("zero_stage", " or ".join(str(s) for s in ZERO_STAGES))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise bad("seed", "a non-negative integer")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise bad("activation_checkpointing", "true or false")
 
     def gradient_accumulation_steps(self, world_size: int, where: str = "optim") -> int:
         """Micro-batches per rank per optimizer step: global / (micro x world size)."""

@@ -212,6 +212,10 @@ class Engine:
         if not groups:
             raise ValueError("Engine: the model has no trainable parameters")
 
+        if config.activation_checkpointing:
+            if not getattr(model, "supports_gradient_checkpointing", False):
+                raise ConfigError(f"optim.activation_checkpointing: {type(model).__name__} does not support it")
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         ckpt.seed_everything(config.seed + self.dist.rank)
         model.to(self.dist.device)
         optimizer = torch.optim.AdamW(
