@@ -58,7 +58,6 @@ every entry, so a run cut off by a time limit still leaves what it measured.
 from __future__ import annotations
 
 import argparse
-import gc
 import inspect
 import json
 import statistics
@@ -66,9 +65,11 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from hybridlm.bench.common import free_memory, is_oom, versions
 
 MODELS = ("hybrid", "teacher")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -78,30 +79,6 @@ GIB = 2 ** 30
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-def is_oom(e: BaseException) -> bool:
-    if isinstance(e, torch.cuda.OutOfMemoryError):
-        return True
-    return isinstance(e, RuntimeError) and ("out of memory" in str(e).lower() or "CUBLAS_STATUS_ALLOC_FAILED" in str(e))
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def versions() -> Dict[str, Optional[str]]:
-    from importlib import metadata
-    out: Dict[str, Optional[str]] = {"torch": torch.__version__, "python": sys.version.split()[0],
-                                     "cuda": torch.version.cuda}
-    for key, dist in (("transformers", "transformers"), ("triton", "triton"), ("fla", "flash-linear-attention")):
-        try:
-            out[key] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[key] = None
-    return out
 
 
 def sync(device: torch.device) -> None:

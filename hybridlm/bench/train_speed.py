@@ -31,7 +31,6 @@ On a machine without CUDA everything runs in fp32 on the CPU (fla peers are skip
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import shutil
 import statistics
@@ -45,6 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hybridlm.bench import flops as F
+from hybridlm.bench.common import free_memory, is_oom, versions
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIGS = ["gdn_300m", "kda_300m", "mamba2_300m", "gdn_300m_hybrid", "mamba2_300m_hybrid", "gdn_1b"]
@@ -69,31 +69,6 @@ def config_path(name: str) -> Path:
 def model_section(name: str, overrides: Sequence[str]) -> Dict[str, Any]:
     from hybridlm.config.loader import load_config
     return load_config(str(config_path(name)), [f"model.{o}" for o in overrides])["model"]
-
-
-def is_oom(e: BaseException) -> bool:
-    if isinstance(e, torch.cuda.OutOfMemoryError):
-        return True
-    return isinstance(e, RuntimeError) and ("out of memory" in str(e).lower() or "CUBLAS_STATUS_ALLOC_FAILED" in str(e))
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def versions() -> Dict[str, Optional[str]]:
-    from importlib import metadata
-    out: Dict[str, Optional[str]] = {"torch": torch.__version__, "python": sys.version.split()[0]}
-    for key, dist in (("triton", "triton"), ("fla", "flash-linear-attention"), ("deepspeed", "deepspeed"),
-                      ("transformers", "transformers")):
-        try:
-            out[key] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[key] = None
-    return out
 
 
 class StepTimer:

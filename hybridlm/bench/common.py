@@ -1,0 +1,35 @@
+"""Pieces every benchmark needs: out-of-memory detection, freeing the GPU between entries, versions."""
+from __future__ import annotations
+
+import gc
+import sys
+from typing import Dict, Optional
+
+import torch
+
+
+def is_oom(e: BaseException) -> bool:
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(e, RuntimeError) and ("out of memory" in str(e).lower() or "CUBLAS_STATUS_ALLOC_FAILED" in str(e))
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def versions() -> Dict[str, Optional[str]]:
+    """The versions a GPU figure depends on (recorded in every benchmark report)."""
+    from importlib import metadata
+    out: Dict[str, Optional[str]] = {"torch": torch.__version__, "python": sys.version.split()[0],
+                                     "cuda": torch.version.cuda}
+    for key, dist in (("triton", "triton"), ("fla", "flash-linear-attention"), ("deepspeed", "deepspeed"),
+                      ("transformers", "transformers")):
+        try:
+            out[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[key] = None
+    return out
