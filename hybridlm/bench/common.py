@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from pathlib import Path
 from typing import Dict, Optional
 
 import torch
@@ -33,3 +34,12 @@ def versions() -> Dict[str, Optional[str]]:
         except metadata.PackageNotFoundError:
             out[key] = None
     return out
+
+
+def write_report(report: Dict, path: Path) -> None:
+    """The report as JSON, replaced atomically (a reader or a cut-off call never sees half a file)."""
+    import json
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=str))
+    tmp.replace(path)

@@ -69,7 +69,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hybridlm.bench.common import free_memory, is_oom, versions
+from hybridlm.bench.common import free_memory, is_oom, versions, write_report
 
 MODELS = ("hybrid", "teacher")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -457,10 +457,7 @@ def finalize(report: Dict[str, Any]) -> Dict[str, Any]:
 
 def write(report: Dict[str, Any], out: Path) -> None:
     finalize(report)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "generation.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2, default=str))
-    tmp.replace(out / "generation.json")
+    write_report(report, out / "generation.json")
     plot(report, out / "generation.png")
 
 

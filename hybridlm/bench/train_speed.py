@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hybridlm.bench import flops as F
-from hybridlm.bench.common import free_memory, is_oom, versions
+from hybridlm.bench.common import free_memory, is_oom, versions, write_report
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIGS = ["gdn_300m", "kda_300m", "mamba2_300m", "gdn_300m_hybrid", "mamba2_300m_hybrid", "gdn_1b"]
@@ -345,10 +345,7 @@ def plot(report: Dict[str, Any], png: Path) -> None:
 
 
 def write(report: Dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "train_speed.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2, default=str))
-    tmp.replace(out / "train_speed.json")
+    write_report(report, out / "train_speed.json")
     plot(report, out / "train_speed.png")
 
 
