@@ -2,6 +2,7 @@
 rerun that skips every finished stage."""
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -35,6 +36,7 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
     assert len(route["smart"]["mla_layers"]) == 2 and route["smart"]["mla_layers"][0] == 0
     for stage in ("ild_mla", "ild_mamba2", "kd", "dpo"):
         assert json.loads((out / stage / "final" / "stage.json").read_text())["steps"] == 2, stage
+        assert not (out / stage / "checkpoints").exists(), stage  # finished: resume state removed
     assert (out / "smart" / "smart_report.png").is_file()
     hybrid = json.loads((out / "dpo" / "final" / "config.json").read_text())
     assert hybrid["hybrid_override_pattern"].count("*") == 2
@@ -88,3 +90,4 @@ def test_route_smoke_on_real_smollm2(tmp_path):
     assert all(math.isfinite(v) for v in ppl.values()) and len(ppl) == 5
     hybrid = json.loads((out / "dpo" / "final" / "config.json").read_text())
     assert hybrid["hybrid_override_pattern"].count("*") == 8 and hybrid["num_layers"] == 60
+    shutil.rmtree(tmp_path)  # ~5 GB of fp32 135M-parameter models; CI machines have little disk

@@ -2,11 +2,13 @@
 
 A stage config has sections ``teacher`` (path), ``student`` (path), ``data`` (a :class:`DataConfig`,
 prepared with the teacher's tokenizer), ``optim`` and ``run``. The stage is resumable (the shared loop's
-checkpoints) and idempotent: a finished stage (``run.output_dir/final/stage.json``) is skipped.
+checkpoints) and idempotent: a finished stage (``run.output_dir/final/stage.json``) is skipped, and its
+resume checkpoints are removed once ``final/`` is written.
 """
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Optional
@@ -107,6 +109,10 @@ def run_stage(name: str, sections: Dict[str, Any],
             (tmp / "stage.json").write_text(json.dumps(result, indent=2))
         print(json.dumps({k: v for k, v in result.items() if k != "config"}), flush=True)
     barrier()
+    if dist.rank == 0 and run.checkpoint_dir.exists():
+        # a finished stage is skipped on rerun, so its resume checkpoints (optimizer state: ~12 bytes per
+        # parameter) are dead weight once final/ is complete
+        shutil.rmtree(run.checkpoint_dir, ignore_errors=True)
     return result
 
 
