@@ -130,3 +130,28 @@ def test_oom_stops_larger_batches(models, tmp_path, monkeypatch):
     assert (tmp_path / "generation.png").is_file()
     merged = G.main(["--merge", str(tmp_path / "generation.json"), "--out", str(tmp_path / "merged")])
     assert len(merged["entries"]) == 2 and (tmp_path / "merged" / "generation.png").is_file()
+
+
+def test_cuda_graph_option_decodes_through_the_static_cache(models, tmp_path):
+    """``--cuda-graph``: the hybrid decodes through a static HybridCache (+ GraphedDecoder; on CPU its eager
+    fallback) and still produces generate()'s tokens; the teacher keeps its default path; recorded per entry."""
+    _, teacher, hybrid = models
+    rep = G.main(["--hybrid", str(hybrid), "--teacher", str(teacher), "--prompt-lens", "8", "--new-tokens", str(NEW),
+                  "--batches", "2", "--dtype", "fp32", "--out", str(tmp_path), "--warmup-steps", "1",
+                  "--check-generate", str(NEW), "--cuda-graph"])
+    assert rep["cuda_graph"] is True
+    by_model = {e["model"]: e for e in rep["entries"]}
+    h, t = by_model["hybrid"], by_model["teacher"]
+    assert h["status"] == "ok" and h["cuda_graph"] is True and h["graph_replayed"] is False
+    assert h["decode_path"].startswith("static HybridCache") and h["graph_capture_s"] >= 0
+    assert h["matches_generate"] is True and h["full_forward_agree_tokens"] == NEW
+    assert t["cuda_graph"] is False and "decode_path" not in t and t["matches_generate"] is True
+    # the static cache is exactly full after the run: allocated bytes are the used ones, as the dynamic cache's
+    n_mla = KINDS.count("mla")
+    assert h["cache_bytes_kv"] == n_mla * (KV_RANK + ROPE) * 4 * h["batch"] * h["cached_tokens"]
+
+    model = G.load_hybrid(str(hybrid), torch.float32, torch.device("cpu"))
+    ids = G.make_prompts(2, 12, model.config.vocab_size, seed=3, device=torch.device("cpu"))
+    run = G.greedy_decode(model, ids, NEW, cuda_graph=True)
+    assert run.cache.is_static and run.cache.get_seq_length() == run.cache.max_length == 12 + NEW - 1
+    assert torch.equal(run.tokens, G.greedy_decode(model, ids, NEW).tokens)

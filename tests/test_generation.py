@@ -161,3 +161,139 @@ def test_beam_search_reorders_the_cache_and_crop_refuses_recurrent_rollback():
         cache.crop(-1)
     assert cache.get_seq_length() == 6  # nothing was cut, MLA layers included
     assert all(layer.latent.shape[1] == 6 for layer in cache.layers if isinstance(layer, LatentCacheLayer))
+
+
+# ------------------------------------------------------------------------- static cache (CUDA graphs)
+
+def _static(model, max_length, batch):
+    return HybridCache(model.config, max_length=max_length, batch_size=batch, dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("prompt_len", [1, 7])
+@torch.no_grad()
+def test_static_cache_matches_dynamic_cache_and_full_forward(name, prompt_len, monkeypatch):
+    """Prefill (shorter than max_length), a 3-token block, then single steps up to exactly max_length; then full."""
+    monkeypatch.setattr(DeltaRuleMixer, "chunk_size", 16)
+    monkeypatch.setattr(Mamba2, "chunk_size", 16)
+    model = _model(name)
+    max_length = prompt_len + 3 + 8
+    ids = _ids(2, max_length)
+    full = model(input_ids=ids).logits
+    static, dynamic = _static(model, max_length, 2), model(input_ids=ids[:, :prompt_len], use_cache=True).cache
+    assert static.is_static and not dynamic.is_static and static.get_max_length() == max_length
+    out = model(input_ids=ids[:, :prompt_len], cache=static)
+    assert out.cache is static and static.get_seq_length() == prompt_len and static.length.tolist() == [prompt_len]
+    # the preallocated shapes are the dynamic cache's (MLA: max_length positions instead of the prompt's)
+    for ls, ld in zip(static.layers, dynamic.layers):
+        assert ls.tensors().keys() == ld.tensors().keys()
+        for key, t in ld.tensors().items():
+            want = (t.shape[0], max_length, *t.shape[2:]) if isinstance(ld, LatentCacheLayer) else t.shape
+            assert ls.tensors()[key].shape == want, key
+    logits, dyn_logits, t = [out.logits], [], prompt_len
+    ptrs = {k: v.data_ptr() for k, v in static.static_tensors().items()}
+    for n in [3] + [1] * 8:
+        logits.append(model(input_ids=ids[:, t:t + n], cache=static).logits)
+        dyn_logits.append(model(input_ids=ids[:, t:t + n], cache=dynamic).logits)
+        t += n
+    assert static.get_seq_length() == max_length == dynamic.get_seq_length()
+    assert {k: v.data_ptr() for k, v in static.static_tensors().items()} == ptrs  # updated in place only
+    logits = torch.cat(logits, 1)
+    assert _worst_position_err(logits, full) < TOL
+    assert _worst_position_err(logits[:, prompt_len:], torch.cat(dyn_logits, 1)) < TOL
+    for ls, ld in zip(static.layers, dynamic.layers):  # the same cached contents
+        for key, t in ld.tensors().items():
+            assert rel_err(ls.tensors()[key], t) < TOL, key
+    with pytest.raises(ValueError, match="max_length"):
+        model(input_ids=ids[:, :1], cache=static)
+    assert static.get_seq_length() == max_length  # the refused step changed nothing
+
+    static.reset()  # in place: the same buffers serve a new generation
+    assert static.get_seq_length() == 0 and static.length.tolist() == [0]
+    assert {k: v.data_ptr() for k, v in static.static_tensors().items()} == ptrs
+    assert rel_err(model(input_ids=ids[:, :prompt_len + 3], cache=static).logits, full[:, :prompt_len + 3]) < TOL
+
+
+@torch.no_grad()
+def test_static_cache_refusals():
+    model = _model("mixed")
+    ids = _ids(2, 6)
+    with pytest.raises(ValueError, match="max_length"):
+        model(input_ids=ids, cache=_static(model, 5, 2))  # a prompt longer than the cache
+    cache = _static(model, 8, 2)
+    with pytest.raises(ValueError, match="batch"):
+        model(input_ids=ids[:1], cache=cache)
+    cache = _static(model, 8, 2)
+    mask = torch.ones_like(ids)
+    model(input_ids=ids, attention_mask=mask, cache=cache)  # an all-ones mask is accepted
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, 0] = 0
+    with pytest.raises(NotImplementedError, match="padding"):
+        model(input_ids=ids[:, :1], attention_mask=mask, cache=cache)
+    with pytest.raises(ValueError, match="position_ids"):
+        model(input_ids=ids[:, :1], position_ids=torch.tensor([[6]]), cache=cache)
+    with pytest.raises(NotImplementedError):
+        cache.crop(-1)
+    with pytest.raises(NotImplementedError):
+        cache.batch_repeat_interleave(2)
+
+
+@pytest.mark.parametrize("dtype,nbytes", [(torch.float32, 4), (torch.bfloat16, 2)])
+@torch.no_grad()
+def test_static_cache_memory_bytes_allocated_and_used(dtype, nbytes):
+    """``memory_bytes()`` of a static cache is what it allocated (all max_length positions, from the start);
+    ``used=True`` counts the MLA positions written so far, which is a dynamic cache's ``memory_bytes()``."""
+    cfg = tiny_config("*-S-*-S-S-", mixer="mamba2")
+    torch.manual_seed(0)
+    model = HybridForCausalLM(cfg).to(dtype).eval()
+    B, T, N = 2, 11, 16
+    static = HybridCache(cfg, max_length=N, batch_size=B, dtype=dtype)
+    a = cfg.mixer_args("mla")
+    per_token = (a.kv_lora_rank + a.qk_rope_head_dim) * nbytes * cfg.layer_plan.count("mla")
+    assert static.mla_bytes_per_token() == per_token
+    recurrent = static.memory_bytes("recurrent")
+    assert static.memory_bytes() == B * N * per_token + recurrent and static.memory_bytes(used=True) == recurrent
+    ids = _ids(B, T)
+    dynamic = model(input_ids=ids, use_cache=True).cache
+    model(input_ids=ids, cache=static)
+    assert static.memory_bytes() == B * N * per_token + recurrent  # allocated: unchanged
+    assert static.memory_bytes(used=True) == dynamic.memory_bytes() == dynamic.memory_bytes(used=True)
+    assert static.memory_bytes("mla", used=True) == dynamic.memory_bytes("mla") == B * T * per_token
+    assert static.memory_bytes("recurrent") == dynamic.memory_bytes("recurrent") == recurrent
+
+
+@pytest.mark.parametrize("name", ["mla", "mixed"])
+@torch.no_grad()
+def test_graphed_decoder_on_cpu_equals_the_plain_loop(name):
+    """Without CUDA the decoder runs the model eagerly on the static cache: the greedy tokens are those of the
+    dynamic-cache loop and of full forwards; it refuses a step beyond max_length."""
+    from hybridlm.model.graphs import GraphedDecoder
+    model = _model(name)
+    ids, new = _ids(2, 7), 9
+    cache = _static(model, ids.shape[1] + new - 1, 2)
+    decoder = GraphedDecoder(model, cache)
+    assert not decoder.enabled and decoder.graph is None
+    nxt = model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+    tokens = [nxt]
+    snap = cache.snapshot()  # what capture() does around its warm-up runs: a step, undone exactly
+    first = decoder.step(nxt).clone()
+    cache.restore(snap)
+    assert cache.get_seq_length() == ids.shape[1] and cache.length.tolist() == [ids.shape[1]]
+    for _ in range(new - 1):
+        logits = decoder.step(nxt)
+        if len(tokens) == 1:
+            assert torch.equal(logits, first)
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(nxt)
+    assert cache.get_seq_length() == cache.max_length
+    with pytest.raises(ValueError, match="full"):
+        decoder.step(nxt)
+
+    out = model(input_ids=ids, use_cache=True)
+    plain = [out.logits[:, -1].argmax(-1, keepdim=True)]
+    for _ in range(new - 1):
+        plain.append(model(input_ids=plain[-1], cache=out.cache).logits[:, -1].argmax(-1, keepdim=True))
+    assert torch.equal(torch.cat(tokens, 1), torch.cat(plain, 1))
+    assert torch.equal(torch.cat(tokens, 1), greedy_generate(model, ids, new)[:, ids.shape[1]:])
+    with pytest.raises(ValueError, match="static"):
+        GraphedDecoder(model, out.cache)

@@ -2,7 +2,8 @@
 
     python -m hybridlm.bench.generation --hybrid DIR --teacher DIR_OR_ASSET --out DIR \\
         [--prompt-lens 1024 8192] [--new-tokens 1024] [--batches 1 8 16 32 48 64 96 128] \\
-        [--dtype bf16] [--repeats 1] [--warmup-steps 4] [--models hybrid teacher] [--check-generate N]
+        [--dtype bf16] [--repeats 1] [--warmup-steps 4] [--models hybrid teacher] [--check-generate N] \\
+        [--cuda-graph]   # hybrid: static HybridCache + CUDA-graph-replayed decode steps
     python -m hybridlm.bench.generation --merge A.json B.json --out DIR   # join runs, redraw
 
 **Models.** The hybrid is loaded with ``HybridForCausalLM.from_pretrained`` (its own backend: fla's Triton
@@ -54,6 +55,12 @@ ratio of whole caches (recurrent states included) and of peak memory; ``target``
 (>= 1.5x the teacher at P 8192, B 48). ``DIR/generation.json`` and ``DIR/generation.png`` (decode tokens/s
 and peak memory against the batch, one line per model per prompt length, OOM marked) are rewritten after
 every entry, so a run cut off by a time limit still leaves what it measured.
+
+**--cuda-graph** (hybrid only; the teacher keeps its DynamicCache and eager steps): prefill eagerly into a
+static :class:`~hybridlm.model.cache.HybridCache` of ``P + new_tokens - 1`` positions, then decode by
+replaying one CUDA graph of the single-token step (:class:`~hybridlm.model.graphs.GraphedDecoder`). Entries
+record ``cuda_graph``, ``decode_path`` and ``graph_capture_s`` (warm-up + capture, timed between prefill and
+decode and counted in neither).
 """
 from __future__ import annotations
 
@@ -154,17 +161,33 @@ class DecodeRun:
         self.peak_prefill: Optional[int] = None
         self.peak_decode: Optional[int] = None
         self.phase = "prefill"
+        self.capture_s: Optional[float] = None  # --cuda-graph: the one-time warm-up + capture of the step
+        self.graph_replayed = False
+
+
+def _is_hybrid(model) -> bool:
+    from hybridlm.model import HybridForCausalLM
+    return isinstance(model, HybridForCausalLM)
 
 
 @torch.inference_mode()
-def greedy_decode(model, input_ids: torch.LongTensor, new_tokens: int, run: Optional[DecodeRun] = None) -> DecodeRun:
+def greedy_decode(model, input_ids: torch.LongTensor, new_tokens: int, run: Optional[DecodeRun] = None,
+                  cuda_graph: bool = False) -> DecodeRun:
     """Prefill over ``input_ids`` then ``new_tokens - 1`` cached single-token steps, argmax each time.
 
     The same loop serves the hybrid and the Llama teacher. Times are taken around device synchronisations;
     the generated ids stay on the device (no host sync inside the loop). ``run.phase`` tells where an
-    out-of-memory error happened."""
+    out-of-memory error happened.
+
+    ``cuda_graph`` (the hybrid only): the prompt is prefilled eagerly into a static
+    :class:`~hybridlm.model.cache.HybridCache` of exactly ``P + new_tokens - 1`` positions, and the decode
+    steps are replays of one CUDA graph of the step (:class:`~hybridlm.model.graphs.GraphedDecoder`; eager
+    steps on the static cache where there is no CUDA). The graph's warm-up and capture happen between the
+    two timed phases and are timed apart (``run.capture_s``)."""
     if new_tokens < 1:
         raise ValueError("new_tokens must be >= 1")
+    if cuda_graph and not _is_hybrid(model):
+        raise ValueError("cuda_graph: only the hybrid's static HybridCache path is graph-captured")
     run = run or DecodeRun()
     device = input_ids.device
     cuda = device.type == "cuda"
@@ -177,8 +200,14 @@ def greedy_decode(model, input_ids: torch.LongTensor, new_tokens: int, run: Opti
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
     t0 = time.perf_counter()
-    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
-    cache = _output_cache(out)
+    if cuda_graph:
+        from hybridlm.model.cache import HybridCache
+        cache = HybridCache(model.config, max_length=input_ids.shape[1] + new_tokens - 1, batch_size=B,
+                            dtype=model.dtype, device=device)
+        out = model(input_ids=input_ids, cache=cache, logits_to_keep=1)
+    else:
+        out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+        cache = _output_cache(out)
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     tokens[:, :1] = nxt
     del out
@@ -189,11 +218,26 @@ def greedy_decode(model, input_ids: torch.LongTensor, new_tokens: int, run: Opti
         torch.cuda.reset_peak_memory_stats(device)
 
     run.phase = "decode"
-    for i in range(1, new_tokens):
-        out = model(input_ids=nxt, use_cache=True, **{key: cache})
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        tokens[:, i:i + 1] = nxt
-        del out
+    if cuda_graph:
+        from hybridlm.model.graphs import GraphedDecoder
+        run.phase = "graph capture"
+        decoder = GraphedDecoder(model, cache)
+        if new_tokens > 1:
+            decoder.capture()
+        sync(device)
+        run.capture_s, run.graph_replayed = time.perf_counter() - t1, decoder.enabled
+        run.phase = "decode"
+        t1 = time.perf_counter()
+        for i in range(1, new_tokens):
+            nxt = decoder.step(nxt)[:, -1].argmax(-1, keepdim=True)
+            tokens[:, i:i + 1] = nxt
+        del decoder
+    else:
+        for i in range(1, new_tokens):
+            out = model(input_ids=nxt, use_cache=True, **{key: cache})
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens[:, i:i + 1] = nxt
+            del out
     sync(device)
     t2 = time.perf_counter()
     if cuda:
@@ -281,8 +325,12 @@ def measure_entry(model, name: str, prompt_len: int, batch: int, args, device: t
                   vocab: int, check_generate: int = 0) -> Dict[str, Any]:
     """One (model, prompt length, batch) entry: warm-up, ``args.repeats`` timed runs, cache accounting."""
     entry: Dict[str, Any] = {"model": name, "prompt_len": prompt_len, "batch": batch, "new_tokens": args.new_tokens}
+    graph = bool(getattr(args, "cuda_graph", False)) and name == "hybrid"
+    entry["cuda_graph"] = graph
+    graph_kw = {"cuda_graph": True} if graph else {}
     run = DecodeRun()
     runs: List[Tuple[float, float, Optional[int], Optional[int]]] = []
+    captures: List[float] = []
     failed = None
     stats: Dict[str, int] = {}
     checks: Optional[Dict[str, Any]] = None
@@ -290,12 +338,15 @@ def measure_entry(model, name: str, prompt_len: int, batch: int, args, device: t
     try:
         ids = make_prompts(batch, prompt_len, vocab, args.seed, device)
         if args.warmup_steps > 0:
-            greedy_decode(model, ids, min(args.new_tokens, args.warmup_steps + 1), run)
+            greedy_decode(model, ids, min(args.new_tokens, args.warmup_steps + 1), run, **graph_kw)
         where = ""
         for r in range(args.repeats):
             run = DecodeRun()
-            greedy_decode(model, ids, args.new_tokens, run)
+            greedy_decode(model, ids, args.new_tokens, run, **graph_kw)
             runs.append((run.prefill_s, run.decode_s, run.peak_prefill, run.peak_decode))
+            if graph:
+                captures.append(run.capture_s)
+                entry["graph_replayed"] = run.graph_replayed
             if r == 0:
                 stats = cache_stats(run.cache)
                 if check_generate:
@@ -325,6 +376,10 @@ def measure_entry(model, name: str, prompt_len: int, batch: int, args, device: t
         e2e_tokens_per_s=batch * args.new_tokens / (prefill + decode),
         prefill_s_all=[round(r[0], 6) for r in runs], decode_s_all=[round(r[1], 6) for r in runs],
     )
+    if graph:  # one-time setup, not in decode_s / e2e (a server captures once per batch shape)
+        entry.update(decode_path="static HybridCache + CUDA graph" if entry.get("graph_replayed")
+                     else "static HybridCache, eager steps (no CUDA)",
+                     graph_capture_s=statistics.median(captures))
     if device.type == "cuda":
         pp = max(r[2] for r in runs)
         pd = max(r[3] for r in runs)
@@ -500,6 +555,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--check-generate", type=int, default=0, metavar="N",
                    help="compare the loop's first N tokens with model.generate (smallest batch of each model "
                         "and prompt length; recorded as matches_generate)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="decode the hybrid through a static HybridCache and one CUDA graph of the decode step "
+                        "replayed per token (prefill eager; the teacher is unchanged)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="only merge these reports into --out (JSON + PNG), run nothing")
@@ -534,6 +592,7 @@ def main(argv=None) -> Dict[str, Any]:
         **versions(), "device": str(device), "dtype": args.dtype, "hybrid": args.hybrid, "teacher": args.teacher,
         "prompt_lens": args.prompt_lens, "new_tokens": args.new_tokens, "batches": sorted(set(args.batches)),
         "repeats": args.repeats, "warmup_steps": args.warmup_steps, "seed": args.seed,
+        "cuda_graph": args.cuda_graph,
         "method": "explicit greedy loop shared by both models: prefill forward (use_cache, logits_to_keep=1) + "
                   "new_tokens-1 cached single-token forwards, argmax, no mask, no stopping; cuda-synchronised "
                   "timing of prefill and decode",
@@ -574,7 +633,7 @@ def main(argv=None) -> Dict[str, Any]:
             info = {"path": args.hybrid, "pattern": model.config.hybrid_override_pattern,
                     "backend": model.config.backend,
                     "kernels": "triton (fla)" if use_triton(model.config.backend, probe) else "torch",
-                    "cache": "HybridCache"}
+                    "cache": "HybridCache (static) + CUDA graph decode" if args.cuda_graph else "HybridCache"}
         else:
             model = load_teacher_model(args.teacher, dtype, device)
             predict(model.config)

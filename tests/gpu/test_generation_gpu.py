@@ -76,3 +76,58 @@ def test_left_padded_batch_decodes_like_each_sequence_alone(name):
     err = _rel(together, alone)
     _record(f"generation/{name}/left_padding", err)
     assert err < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(PATTERNS))
+@torch.no_grad()
+def test_cuda_graph_decode_equals_eager_static_cache(name, dtype):
+    """GraphedDecoder's replayed steps against eager steps on a static cache (same kernels: equal up to
+    nondeterminism), greedy tokens included, and the static cache's eager steps against the dynamic cache."""
+    from hybridlm.model.cache import HybridCache
+    from hybridlm.model.graphs import GraphedDecoder
+    model = _model(name, dtype)
+    B, P, new = 3, 137, 12
+    ids = torch.randint(1, 4096, (B, P), device="cuda")
+
+    def static_cache():
+        return HybridCache(model.config, max_length=P + new - 1, batch_size=B, dtype=dtype, device="cuda")
+
+    def prefill(cache):
+        return model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1:]
+
+    eager_cache = static_cache()
+    first = prefill(eager_cache)
+    eager_logits, eager_tokens = [first], [first[:, -1].argmax(-1, keepdim=True)]
+    for _ in range(new - 1):
+        eager_logits.append(model(input_ids=eager_tokens[-1], cache=eager_cache).logits)
+        eager_tokens.append(eager_logits[-1][:, -1].argmax(-1, keepdim=True))
+
+    graph_cache = static_cache()
+    first = prefill(graph_cache)
+    decoder = GraphedDecoder(model, graph_cache)
+    assert decoder.enabled
+    graph_logits, graph_tokens = [first], [first[:, -1].argmax(-1, keepdim=True)]
+    for i in range(new - 1):  # teacher-forced with the eager tokens, so one near-tie cannot derail the rest
+        graph_logits.append(decoder.step(eager_tokens[i]).clone())
+        graph_tokens.append(graph_logits[-1][:, -1].argmax(-1, keepdim=True))
+    assert decoder.graph is not None and graph_cache.get_seq_length() == P + new - 1
+    assert graph_cache.length.item() == P + new - 1
+    with pytest.raises(ValueError, match="full"):
+        decoder.step(eager_tokens[-1])
+    err = _rel(torch.cat(graph_logits, 1), torch.cat(eager_logits, 1))
+    _record(f"generation/{name}/{str(dtype).split('.')[-1]}/cuda_graph", err)
+    assert err < 1e-3
+    assert torch.equal(torch.cat(graph_tokens, 1), torch.cat(eager_tokens, 1))
+
+    dyn = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    dyn_logits = [dyn.logits]
+    for i in range(new - 1):
+        dyn_logits.append(model(input_ids=eager_tokens[i], cache=dyn.cache).logits)
+    assert _rel(torch.cat(eager_logits, 1), torch.cat(dyn_logits, 1)) < TOL[dtype]
+
+    # the graph stays bound to its cache: reset in place and a new prefill reuse it
+    graph_cache.reset()
+    prefill(graph_cache)
+    again = decoder.step(eager_tokens[0]).clone()
+    assert _rel(again, eager_logits[1]) < 1e-3

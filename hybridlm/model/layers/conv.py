@@ -25,9 +25,9 @@ class ShortConv(nn.Module):
 
 def run_short_conv(conv: ShortConv, x: torch.Tensor, triton: bool, cache=None, name: str = "conv") -> torch.Tensor:
     """``silu(conv(x))``; with a :class:`~hybridlm.model.cache.RecurrentCacheLayer` the conv continues from
-    (and updates) its conv state ``name``."""
+    (and updates) its conv state ``name`` (in place for a static cache)."""
     if cache is None:
         return short_conv(x, conv.weight, conv.bias, "silu", triton)
-    y, cache.conv_states[name] = short_conv_with_state(x, cache.conv_states.get(name), conv.weight, conv.bias,
-                                                       "silu", triton)
+    y, state = short_conv_with_state(x, cache.conv_states.get(name), conv.weight, conv.bias, "silu", triton)
+    cache.set_conv(name, state)
     return y

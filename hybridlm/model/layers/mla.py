@@ -12,6 +12,9 @@ stores ``norm(c_kv)`` and the rotated ``k_rope`` in the cache; later tokens atte
 the latent space, with kv_b's key rows absorbed into the query and its value rows into the output:
 ``q_nope . (W_UK c) = (W_UK^T q_nope) . c`` and ``sum_s p_s W_UV c_s = W_UV sum_s p_s c_s``.
 Padded keys are masked out and RoPE positions come per sequence from the attention mask.
+With a static cache (fixed-size buffer for CUDA graphs) the new entries are written in place at device-side
+slots and the absorbed attention runs over the whole buffer, unwritten slots masked (a prompt into an empty
+static cache still takes the expanded form over its own tokens).
 """
 from __future__ import annotations
 
@@ -110,6 +113,11 @@ class MultiHeadLatentAttention(nn.Module):
         """A prompt (nothing cached yet) takes the expanded form; later tokens the absorbed one over the cache."""
         q_nope, q_rope, latent, k_rope = self._project(x, ctx.positions, ctx.rope_cos_sin(self.rope, self.rope_theta))
         cache = ctx.layer(self.layer_idx)
+        if ctx.static:  # written in place at the device-side slots; the whole buffer under a device-built mask
+            kv = cache.update(latent, k_rope, ctx.positions[0])
+            if ctx.past_length == 0 and x.shape[1] > 1:  # a prompt into an empty cache: only its own tokens
+                return self._attend_expanded(q_nope, q_rope, latent, k_rope, None)
+            return self._attend_absorbed(q_nope, q_rope, kv, ctx.attention_mask(x.shape[1]))
         mask = ctx.attention_mask(x.shape[1])
         if cache is None or ctx.past_length == 0:
             if cache is not None:

@@ -1,0 +1,108 @@
+"""A decode step of a :class:`~hybridlm.model.HybridForCausalLM` captured once in a CUDA graph and replayed.
+
+A small model's single-token step is hundreds of small kernels; launched from Python one by one they, not
+the GPU, set the decode speed. :class:`GraphedDecoder` records the whole step
+``model(input_ids=static_ids [B, 1], cache=static_cache)`` once and then replays it per token, which needs
+every tensor it touches at a fixed address with a fixed shape: hence a *static*
+:class:`~hybridlm.model.cache.HybridCache` (preallocated, updated in place, the position kept in a device
+counter that the step itself advances). Per step only the new token ids are copied into the graph's input
+buffer; nothing syncs with the host.
+
+    cache = HybridCache(model.config, max_length=P + new_tokens - 1, batch_size=B, dtype=model.dtype, device="cuda")
+    logits = model(input_ids=prompt, cache=cache, logits_to_keep=1).logits   # prefill: eager
+    decoder = GraphedDecoder(model, cache)
+    nxt = logits[:, -1].argmax(-1, keepdim=True)
+    for _ in range(new_tokens - 1):
+        nxt = decoder.step(nxt)[:, -1].argmax(-1, keepdim=True)
+
+The graph is captured at the first :meth:`GraphedDecoder.step` (or :meth:`GraphedDecoder.capture`), after
+warm-up runs on a side stream (Triton autotuning, cuBLAS workspaces), as ``torch.cuda.graphs`` requires. The
+warm-up and the capture leave the cache exactly as they found it (its buffers are snapshotted and restored),
+so capturing can happen at any point of a generation. The graph stays bound to that cache: ``cache.reset()``
+(in place) and a new prefill reuse it; a new cache needs a new decoder. The returned logits live in the
+graph's output buffer and are overwritten by the next step (clone them to keep them).
+
+On CPU (or ``enabled=False``) :meth:`step` simply calls the model on the static cache: the same API and the
+same results, so the logic is testable without a GPU.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from hybridlm.model.cache import HybridCache
+
+
+class GraphedDecoder:
+    """Single-token decode steps of ``model`` on the static ``cache``, replayed from one CUDA graph."""
+
+    def __init__(self, model, cache: HybridCache, enabled: Optional[bool] = None, warmup_steps: int = 3):
+        if not isinstance(cache, HybridCache) or not cache.is_static:
+            raise ValueError("GraphedDecoder needs a static HybridCache (HybridCache(config, max_length=..., "
+                             "batch_size=..., dtype=..., device=...))")
+        self.model, self.cache = model, cache
+        self.device = cache.length.device
+        cuda = self.device.type == "cuda"
+        if enabled and not cuda:
+            raise ValueError(f"CUDA graphs need a CUDA cache, this one is on {self.device}")
+        self.enabled = cuda if enabled is None else bool(enabled)
+        self.warmup_steps = warmup_steps
+        self.batch_size = cache.static_batch_size
+        with self._grad_mode():  # an inference tensor when the cache's are
+            self.static_ids = torch.zeros(self.batch_size, 1, dtype=torch.long, device=self.device)
+        self.graph: Optional["torch.cuda.CUDAGraph"] = None
+        self.static_logits: Optional[torch.Tensor] = None
+
+    # -----------------------------------------------------------------------------------------
+    def _grad_mode(self):
+        """Inference mode when the cache was made under it (its buffers are then inference tensors)."""
+        return torch.inference_mode() if self.cache.length.is_inference() else torch.no_grad()
+
+    def _forward(self) -> torch.Tensor:
+        return self.model(input_ids=self.static_ids, cache=self.cache).logits
+
+    def _check_room(self) -> None:
+        if self.cache.get_seq_length() + 1 > self.cache.max_length:
+            raise ValueError(f"static HybridCache full: {self.cache.get_seq_length()} tokens cached, max_length "
+                             f"{self.cache.max_length}")
+
+    def capture(self) -> None:
+        """Warm up on a side stream, then record one step; the cache is restored after each (nothing advances)."""
+        if not self.enabled or self.graph is not None:
+            return
+        self._check_room()
+        with self._grad_mode():
+            snap = self.cache.snapshot()
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup_steps):
+                    self.cache.restore(snap)
+                    self._forward()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self.cache.restore(snap)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self._forward()
+            self.cache.restore(snap)  # capturing ran no kernel, but the host-side token count moved
+            del snap
+        self.graph, self.static_logits = graph, logits
+
+    def step(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, 1, vocab]`` of one more token ``input_ids [B, 1]`` (or ``[B]``), the cache advanced.
+        With the graph the result is its output buffer, overwritten by the next step."""
+        self._check_room()
+        ids = input_ids.reshape(self.batch_size, 1)
+        if not self.enabled:
+            with self._grad_mode():
+                return self.model(input_ids=ids, cache=self.cache).logits
+        if self.graph is None:
+            self.capture()
+        with self._grad_mode():
+            self.static_ids.copy_(ids)
+        self.graph.replay()
+        self.cache.note_tokens(1)  # the replay advanced the device counter; keep the host count with it
+        return self.static_logits
+
+    __call__ = step
