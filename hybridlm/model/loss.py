@@ -7,7 +7,6 @@ chunk of logits exists at a time (same idea, torch ops).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 
