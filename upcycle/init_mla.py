@@ -12,7 +12,7 @@ Which dims are ``rope`` is the ``rope_init`` of :func:`upcycle.student.mla_args`
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 

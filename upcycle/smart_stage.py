@@ -29,7 +29,6 @@ CLI (wired into ``upcycle`` by :func:`add_subcommands`)::
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
