@@ -16,7 +16,7 @@ import torch
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.data.prepare import FORMAT, FORMAT_VERSION, META, SPLITS
-from hybridlm.data.sampler import ShuffledBatches, check_int
+from hybridlm.data.sampler import ShuffledBatches, check_int, validation_indices
 
 DTYPES = ("uint16", "uint32")
 
@@ -189,19 +189,11 @@ def validation_batches(tokens: PackedTokens, seq_len: int, micro_batch_size: int
     that every rank still gets the same number (>= 1) of equal batches.
     """
     check_int("seq_len", seq_len, 1)
-    check_int("micro_batch_size", micro_batch_size, 1)
-    check_int("max_batches", max_batches, 1)
-    check_int("world_size", world_size, 1)
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
     num_windows = len(tokens) // (seq_len + 1)
-    if num_windows < world_size:
-        raise ConfigError(f"{tokens.name}: {len(tokens)} tokens make {num_windows} windows of {seq_len + 1}, "
-                          f"fewer than one per rank ({world_size}); lower data.seq_len or raise val_fraction")
-    mbs = min(micro_batch_size, num_windows // world_size)
-    g = mbs * world_size
-    n = min(max_batches, num_windows // g)
-    return [_window_batch(tokens, np.arange(b * g + rank, (b + 1) * g, world_size), seq_len) for b in range(n)]
+    plan = validation_indices(num_windows, micro_batch_size, max_batches, rank, world_size,
+                              f"{tokens.name}: {len(tokens)} tokens make {num_windows} windows of {seq_len + 1}, "
+                              f"fewer than one per rank ({world_size}); lower data.seq_len or raise val_fraction")
+    return [_window_batch(tokens, idx, seq_len) for idx in plan]
 
 
 def open_splits(path, seq_len: int, micro_batch_size: int, val_max_batches: int, rank: int = 0,

@@ -1,7 +1,7 @@
 """The one epoch / shuffle / rank-sharding / resume policy behind every training batch stream."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import numpy as np
 
@@ -11,6 +11,25 @@ from hybridlm.config.errors import ConfigError
 def check_int(name: str, value: Any, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ConfigError(f"{name}: expected an integer >= {low}, got {value!r}")
+
+
+def validation_indices(num_items: int, micro_batch_size: int, max_batches: int, rank: int, world_size: int,
+                       too_few: str) -> List[np.ndarray]:
+    """The one validation policy: at most ``max_batches`` batches of the leading items, in order, the same on
+    every call; the ranks share each global batch, and with few items the per-rank batch shrinks so every rank
+    gets the same number (>= 1) of equal-sized batches. ``too_few`` is the error when there is not even one
+    item per rank. Returns each batch's item indices for this rank."""
+    check_int("micro_batch_size", micro_batch_size, 1)
+    check_int("max_batches", max_batches, 1)
+    check_int("world_size", world_size, 1)
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
+    if num_items < world_size:
+        raise ConfigError(too_few)
+    mbs = min(micro_batch_size, num_items // world_size)
+    g = mbs * world_size
+    n = min(max_batches, num_items // g)
+    return [np.arange(b * g + rank, (b + 1) * g, world_size) for b in range(n)]
 
 
 class ShuffledBatches:

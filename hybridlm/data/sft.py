@@ -40,7 +40,7 @@ from hybridlm.config.errors import ConfigError
 from hybridlm.data.chat import (RecordError, chat_messages, common_prefix_len, has_chat_template, render_prompt,
                                 sharegpt_turn, token_ids)
 from hybridlm.data.prepare import _json_records, _split_docs
-from hybridlm.data.sampler import ShuffledBatches, check_int
+from hybridlm.data.sampler import ShuffledBatches, validation_indices
 
 IGNORE_INDEX = -100
 Messages = List[Dict[str, str]]
@@ -241,22 +241,11 @@ class SFTBatches(ExampleBatches):
 def validation_example_batches(examples: Sequence[Any], micro_batch_size: int, max_batches: int, rank: int = 0,
                                world_size: int = 1, collate: Callable = list,
                                name: str = "validation data") -> List[Dict[str, torch.Tensor]]:
-    """At most ``max_batches`` batches of the leading examples, in order, the same on every call. Ranks
-    share each global batch; with few examples the per-rank batch shrinks so every rank gets the same
-    number (>= 1) of equal-sized batches."""
-    check_int("micro_batch_size", micro_batch_size, 1)
-    check_int("max_batches", max_batches, 1)
-    check_int("world_size", world_size, 1)
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
-    n_ex = len(examples)
-    if n_ex < world_size:
-        raise ConfigError(f"{name}: {n_ex} validation examples, fewer than one per rank ({world_size}); "
-                          f"raise val_fraction")
-    mbs = min(micro_batch_size, n_ex // world_size)
-    g = mbs * world_size
-    n = min(max_batches, n_ex // g)
-    return [collate([examples[i] for i in range(b * g + rank, (b + 1) * g, world_size)]) for b in range(n)]
+    """At most ``max_batches`` batches of the leading examples (:func:`validation_indices`), collated."""
+    plan = validation_indices(len(examples), micro_batch_size, max_batches, rank, world_size,
+                              f"{name}: {len(examples)} validation examples, fewer than one per rank ({world_size}); "
+                              f"raise val_fraction")
+    return [collate([examples[i] for i in idx]) for idx in plan]
 
 
 def sft_validation_batches(examples: Sequence[Dict[str, List[int]]], micro_batch_size: int, max_batches: int,
