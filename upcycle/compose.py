@@ -35,6 +35,7 @@ import torch
 from hybridlm.config.errors import ConfigError
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.pattern import SEQUENCE_MIXERS
+from smart_select.selection import validate_layers
 
 PathLike = Union[str, os.PathLike]
 SHARED_KEYS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")  # frozen in ILD
@@ -72,19 +73,7 @@ def check_students(mla_cfg: HybridConfig, mamba_cfg: HybridConfig) -> Tuple[int,
 
 def check_layers(mla_layers: Any, num_layers: int) -> List[int]:
     """Sorted, unique, in-range layer indices (ConfigError otherwise)."""
-    if isinstance(mla_layers, (str, bytes)) or not isinstance(mla_layers, Iterable):
-        raise ConfigError(f"mla_layers: expected a list of layer indices, got {mla_layers!r}")
-    layers = list(mla_layers)
-    seen = set()
-    for i in layers:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise ConfigError(f"mla_layers: expected integer layer indices, got {i!r}")
-        if not 0 <= i < num_layers:
-            raise ConfigError(f"mla_layers: index {i} out of range for a {num_layers}-layer model")
-        if i in seen:
-            raise ConfigError(f"mla_layers: layer {i} is listed more than once")
-        seen.add(i)
-    return sorted(layers)
+    return validate_layers(mla_layers, None, num_layers, field="mla_layers")
 
 
 def check_shared_weights(mla_student, mamba_student) -> None:
