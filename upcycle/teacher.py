@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import sys
-import time
 import zipfile
 from pathlib import Path
 from typing import Any, Dict, Union
@@ -26,7 +25,7 @@ from typing import Any, Dict, Union
 import torch
 
 from hybridlm.config.errors import ConfigError
-from hybridlm.data.assets import ASSET_PREFIX, AssetError, _atomic_build, _last_line, _run, cache_dir
+from hybridlm.data.assets import ASSET_PREFIX, AssetError, _atomic_build, _last_line, _run, cache_dir, fetch_assets
 
 PathLike = Union[str, os.PathLike]
 
@@ -221,15 +220,7 @@ def main(argv=None) -> int:
     f = sub.add_parser("fetch", help="fetch the teacher into the cache (idempotent) and print its path")
     f.add_argument("--name", choices=sorted(TEACHER_ASSETS), default=SMOLLM2_NAME)
     args = ap.parse_args(argv)
-    try:
-        t0 = time.perf_counter()
-        path = TEACHER_ASSETS[args.name]()
-        print(path, flush=True)
-        print(f"{args.name}: ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return fetch_assets(TEACHER_ASSETS, [args.name], tagged=False)
 
 
 if __name__ == "__main__":

@@ -267,13 +267,18 @@ def main(argv=None) -> int:
     f = sub.add_parser("fetch", help="fetch assets into the cache (idempotent) and print their paths")
     f.add_argument("--what", nargs="+", choices=["tokenizer", "corpus"], default=["tokenizer", "corpus"])
     args = ap.parse_args(argv)
-    getters = {"tokenizer": tokenizer_path, "corpus": corpus_path}
+    return fetch_assets({"tokenizer": tokenizer_path, "corpus": corpus_path}, args.what, tagged=True)
+
+
+def fetch_assets(getters: Dict[str, Callable[[], Path]], names, tagged: bool) -> int:
+    """Fetch each named asset: its path on stdout (``name<TAB>path`` when ``tagged``), its time on stderr;
+    a failure is one ``error:`` line and exit status 2. Shared by every ``fetch`` command."""
     try:
-        for what in args.what:
+        for name in names:
             t0 = time.perf_counter()
-            path = getters[what]()
-            print(f"{what}\t{path}", flush=True)
-            print(f"{what}: ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+            path = getters[name]()
+            print(f"{name}\t{path}" if tagged else path, flush=True)
+            print(f"{name}: ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
