@@ -4,7 +4,7 @@ from __future__ import annotations
 import gc
 import sys
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -43,3 +43,21 @@ def write_report(report: Dict, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=2, default=str))
     tmp.replace(path)
+
+
+def merge_reports(paths: Sequence[str], entry_key: Callable[[Dict], Hashable],
+                  derived: Sequence[str] = ()) -> Tuple[List[Dict], Dict]:
+    """Join benchmark reports: the first report's header (less ``entries`` and the ``derived`` keys, which
+    the caller recomputes) with ``merged_from``, and the entries of all, a later report's entry replacing
+    an earlier one of the same ``entry_key``. Returns ``(reports, merged)``."""
+    import json
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    skip = ("entries", *derived)
+    merged = {k: v for k, v in reports[0].items() if k not in skip}
+    merged["merged_from"] = [str(p) for p in paths]
+    entries: Dict[Hashable, Dict] = {}
+    for r in reports:
+        for e in r["entries"]:
+            entries[entry_key(e)] = e
+    merged["entries"] = list(entries.values())
+    return reports, merged

@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import statistics
 import sys
 import time
@@ -76,7 +75,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hybridlm.bench.common import free_memory, is_oom, versions, write_report
+from hybridlm.bench.common import free_memory, is_oom, merge_reports, versions, write_report
 
 MODELS = ("hybrid", "teacher")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -518,18 +517,13 @@ def write(report: Dict[str, Any], out: Path) -> None:
 
 def merge(paths: Sequence[str], out: Path) -> Dict[str, Any]:
     """Entries of several reports (a later one replaces an entry of the same model, prompt length and batch)."""
-    reports = [json.loads(Path(p).read_text()) for p in paths]
-    merged = {k: v for k, v in reports[0].items() if k not in ("entries", "comparisons", "target")}
-    merged["merged_from"] = [str(p) for p in paths]
+    derived = ("comparisons", "target")
+    reports, merged = merge_reports(paths, lambda e: (e["model"], e["prompt_len"], e["batch"]), derived)
     for r in reports:  # a report's model facts (kv prediction, config) fill in what the first lacked
         for k, v in r.items():
-            if k not in ("entries", "comparisons", "target") and merged.get(k) in (None, {}):
+            if k not in ("entries", *derived) and merged.get(k) in (None, {}):
                 merged[k] = v
-    entries: Dict[Tuple[str, int, int], Dict[str, Any]] = {}
-    for r in reports:
-        for e in r["entries"]:
-            entries[(e["model"], e["prompt_len"], e["batch"])] = e
-    merged["entries"] = sorted(entries.values(), key=lambda e: (MODELS.index(e["model"]), e["prompt_len"], e["batch"]))
+    merged["entries"].sort(key=lambda e: (MODELS.index(e["model"]), e["prompt_len"], e["batch"]))
     write(merged, out)
     return merged
 

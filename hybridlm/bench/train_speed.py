@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hybridlm.bench import flops as F
-from hybridlm.bench.common import free_memory, is_oom, versions, write_report
+from hybridlm.bench.common import free_memory, is_oom, merge_reports, versions, write_report
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIGS = ["gdn_300m", "kda_300m", "mamba2_300m", "gdn_300m_hybrid", "mamba2_300m_hybrid", "gdn_1b"]
@@ -351,14 +351,7 @@ def write(report: Dict[str, Any], out: Path) -> None:
 
 def merge(paths: Sequence[str], out: Path) -> Dict[str, Any]:
     """Entries of several reports (a later report's entry replaces an earlier one of the same name and kind)."""
-    reports = [json.loads(Path(p).read_text()) for p in paths]
-    merged = {k: v for k, v in reports[0].items() if k != "entries"}
-    merged["merged_from"] = [str(p) for p in paths]
-    entries: Dict[Tuple[str, str], Dict[str, Any]] = {}
-    for r in reports:
-        for e in r["entries"]:
-            entries[(e["kind"], e["name"])] = e
-    merged["entries"] = list(entries.values())
+    _, merged = merge_reports(paths, lambda e: (e["kind"], e["name"]))
     write(merged, out)
     return merged
 
