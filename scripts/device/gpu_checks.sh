@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# GPU checks for the model and pre-training issues, in one device call on a 2-GPU H200 machine:
+# GPU checks for the model, pre-training and speed issues, in one device call on a 2-GPU H200 machine:
 #   GPU 0: the Triton-vs-torch test module, one process per (sublayer, dtype) so that fla's Triton
-#          autotuning (minutes per mixer on a fresh machine) compiles in parallel on the CPUs;
-#   GPU 1: `deepspeed --num_gpus 1 pretrain.py` on the GDN-300M recipe (bf16, fla kernels, ZeRO-1);
-#   then both GPUs: the same run on 2 ranks (nccl), then the per-mixer timing table.
+#          autotuning (minutes per mixer on a fresh machine) compiles in parallel on the CPUs, next to the
+#          whole-model and generation GPU tests; then the per-mixer timing table;
+#   GPU 1: PRETRAIN=1: `deepspeed pretrain.py` on the GDN-300M recipe on 1, then 2 GPUs (ZeRO-1, nccl);
+#          SPEED=1: scripts/device/train_speed.sh (issue #5's benchmark, FAMILIES) instead.
+# Settings: KINDS (sublayers to check), TIMING_KINDS (mixers to time), PRETUNE=1 (warm the autotune cache
+# for the upcycling route's shapes), DEADLINE (seconds until the logs must be packed).
 # Needs .device (the bundle) and .xfer (made by scripts/device/pack_data.sh). Results land in $OUT.
 set -u
 cd "$(dirname "$0")/../.."
@@ -11,44 +14,53 @@ source .device/activate.sh
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 source scripts/device/common.sh
 START=$SECONDS
+export DEADLINE_AT=$(( EPOCHSECONDS + ${DEADLINE:-540} ))
 stamp() { echo "[$((SECONDS - START))s] $*"; }
-left() { echo $(( ${DEADLINE:-540} - (SECONDS - START) )); }  # seconds left before the logs must be packed
+left() { local l=$(( DEADLINE_AT - EPOCHSECONDS )); echo $(( l > 1 ? l : 1 )); }  # seconds left before the logs must be packed (timeout 0 would mean none)
 
 export HYBRIDLM_PARITY_LOG=$LOGS/parity.jsonl
-stamp "sublayer parity tests"
+stamp "sublayer parity tests: ${KINDS:-gdn kda mamba2 mla mlp}"
+PARITY_PIDS=()
 for kind in ${KINDS:-gdn kda mamba2 mla mlp}; do
   for dtype in float32 bfloat16; do
     CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 -m pytest -q -m gpu -o addopts= tests/gpu \
       -k "sublayer and $kind and $dtype" > "$LOGS/pytest_${kind}_${dtype}.log" 2>&1 &
+    PARITY_PIDS+=($!)
   done
 done
+CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 -m pytest -q -m gpu -o addopts= tests/gpu -k "whole_model or generation" \
+  > "$LOGS/pytest_model_generation.log" 2>&1 &
+PARITY_PIDS+=($!)
 
 # warm the autotune cache for the SmolLM2 hybrid of the upcycling route, which a later call on this machine runs
 [ "${PRETUNE:-1}" = 1 ] && CUDA_VISIBLE_DEVICES=0 timeout 400 python3 scripts/device/pretune_route.py .xfer/smollm2_config.json \
   > "$LOGS/pretune_route.log" 2>&1 &
 
-PRETRAIN_ARGS=(--config configs/experiments/gdn_300m.yaml data.path=data_cache/janeausten-llama3.2
-  optim.micro_batch_size=16 optim.global_batch_size=32 optim.max_steps=30 optim.warmup_steps=5
-  run.eval_interval=15 run.save_interval=15 run.log_interval=1 data.val_max_batches=2 run.sample_tokens=16)
-stamp "pretrain on 1 GPU"
-CUDA_VISIBLE_DEVICES=1 timeout $(( $(left) < 240 ? $(left) : 240 )) deepspeed --master_port 29511 --num_gpus 1 pretrain.py "${PRETRAIN_ARGS[@]}" \
-  run.output_dir=/tmp/runs/gdn_1gpu > "$LOGS/pretrain_1gpu.log" 2>&1
-stamp "pretrain on 1 GPU: exit $?"; pack_out
-timeout $(( $(left) < 200 ? $(left) : 200 )) deepspeed --master_port 29512 --num_gpus 2 pretrain.py "${PRETRAIN_ARGS[@]}" \
-  run.output_dir=/tmp/runs/gdn_2gpu > "$LOGS/pretrain_2gpu.log" 2>&1
-stamp "pretrain on 2 GPUs: exit $?"; pack_out
-cp /tmp/runs/gdn_1gpu/metrics.jsonl "$LOGS/metrics_1gpu.jsonl" 2>/dev/null
-cp /tmp/runs/gdn_2gpu/metrics.jsonl "$LOGS/metrics_2gpu.jsonl" 2>/dev/null
+if [ "${SPEED:-0}" = 1 ]; then
+  GPU=1 bash scripts/device/train_speed.sh > "$LOGS/train_speed.log" 2>&1 &
+fi
+if [ "${PRETRAIN:-1}" = 1 ]; then
+  PRETRAIN_ARGS=(--config configs/experiments/gdn_300m.yaml data.path=data_cache/janeausten-llama3.2
+    optim.micro_batch_size=16 optim.global_batch_size=32 optim.max_steps=30 optim.warmup_steps=5
+    run.eval_interval=15 run.save_interval=15 run.log_interval=1 data.val_max_batches=2 run.sample_tokens=16)
+  stamp "pretrain on 1 GPU"
+  CUDA_VISIBLE_DEVICES=1 timeout $(( $(left) < 240 ? $(left) : 240 )) deepspeed --master_port 29511 --num_gpus 1 pretrain.py "${PRETRAIN_ARGS[@]}" \
+    run.output_dir=/tmp/runs/gdn_1gpu > "$LOGS/pretrain_1gpu.log" 2>&1
+  stamp "pretrain on 1 GPU: exit $?"; pack_out
+  timeout $(( $(left) < 200 ? $(left) : 200 )) deepspeed --master_port 29512 --num_gpus 2 pretrain.py "${PRETRAIN_ARGS[@]}" \
+    run.output_dir=/tmp/runs/gdn_2gpu > "$LOGS/pretrain_2gpu.log" 2>&1
+  stamp "pretrain on 2 GPUs: exit $?"; pack_out
+  cp /tmp/runs/gdn_1gpu/metrics.jsonl "$LOGS/metrics_1gpu.jsonl" 2>/dev/null
+  cp /tmp/runs/gdn_2gpu/metrics.jsonl "$LOGS/metrics_2gpu.jsonl" 2>/dev/null
+fi
 
-wait
-stamp "sublayer parity tests done"; pack_out
+wait "${PARITY_PIDS[@]}"
+stamp "parity and model / generation tests done"; pack_out
 grep -h -E "passed|failed|error" "$LOGS"/pytest_*.log
-CUDA_VISIBLE_DEVICES=1 timeout $(left) python3 -m pytest -q -m gpu -o addopts= tests/gpu -k "whole_model or generation" \
-  > "$LOGS/pytest_model_generation.log" 2>&1 &
-CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 -m hybridlm.bench.mixers --out "$OUT/mixers.json" --dtypes --kinds ${KINDS:-gdn kda mamba2 mla mlp} \
-  > "$LOGS/bench_mixers.log" 2>&1
-stamp "mixer timing: exit $?"
+CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 -m hybridlm.bench.mixers --out "$OUT/mixers.json" --dtypes \
+  --kinds ${TIMING_KINDS:-gdn kda mamba2 mla mlp} > "$LOGS/bench_mixers.log" 2>&1
+stamp "mixer timing: exit $?"; pack_out
 wait
 stamp "all done"
-tail -n 3 "$LOGS/pytest_model_generation.log"
+grep -h "tok/s" "$LOGS"/speed_*.log 2>/dev/null
 finish_device_run

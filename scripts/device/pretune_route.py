@@ -22,6 +22,9 @@ def main():
     p.add_argument("--kv-rank", type=int, default=128)
     p.add_argument("--rope-dim", type=int, default=16)
     p.add_argument("--shapes", default="16x1024,8x777", help="batch x length pairs to run")
+    p.add_argument("--save", default=None, metavar="DIR",
+                   help="also save this random-weight hybrid (bf16): the route's architecture, for the "
+                        "generation benchmark while the route still trains (weights do not change its work)")
     args = p.parse_args()
     llama = LlamaConfig.from_dict(json.load(open(args.config)))
     L = llama.num_hidden_layers
@@ -38,6 +41,9 @@ def main():
             loss.backward()
         torch.cuda.synchronize()
         print(f"pretune {shape}: {time.perf_counter() - t0:.1f}s (loss {loss.item():.3f})", flush=True)
+    if args.save:
+        model.to(torch.bfloat16).save_pretrained(args.save)
+        print(f"saved the architecture twin to {args.save}", flush=True)
 
 
 if __name__ == "__main__":

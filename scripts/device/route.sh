@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The SmolLM2 upcycling route on one H200 (configs/upcycle/smollm2_route_h200.yaml), after
 # scripts/device/gpu_checks.sh and two stage_teacher_half.sh calls on the same warm machine.
+# GEN_BENCH=1: the route trains on GPU 0 while scripts/device/generation.sh measures on GPU 1.
 set -u
 cd "$(dirname "$0")/../.."
 bash scripts/device/stage_teacher_half.sh .xfer_b || exit 3
@@ -16,6 +17,12 @@ tar xJf /tmp/xfer/route_data.tar.xz && relocate_meta
 export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/wheels
 python3 -m upcycle.teacher fetch || exit 4
 echo "[$((SECONDS - START))s] teacher ready"
+if [ "${GEN_BENCH:-0}" = 1 ]; then  # issue #6's benchmark on the second GPU while the route trains on the first
+  export CUDA_VISIBLE_DEVICES=0
+  GPU=1 DEADLINE_AT=$((EPOCHSECONDS + DEADLINE_S + 40 - (SECONDS - START))) bash scripts/device/generation.sh \
+    > "$LOGS/generation.log" 2>&1 &
+  GEN_PID=$!
+fi
 ROUTE=/tmp/runs/smollm2_route
 timeout $((DEADLINE_S - (SECONDS - START))) python3 -m upcycle.cli run --config configs/upcycle/smollm2_route_h200.yaml \
   output_dir=$ROUTE kd.data.path=data_cache/shared/alpaca_en_demo.json \
@@ -30,4 +37,5 @@ cp $ROUTE/smart/smart_report.png "$OUT/" 2>/dev/null
 for f in $ROUTE/route.json $ROUTE/smart/smart_report.md $ROUTE/*/metrics.jsonl $ROUTE/*/loss_curve.png; do
   [ -f "$f" ] && cp "$f" "$LOGS/$(echo "${f#$ROUTE/}" | tr / _)"
 done
+[ -n "${GEN_PID:-}" ] && { wait "$GEN_PID"; cat "$LOGS/generation.log"; grep -h "tok/s\|ratio" "$LOGS"/generation_*.log | tail -n 30; }
 finish_device_run

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue #5's benchmark on one GPU of the device machine, one family per process, so that a family cut off by
+# its time limit (fla's autotuning costs minutes per mixer on a fresh machine) leaves the others' reports.
+#   FAMILIES="gdn mamba2 kda 1b"  which families, in this order
+#   DEADLINE_AT=<epoch seconds>   stop launching / cut the running family at that time
+#   GPU=1                         which GPU
+# Reports: $LOGS/speed_<family>/train_speed.{json,png} (+ profile_<entry>.json); join them with --merge.
+set -u
+cd "$(dirname "$0")/../.."
+source scripts/device/common.sh
+declare -A FAMILY=(
+  [gdn]="--configs gdn_300m gdn_300m_hybrid --peers fla_gdn llama --micro-batch 64"
+  [mamba2]="--configs mamba2_300m mamba2_300m_hybrid --peers --micro-batch 64"
+  [kda]="--configs kda_300m --peers fla_kda --micro-batch 64"
+  [1b]="--configs gdn_1b --peers --micro-batch 16"
+)
+for fam in ${FAMILIES:-gdn mamba2 kda 1b}; do
+  left=$(( ${DEADLINE_AT:-$((EPOCHSECONDS + 540))} - EPOCHSECONDS ))
+  [ "$left" -lt 30 ] && { echo "train_speed: no time left for $fam"; break; }
+  echo "[$(date +%T)] train_speed $fam (${left}s left)"
+  CUDA_VISIBLE_DEVICES=${GPU:-1} timeout "$left" python3 -m hybridlm.bench.train_speed --out "$LOGS/speed_$fam" \
+    --data data_cache/janeausten-llama3.2 --seq 2048 --steps ${STEPS:-10} --warmup 3 --profile ${PROFILE:-3} \
+    ${FAMILY[$fam]} > "$LOGS/speed_$fam.log" 2>&1
+  echo "[$(date +%T)] train_speed $fam: exit $?"; grep -E "tok/s|tokens/s|OOM|Error" "$LOGS/speed_$fam.log" | tail -n 8
+  pack_out
+done
