@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #5's benchmark on one GPU of the device machine, one family per process, so that a family cut off by
 # its time limit (fla's autotuning costs minutes per mixer on a fresh machine) leaves the others' reports.
-#   FAMILIES="gdn mamba2 kda 1b"  which families, in this order
+#   FAMILIES="gdn mamba2 kda mb16 1b"  which families, in this order
 #   DEADLINE_AT=<epoch seconds>   stop launching / cut the running family at that time
 #   GPU=1                         which GPU
 # Reports: $LOGS/speed_<family>/train_speed.{json,png} (+ profile_<entry>.json); join them with --merge.
@@ -9,12 +9,13 @@ set -u
 cd "$(dirname "$0")/../.."
 source scripts/device/common.sh
 declare -A FAMILY=(
-  [gdn]="--configs gdn_300m gdn_300m_hybrid --peers fla_gdn llama --micro-batch 64"
+  [gdn]="--configs gdn_300m gdn_300m_hybrid --peers fla_gdn --micro-batch 64"
   [mamba2]="--configs mamba2_300m mamba2_300m_hybrid --peers --micro-batch 64"
   [kda]="--configs kda_300m --peers fla_kda --micro-batch 64"
+  [mb16]="--configs gdn_300m --peers llama fla_gdn --micro-batch 16"   # the Llama peer keeps full logits: 64 cannot fit
   [1b]="--configs gdn_1b --peers --micro-batch 16"
 )
-for fam in ${FAMILIES:-gdn mamba2 kda 1b}; do
+for fam in ${FAMILIES:-gdn mamba2 kda mb16 1b}; do
   left=$(( ${DEADLINE_AT:-$((EPOCHSECONDS + 540))} - EPOCHSECONDS ))
   [ "$left" -lt 30 ] && { echo "train_speed: no time left for $fam"; break; }
   echo "[$(date +%T)] train_speed $fam (${left}s left)"
