@@ -552,6 +552,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cuda-graph", action="store_true",
                    help="decode the hybrid through a static HybridCache and one CUDA graph of the decode step "
                         "replayed per token (prefill eager; the teacher is unchanged)")
+    p.add_argument("--sdpa-cudnn", action="store_true",
+                   help="leave cuDNN in SDPA's backend choice (default: off for both models; it builds a new "
+                        "execution plan for every key length, i.e. at every eager decoding step)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="only merge these reports into --out (JSON + PNG), run nothing")
@@ -579,6 +582,8 @@ def main(argv=None) -> Dict[str, Any]:
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
     dtype = DTYPES[args.dtype]
     nbytes = torch.empty((), dtype=dtype).element_size()
+    if cuda:  # one SDPA backend policy for both models (the hybrid's cached MLA leaves cuDNN out itself)
+        torch.backends.cuda.enable_cudnn_sdp(args.sdpa_cudnn)
 
     report: Dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(device) if cuda else None,
@@ -586,7 +591,7 @@ def main(argv=None) -> Dict[str, Any]:
         **versions(), "device": str(device), "dtype": args.dtype, "hybrid": args.hybrid, "teacher": args.teacher,
         "prompt_lens": args.prompt_lens, "new_tokens": args.new_tokens, "batches": sorted(set(args.batches)),
         "repeats": args.repeats, "warmup_steps": args.warmup_steps, "seed": args.seed,
-        "cuda_graph": args.cuda_graph,
+        "cuda_graph": args.cuda_graph, "sdpa_cudnn": args.sdpa_cudnn if cuda else None,
         "method": "explicit greedy loop shared by both models: prefill forward (use_cache, logits_to_keep=1) + "
                   "new_tokens-1 cached single-token forwards, argmax, no mask, no stopping; cuda-synchronised "
                   "timing of prefill and decode",

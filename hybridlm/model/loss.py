@@ -1,8 +1,17 @@
 """Causal-LM cross-entropy that never materialises the full ``[tokens, vocab]`` logits.
 
-GPU: fla's ``FusedLinearCrossEntropyLoss`` (Triton). CPU: :class:`ChunkedLinearCrossEntropy`, which
-walks the tokens in chunks and computes each chunk's gradient during the forward pass, so at most one
-chunk of logits exists at a time (same idea, torch ops).
+:class:`ChunkedLinearCrossEntropy` walks the tokens in contiguous chunks and computes each chunk's gradient
+during the forward pass, so at most one chunk of logits exists at a time. Per chunk:
+
+* logits = hidden @ weight.T in the activations' dtype (bf16 GEMM on tensor cores in training);
+* the loss and d loss / d logits = (softmax - onehot) / n_valid: fla's fused Triton cross-entropy kernel on
+  GPU (written over the logits in place), torch ops on CPU;
+* grad_hidden = dlogits @ weight and grad_weight += dlogits.T @ hidden: GEMMs in the activations' dtype,
+  the weight gradient summed over chunks in fp32.
+
+Why not fla's own ``FusedLinearCrossEntropyLoss``: it accumulates the weight gradient through ``addmm`` on
+fp32 copies of the logits and the hidden states, which cuBLAS runs as an fp32 SIMT GEMM (no TF32 by
+default): 55 % of a GDN-300M training step on an H200 (BENCHMARKS.md, issue #5).
 """
 from __future__ import annotations
 
@@ -11,37 +20,55 @@ import torch
 IGNORE_INDEX = -100
 
 
+def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, inv_n: torch.Tensor, triton: bool):
+    """Summed loss of one chunk (fp32) and d (loss / n_valid) / d logits, written over ``logits``."""
+    if triton:
+        from fla.modules.fused_cross_entropy import cross_entropy_loss
+
+        with torch.enable_grad():
+            leaf = logits.detach().requires_grad_()
+            losses = cross_entropy_loss(leaf, target, ignore_index=IGNORE_INDEX, inplace_backward=True)[0]
+            (grad,) = torch.autograd.grad(losses, leaf, grad_outputs=inv_n.expand_as(losses))
+        return losses.sum(), grad
+    valid = target != IGNORE_INDEX
+    safe = target.masked_fill(~valid, 0).unsqueeze(-1)
+    logits32 = logits.float()
+    lse = torch.logsumexp(logits32, dim=-1, keepdim=True)
+    loss = ((lse - logits32.gather(-1, safe)).squeeze(-1) * valid).sum()
+    probs = logits32.sub_(lse).exp_()  # in place: one fp32 chunk alive
+    probs.scatter_add_(-1, safe, -torch.ones_like(safe, dtype=probs.dtype))
+    probs.mul_((valid.to(probs.dtype) * inv_n).unsqueeze(-1))
+    return loss, probs.to(logits.dtype)
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, num_chunks: int):
+    def forward(ctx, hidden, weight, labels, num_chunks: int, triton: bool = False):
         n_valid = (labels != IGNORE_INDEX).sum().clamp(min=1)
+        inv_n = n_valid.float().reciprocal()
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        grad_hidden = torch.zeros_like(hidden) if need_grad else None
+        grad_hidden = torch.empty_like(hidden) if need_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
         total = hidden.new_zeros((), dtype=torch.float32)
-        for idx in torch.arange(hidden.shape[0], device=hidden.device).chunk(num_chunks):
-            h, y = hidden[idx], labels[idx]
-            logits = (h @ weight.t()).float()
-            valid = y != IGNORE_INDEX
-            target = y.masked_fill(~valid, 0).unsqueeze(-1)
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            total = total + ((lse - logits.gather(-1, target)).squeeze(-1) * valid).sum()
-            if need_grad:  # d loss / d logits = (softmax - onehot) / n_valid, built in place
-                probs = logits.sub_(lse).exp_()
-                probs.scatter_add_(-1, target, -torch.ones_like(target, dtype=probs.dtype))
-                probs.mul_((valid.to(probs.dtype) / n_valid).unsqueeze(-1))
-                grad_hidden[idx] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
-                grad_weight.addmm_(probs.t(), h.float())
+        w = weight.to(hidden.dtype)
+        size = -(-hidden.shape[0] // max(1, num_chunks))
+        for start in range(0, hidden.shape[0], size):
+            h, y = hidden[start:start + size], labels[start:start + size]
+            loss, dlogits = _chunk_loss_and_grad(h @ w.t(), y, inv_n, triton)
+            total = total + loss
+            if need_grad:
+                grad_hidden[start:start + size] = dlogits @ w
+                grad_weight += (dlogits.t() @ h).float()
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
-        return total / n_valid
+        return total * inv_n
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_out.to(grad_hidden.dtype) if ctx.needs_input_grad[0] else None
         gw = (grad_weight * grad_out).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None
+        return gh, gw, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -49,8 +76,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     """Mean token cross-entropy of ``hidden @ weight.T`` against ``labels`` (``-100`` ignored).
 
     hidden ``[N, d]``, weight ``[V, d]``, labels ``[N]`` (already aligned: label i is the target of row i).
+    ``triton``: fla's fused cross-entropy kernel per chunk (CUDA, or the Triton interpreter).
     """
-    if triton:
-        from fla.modules import FusedLinearCrossEntropyLoss
-        return FusedLinearCrossEntropyLoss(num_chunks=num_chunks)(hidden, labels, weight)
-    return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, num_chunks)
+    return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, num_chunks, triton)

@@ -9,6 +9,7 @@ Without any of cache / mask / positions the forward is the training path, untouc
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -25,6 +26,16 @@ from hybridlm.ops.backend import use_triton
 
 # transformers renamed the output's cache field past_key_values -> cache (5.2x); fill the one this version has
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+@dataclass
+class HybridCausalLMOutput(CausalLMOutputWithPast):
+    """transformers' causal-LM output; ``.cache`` reads the cache under either transformers' field name (the
+    GPU machine's transformers 5.17 still calls it ``past_key_values``)."""
+    if _CACHE_FIELD != "cache":
+        @property
+        def cache(self) -> Optional[HybridCache]:
+            return self.past_key_values
 
 
 class HybridBlock(nn.Module):
@@ -140,7 +151,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         past_key_values: Optional[HybridCache] = None,
         use_cache: Optional[bool] = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> HybridCausalLMOutput:
         """``labels`` follow transformers (aligned with ``input_ids``, shifted here); ``shift_labels`` are
         already the next-token targets. With either, the loss is computed chunk-wise and logits are not
         returned unless ``return_logits=True``. ``logits_to_keep=k`` keeps only the last k positions.
@@ -160,10 +171,10 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
                                         shift_labels.reshape(-1), self.config.loss_chunks,
                                         triton=use_triton(self.config.backend, hidden))
             if not return_logits:
-                return CausalLMOutputWithPast(loss=loss, logits=None)
+                return HybridCausalLMOutput(loss=loss, logits=None)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        return CausalLMOutputWithPast(loss=loss, logits=self.lm_head(hidden).float(), **{_CACHE_FIELD: cache})
+        return HybridCausalLMOutput(loss=loss, logits=self.lm_head(hidden).float(), **{_CACHE_FIELD: cache})
 
     def _resolve_cache(self, cache, use_cache: Optional[bool]) -> Optional[HybridCache]:
         if cache is None:

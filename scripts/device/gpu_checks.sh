@@ -3,10 +3,12 @@
 #   GPU 0: the Triton-vs-torch test module, one process per (sublayer, dtype) so that fla's Triton
 #          autotuning (minutes per mixer on a fresh machine) compiles in parallel on the CPUs, next to the
 #          whole-model and generation GPU tests; then the per-mixer timing table;
+#          GENERATION=1: then scripts/device/generation.sh (issue #6; TEACHER=twin without the teacher's wheel);
 #   GPU 1: PRETRAIN=1: `deepspeed pretrain.py` on the GDN-300M recipe on 1, then 2 GPUs (ZeRO-1, nccl);
-#          SPEED=1: scripts/device/train_speed.sh (issue #5's benchmark, FAMILIES) instead.
-# Settings: KINDS (sublayers to check), TIMING_KINDS (mixers to time), PRETUNE=1 (warm the autotune cache
-# for the upcycling route's shapes), DEADLINE (seconds until the logs must be packed).
+#          SPEED=1: scripts/device/train_speed.sh (issue #5's benchmark, FAMILIES) instead;
+#   both:  TWO_GPU=1: at the end, issue #5's benchmark of gdn_300m on 2 GPUs against the 1-GPU report.
+# Settings: KINDS (sublayers to check; "" for none), TIMING_KINDS (mixers to time; "" for none), PRETUNE=1
+# (warm the autotune cache for the upcycling route's shapes), DEADLINE (seconds until the logs must be packed).
 # Needs .device (the bundle) and .xfer (made by scripts/device/pack_data.sh). Results land in $OUT.
 set -u
 cd "$(dirname "$0")/../.."
@@ -19,16 +21,16 @@ stamp() { echo "[$((SECONDS - START))s] $*"; }
 left() { local l=$(( DEADLINE_AT - EPOCHSECONDS )); echo $(( l > 1 ? l : 1 )); }  # seconds left before the logs must be packed (timeout 0 would mean none)
 
 export HYBRIDLM_PARITY_LOG=$LOGS/parity.jsonl
-stamp "sublayer parity tests: ${KINDS:-gdn kda mamba2 mla mlp}"
+stamp "sublayer parity tests: ${KINDS-gdn kda mamba2 mla mlp}"
 PARITY_PIDS=()
-for kind in ${KINDS:-gdn kda mamba2 mla mlp}; do
+for kind in ${KINDS-gdn kda mamba2 mla mlp}; do
   for dtype in float32 bfloat16; do
     CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 -m pytest -q -m gpu -o addopts= tests/gpu \
       -k "sublayer and $kind and $dtype" > "$LOGS/pytest_${kind}_${dtype}.log" 2>&1 &
     PARITY_PIDS+=($!)
   done
 done
-CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 -m pytest -q -m gpu -o addopts= tests/gpu -k "whole_model or generation" \
+CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 -m pytest -q -rfE --tb=line -m gpu -o addopts= tests/gpu -k "whole_model or generation" \
   > "$LOGS/pytest_model_generation.log" 2>&1 &
 PARITY_PIDS+=($!)
 
@@ -57,10 +59,25 @@ fi
 wait "${PARITY_PIDS[@]}"
 stamp "parity and model / generation tests done"; pack_out
 grep -h -E "passed|failed|error" "$LOGS"/pytest_*.log
-CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 -m hybridlm.bench.mixers --out "$OUT/mixers.json" --dtypes \
-  --kinds ${TIMING_KINDS:-gdn kda mamba2 mla mlp} > "$LOGS/bench_mixers.log" 2>&1
-stamp "mixer timing: exit $?"; pack_out
+if [ -n "${TIMING_KINDS-gdn kda mamba2 mla mlp}" ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 -m hybridlm.bench.mixers --out "$OUT/mixers.json" --dtypes \
+    --kinds ${TIMING_KINDS-gdn kda mamba2 mla mlp} > "$LOGS/bench_mixers.log" 2>&1
+  stamp "mixer timing: exit $?"; pack_out
+fi
+if [ "${GENERATION:-0}" = 1 ]; then
+  # leave TWO_GPU_S seconds of the deadline to the 2-GPU phase
+  GPU=0 DEADLINE_AT=$(( DEADLINE_AT - ${TWO_GPU_S:-0} )) bash scripts/device/generation.sh > "$LOGS/generation.log" 2>&1
+  stamp "generation: exit $?"
+fi
 wait
+stamp "one-GPU phases done"
+if [ "${TWO_GPU:-0}" = 1 ] && [ "$(left)" -gt 90 ] && [ -f "$LOGS/speed_gdn/train_speed.json" ]; then
+  timeout $(left) python3 -m torch.distributed.run --nproc_per_node 2 -m hybridlm.bench.train_speed --out "$LOGS/speed_2gpu" \
+    --data data_cache/janeausten-llama3.2 --seq 2048 --micro-batch 64 --steps 10 --warmup 3 --configs gdn_300m --peers \
+    --compare-to "$LOGS/speed_gdn/train_speed.json" > "$LOGS/speed_2gpu.log" 2>&1
+  stamp "2-GPU train_speed: exit $?"
+fi
 stamp "all done"
-grep -h "tok/s" "$LOGS"/speed_*.log 2>/dev/null
+grep -h "tok/s" "$LOGS"/speed_*.log "$LOGS"/generation_*.log 2>/dev/null
+tail -n 15 "$LOGS/pytest_model_generation.log"
 finish_device_run

@@ -25,25 +25,35 @@ def main():
     p.add_argument("--save", default=None, metavar="DIR",
                    help="also save this random-weight hybrid (bf16): the route's architecture, for the "
                         "generation benchmark while the route still trains (weights do not change its work)")
+    p.add_argument("--save-teacher", default=None, metavar="DIR",
+                   help="also save a random-weight LlamaForCausalLM of the teacher's config (bf16): the teacher's "
+                        "architecture, for the generation benchmark on a machine without the teacher's weights")
     args = p.parse_args()
     llama = LlamaConfig.from_dict(json.load(open(args.config)))
     L = llama.num_hidden_layers
     kinds = ["mla" if i % (L // args.n_mla) == 0 and i // (L // args.n_mla) < args.n_mla else "mamba2" for i in range(L)]
     cfg = student_config(llama, kinds, kv_lora_rank=args.kv_rank, rope_dim=args.rope_dim)
-    model = HybridForCausalLM(cfg).cuda()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a rehearsal of the device scripts
+    model = HybridForCausalLM(cfg).to(device)
     for shape in args.shapes.split(","):
         b, t = (int(v) for v in shape.split("x"))
-        ids = torch.randint(0, cfg.vocab_size, (b, t), device="cuda")
+        ids = torch.randint(0, cfg.vocab_size, (b, t), device=device)
         t0 = time.perf_counter()
         for _ in range(2):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(device, dtype=torch.bfloat16):
                 loss = model(ids, labels=ids).loss
             loss.backward()
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
         print(f"pretune {shape}: {time.perf_counter() - t0:.1f}s (loss {loss.item():.3f})", flush=True)
     if args.save:
         model.to(torch.bfloat16).save_pretrained(args.save)
         print(f"saved the architecture twin to {args.save}", flush=True)
+    if args.save_teacher:
+        from transformers import LlamaForCausalLM
+
+        LlamaForCausalLM(llama).to(torch.bfloat16).save_pretrained(args.save_teacher)
+        print(f"saved the teacher's architecture twin to {args.save_teacher}", flush=True)
 
 
 if __name__ == "__main__":

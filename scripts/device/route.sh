@@ -4,7 +4,7 @@
 # GEN_BENCH=1: the route trains on GPU 0 while scripts/device/generation.sh measures on GPU 1.
 set -u
 cd "$(dirname "$0")/../.."
-bash scripts/device/stage_teacher_half.sh .xfer_b || exit 3
+[ -f /tmp/xfer/part_01 ] || bash scripts/device/stage_teacher_half.sh .xfer_b || exit 3
 source .device/activate.sh
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 source scripts/device/common.sh

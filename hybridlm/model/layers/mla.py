@@ -21,9 +21,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybridlm.model.layers.norm import RMSNorm
 from hybridlm.model.layers.rope import apply_rope, rope_cos_sin
+
+# Attention over the cache leaves cuDNN's SDPA out: torch picks it first on Hopper, and it builds an execution
+# plan for every new key length, i.e. at every decoding step (~90 ms per step for the 8 MLA layers of the
+# upcycled SmolLM2 hybrid on an H200, BENCHMARKS.md, issue #6). Flash / memory-efficient need no plan.
+_CACHE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -106,7 +112,8 @@ class MultiHeadLatentAttention(nn.Module):
             mask = mask.reshape(-1, 1, T, mask.shape[-1])
             mask = mask.unsqueeze(2).expand(mask.shape[0], 1, H, T, mask.shape[-1]).reshape(mask.shape[0], 1, H * T, -1)
         k = kv.unsqueeze(1)
-        o = F.scaled_dot_product_attention(q, k, k, attn_mask=mask, scale=self.scale)  # [B, 1, H*T, r + rope]
+        with sdpa_kernel(_CACHE_SDPA_BACKENDS):
+            o = F.scaled_dot_product_attention(q, k, k, attn_mask=mask, scale=self.scale)  # [B, 1, H*T, r + rope]
         return torch.einsum("bhtr,hvr->bthv", o[..., :r].reshape(B, H, T, r), w_uv)
 
     def _attend_cached(self, x, ctx):
