@@ -39,7 +39,7 @@ PARITY_PIDS+=($!)
   > "$LOGS/pretune_route.log" 2>&1 &
 
 if [ "${SPEED:-0}" = 1 ]; then
-  GPU=1 bash scripts/device/train_speed.sh > "$LOGS/train_speed.log" 2>&1 &
+  GPU=1 DEADLINE_AT=$(( DEADLINE_AT - ${TWO_GPU_S:-0} )) bash scripts/device/train_speed.sh > "$LOGS/train_speed.log" 2>&1 &
 fi
 if [ "${PRETRAIN:-1}" = 1 ]; then
   PRETRAIN_ARGS=(--config configs/experiments/gdn_300m.yaml data.path=data_cache/janeausten-llama3.2
