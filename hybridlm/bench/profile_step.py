@@ -67,8 +67,14 @@ class StepProfiler:
         cuda = self.device.type == "cuda"
         rows: List[Dict[str, Any]] = []
         for evt in self.prof.key_averages():
-            us = (getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)) if cuda \
-                else evt.self_cpu_time_total
+            if cuda:
+                # kernels only: a CPU op (aten::mm, an autograd Function, the ProfilerStep annotation) also carries
+                # the device time of the kernels it launched, which would count those kernels twice or more
+                if evt.device_type != torch.autograd.DeviceType.CUDA:
+                    continue
+                us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
+            else:
+                us = evt.self_cpu_time_total
             if us and us > 0:
                 rows.append({"name": evt.key, "self_us": float(us), "calls": int(evt.count)})
         rows.sort(key=lambda r: -r["self_us"])

@@ -27,8 +27,8 @@ from hybridlm.model.layers.norm import RMSNorm
 from hybridlm.model.layers.rope import apply_rope, rope_cos_sin
 
 # Attention over the cache leaves cuDNN's SDPA out: torch picks it first on Hopper, and it builds an execution
-# plan for every new key length, i.e. at every decoding step (~90 ms per step for the 8 MLA layers of the
-# upcycled SmolLM2 hybrid on an H200, BENCHMARKS.md, issue #6). Flash / memory-efficient need no plan.
+# plan for every new key length, i.e. at every decoding step (with it, the eager decode of the upcycled
+# SmolLM2 hybrid took 93 ms per step on an H200; BENCHMARKS.md, issue #6). Flash / memory-efficient need none.
 _CACHE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
