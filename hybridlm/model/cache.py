@@ -204,8 +204,11 @@ class RecurrentCacheLayer(CacheLayer):
         return out
 
     def _set(self, name, value):
+        """Store ``state`` or ``conv:<name>``: copied into its buffer in static mode, else replaced."""
         if self.static:
-            self.tensors()[name].copy_(value)
+            buffer = self.tensors()[name]
+            _check_shape(buffer, value, "recurrent state" if name == "state" else f"conv state {name[5:]!r}")
+            buffer.copy_(value)
         elif name.startswith("conv:"):
             self.conv_states[name[5:]] = value
         else:
@@ -221,20 +224,14 @@ class RecurrentCacheLayer(CacheLayer):
 
     def set_conv(self, name: str, value: torch.Tensor) -> None:
         """The conv state ``name`` after the tokens just run (copied into its buffer in static mode)."""
-        if self.static:
-            _check_shape(self.conv_states[name], value, f"conv state {name!r}")
-            self.conv_states[name].copy_(value)
-        else:
-            self.conv_states[name] = value
+        self._set(f"conv:{name}", value)
 
     def advance(self, state: torch.Tensor, n_tokens: int) -> None:
         """Record the recurrent state after ``n_tokens`` more tokens (the conv states are set as they run).
         Static mode: copied into the state buffer; the token count is kept by the :class:`HybridCache`."""
-        if self.static:
-            _check_shape(self.state, state, "recurrent state")
-            self.state.copy_(state)
-            return
-        self.state, self.seen_tokens = state, self.seen_tokens + n_tokens
+        self._set("state", state)
+        if not self.static:
+            self.seen_tokens += n_tokens
 
     def get_seq_length(self) -> int:
         return self.seen_tokens
@@ -253,25 +250,15 @@ class RecurrentCacheLayer(CacheLayer):
 
 
 def static_shapes(config, kind: str) -> Optional[dict]:
-    """Per-sequence shapes a static cache preallocates for a sublayer ``kind`` (None: nothing cached), mirroring
-    the layers: MLA ``kv_lora_rank`` + ``rope`` per position; GDN / KDA state ``[HV, K, V]`` and convs
-    ``q, k, v``; Mamba2 state ``[H, d_state, head_dim]`` and conv ``conv``. Conv states are ``[D, conv_size]``."""
-    if kind == "mla":
-        a = config.mixer_args("mla")
-        return {"kv_lora_rank": a.kv_lora_rank, "rope": a.qk_rope_head_dim}
-    if kind in ("gdn", "kda"):
-        a = config.mixer_args(kind)
-        key, value = a.num_heads * a.head_dim, a.num_v_heads * a.head_v_dim
-        return {"state": (a.num_v_heads, a.head_dim, a.head_v_dim),
-                "conv": {"q": (key, a.conv_size), "k": (key, a.conv_size), "v": (value, a.conv_size)}}
-    if kind == "mamba2":
-        a = config.mixer_args("mamba2")
-        d_inner = a.d_inner or a.expand * config.hidden_size
-        d_xb = d_inner if a.d_xb is None else a.d_xb
-        d_b = a.n_groups * a.d_state // (d_inner // d_xb)
-        conv_dim = d_xb + d_b + a.n_groups * a.d_state
-        return {"state": (d_inner // a.head_dim, a.d_state, a.head_dim), "conv": {"conv": (conv_dim, a.conv_size)}}
-    return None
+    """Per-sequence shapes a static cache preallocates for a sublayer ``kind`` (None: nothing cached), as the
+    sublayer itself reports them (``cache_shapes``), built on the meta device: no memory, no duplicated
+    arithmetic. MLA: ``kv_lora_rank`` + ``rope`` per position; mixers: ``state`` and named ``conv`` shapes."""
+    if kind != "mla" and kind not in MIXERS:
+        return None
+    from hybridlm.model.layers import SUBLAYERS  # the layers import this module's context class
+
+    with torch.device("meta"):
+        return SUBLAYERS[kind](config).cache_shapes()
 
 
 class HybridCache(Cache):

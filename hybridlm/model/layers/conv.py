@@ -16,6 +16,11 @@ class ShortConv(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
         self.reset_parameters()
 
+    @property
+    def state_shape(self) -> tuple:
+        """Per-sequence shape of its cached state ``[dim, width]`` (the last ``width`` inputs)."""
+        return tuple(self.weight.shape)
+
     def reset_parameters(self) -> None:
         bound = 1.0 / math.sqrt(self.weight.shape[-1])  # fan_in of a depthwise conv is its width
         nn.init.uniform_(self.weight, -bound, bound)

@@ -55,6 +55,12 @@ class DeltaRuleMixer(nn.Module):
         self.o_proj = nn.Linear(self.value_dim, d, bias=False)
         self.reset_recurrent_parameters()
 
+    def cache_shapes(self) -> dict:
+        """Per-sequence shapes of this layer's generation cache: the recurrent state and the q / k / v convs."""
+        return {"state": (self.num_v_heads, self.head_k_dim, self.head_v_dim),
+                "conv": {"q": self.q_conv1d.state_shape, "k": self.k_conv1d.state_shape,
+                         "v": self.v_conv1d.state_shape}}
+
     # -- subclass hooks ------------------------------------------------------------------------
     def build_gate_projections(self, d: int, args) -> None:
         raise NotImplementedError

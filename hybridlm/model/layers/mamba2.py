@@ -55,6 +55,10 @@ class Mamba2(nn.Module):
         self.out_proj = nn.Linear(self.d_inner, d, bias=False)
         self.reset_recurrent_parameters()
 
+    def cache_shapes(self) -> dict:
+        """Per-sequence shapes of this layer's generation cache: the SSD state and the conv over x, B, C."""
+        return {"state": (self.num_heads, self.d_state, self.head_dim), "conv": {"conv": self.conv1d.state_shape}}
+
     def reset_recurrent_parameters(self) -> None:
         init_A_log(self.A_log)
         init_dt_bias(self.dt_bias)

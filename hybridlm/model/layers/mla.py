@@ -93,6 +93,10 @@ class MultiHeadLatentAttention(nn.Module):
                                            scale=self.scale)
         return o.transpose(1, 2)
 
+    def cache_shapes(self) -> dict:
+        """Per-position widths of this layer's generation cache: the latent and the shared RoPE key."""
+        return {"kv_lora_rank": self.kv_lora_rank, "rope": self.rope}
+
     def _attend_absorbed(self, q_nope, q_rope, kv, mask):
         """Attention straight against the cached ``kv = [latent | k_rope]`` ``[B, S, r_kv + rope]`` (``mask``
         ``[B|1, 1, T, S]``, None: every key is visible). Returns ``[B, T, H, v_dim]``.
