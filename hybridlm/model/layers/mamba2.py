@@ -88,7 +88,9 @@ class Mamba2(nn.Module):
         c = self._repeat_heads(c, self.n_groups, self.d_state)                          # [B,T,H,N]
         dt = F.softplus(dt.float() + self.dt_bias.float())                              # [B,T,H]
         g = -self.A_log.float().exp() * dt
-        v = x.float() * dt.unsqueeze(-1)
+        # fp32 products by type promotion, so autograd keeps the bf16 x for the backward, not fp32 copies
+        # of it (two [tokens, d_inner] fp32 tensors per layer: what ran Mamba2-300M out of memory)
+        v = x * dt.unsqueeze(-1)
         if triton:
             y, state = self._triton_ssd(c, b, v.to(x.dtype), g, cache)
         elif cache is None:
@@ -97,7 +99,7 @@ class Mamba2(nn.Module):
             y, state = gated_recurrence_with_state(c, b, v, g, None, 1.0, cache.state, self.chunk_size)
         if cache is not None:
             cache.advance(state, T)
-        y = y.float() + self.D.float().view(-1, 1) * x.float()
+        y = torch.addcmul(y.float(), x, self.D.float().view(-1, 1))  # y + D * x in fp32
         y = gated_rms_norm(y.reshape(Bsz, T, self.d_inner), z, self.norm_weight, self.norm_eps,
                            activation="swish", norm_before_gate=False,
                            group_size=self.d_inner // self.n_groups, triton=triton)
