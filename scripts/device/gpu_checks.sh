@@ -3,7 +3,8 @@
 #   GPU 0: the Triton-vs-torch test module, one process per (sublayer, dtype) so that fla's Triton
 #          autotuning (minutes per mixer on a fresh machine) compiles in parallel on the CPUs, next to the
 #          whole-model and generation GPU tests; then the per-mixer timing table;
-#          GENERATION=1: then scripts/device/generation.sh (issue #6; TEACHER=twin without the teacher's wheel);
+#          GENERATION=1: then scripts/device/generation.sh (issue #6; TEACHER=twin without the teacher's wheel;
+#          GEN_GPUS="0 1" also gives it GPU 1 for the teacher, when SPEED is off);
 #   GPU 1: PRETRAIN=1: `deepspeed pretrain.py` on the GDN-300M recipe on 1, then 2 GPUs (ZeRO-1, nccl);
 #          SPEED=1: scripts/device/train_speed.sh (issue #5's benchmark, FAMILIES) instead;
 #   both:  TWO_GPU=1: at the end, issue #5's benchmark of gdn_300m on 2 GPUs against the 1-GPU report.
@@ -68,7 +69,7 @@ if [ -n "${TIMING_KINDS-gdn kda mamba2 mla mlp}" ]; then
 fi
 if [ "${GENERATION:-0}" = 1 ]; then
   # leave TWO_GPU_S seconds of the deadline to the 2-GPU phase
-  GPU=0 DEADLINE_AT=$(( DEADLINE_AT - ${TWO_GPU_S:-0} )) bash scripts/device/generation.sh > "$LOGS/generation.log" 2>&1
+  GPUS=${GEN_GPUS:-0} DEADLINE_AT=$(( DEADLINE_AT - ${TWO_GPU_S:-0} )) bash scripts/device/generation.sh > "$LOGS/generation.log" 2>&1
   stamp "generation: exit $?"
 fi
 wait

@@ -19,7 +19,7 @@ python3 -m upcycle.teacher fetch || exit 4
 echo "[$((SECONDS - START))s] teacher ready"
 if [ "${GEN_BENCH:-0}" = 1 ]; then  # issue #6's benchmark on the second GPU while the route trains on the first
   export CUDA_VISIBLE_DEVICES=0
-  GPU=1 DEADLINE_AT=$((EPOCHSECONDS + DEADLINE_S + 40 - (SECONDS - START))) bash scripts/device/generation.sh \
+  GPUS=1 DEADLINE_AT=$((EPOCHSECONDS + DEADLINE_S + 40 - (SECONDS - START))) bash scripts/device/generation.sh \
     > "$LOGS/generation.log" 2>&1 &
   GEN_PID=$!
 fi
