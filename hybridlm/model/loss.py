@@ -20,11 +20,15 @@ import torch
 IGNORE_INDEX = -100
 
 
-def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, inv_n: torch.Tensor, triton: bool):
-    """Summed loss of one chunk (fp32) and d (loss / n_valid) / d logits, written over ``logits``."""
+def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, inv_n: torch.Tensor, triton: bool,
+                         need_grad: bool = True):
+    """Summed loss of one chunk (fp32) and d (loss / n_valid) / d logits, written over ``logits`` (None without
+    ``need_grad``)."""
     if triton:
         from fla.modules.fused_cross_entropy import cross_entropy_loss
 
+        if not need_grad:
+            return cross_entropy_loss(logits, target, ignore_index=IGNORE_INDEX)[0].sum(), None
         with torch.enable_grad():
             leaf = logits.detach().requires_grad_()
             losses = cross_entropy_loss(leaf, target, ignore_index=IGNORE_INDEX, inplace_backward=True)[0]
@@ -35,6 +39,8 @@ def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, inv_n: torc
     logits32 = logits.float()
     lse = torch.logsumexp(logits32, dim=-1, keepdim=True)
     loss = ((lse - logits32.gather(-1, safe)).squeeze(-1) * valid).sum()
+    if not need_grad:
+        return loss, None
     probs = logits32.sub_(lse).exp_()  # in place: one fp32 chunk alive
     probs.scatter_add_(-1, safe, -torch.ones_like(safe, dtype=probs.dtype))
     probs.mul_((valid.to(probs.dtype) * inv_n).unsqueeze(-1))
@@ -43,10 +49,11 @@ def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, inv_n: torc
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, num_chunks: int, triton: bool = False):
+    def forward(ctx, hidden, weight, labels, num_chunks: int, triton: bool = False, grad_enabled: bool = True):
         n_valid = (labels != IGNORE_INDEX).sum().clamp(min=1)
         inv_n = n_valid.float().reciprocal()
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        # the forward runs without grad mode, so the caller's (an evaluation under no_grad) comes as an argument
+        need_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
         total = hidden.new_zeros((), dtype=torch.float32)
@@ -54,7 +61,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         size = -(-hidden.shape[0] // max(1, num_chunks))
         for start in range(0, hidden.shape[0], size):
             h, y = hidden[start:start + size], labels[start:start + size]
-            loss, dlogits = _chunk_loss_and_grad(h @ w.t(), y, inv_n, triton)
+            loss, dlogits = _chunk_loss_and_grad(h @ w.t(), y, inv_n, triton, need_grad)
             total = total + loss
             if need_grad:
                 grad_hidden[start:start + size] = dlogits @ w
@@ -68,7 +75,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_out.to(grad_hidden.dtype) if ctx.needs_input_grad[0] else None
         gw = (grad_weight * grad_out).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -78,4 +85,4 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     hidden ``[N, d]``, weight ``[V, d]``, labels ``[N]`` (already aligned: label i is the target of row i).
     ``triton``: fla's fused cross-entropy kernel per chunk (CUDA, or the Triton interpreter).
     """
-    return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, num_chunks, triton)
+    return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, num_chunks, triton, torch.is_grad_enabled())
