@@ -289,8 +289,9 @@ class HybridCache(Cache):
         dtype = dtype or torch.get_default_dtype()
         device = torch.device("cpu" if device is None else device)
         self.static_batch_size = batch_size
+        shapes_of = {kind: static_shapes(config, kind) for kind in set(config.layer_plan)}  # one probe per kind
         for layer, kind in zip(self.layers, config.layer_plan):
-            shapes = static_shapes(config, kind)
+            shapes = shapes_of[kind]
             if isinstance(layer, LatentCacheLayer):
                 layer.allocate(batch_size, max_length, shapes["kv_lora_rank"], shapes["rope"], dtype, device)
             elif isinstance(layer, RecurrentCacheLayer):
