@@ -154,3 +154,12 @@ def test_profile_categories():
     assert categorize("multi_tensor_apply_kernel<FusedAdam>") == "optimizer"
     assert categorize("aten::addmm") == "matmul (GEMM)"
     assert categorize("something_unheard_of") == "other"
+
+
+def test_saved_activations_counts_what_autograd_keeps():
+    """SwiGLU MLP on the torch path, bf16: the input x [d] for the two projections, gate and up [ffn] each, silu(gate)
+    [ffn] for the product, and the product [ffn] for down_proj: 2 bytes x (d + 4 ffn) per token, weights excluded."""
+    from hybridlm.bench.mixers import SHAPES_300M
+    from hybridlm.bench.saved_activations import saved_bytes_per_token
+    d, ffn = SHAPES_300M["hidden_size"], SHAPES_300M["intermediate_size"]
+    assert saved_bytes_per_token("mlp", seq=64)["bytes_per_token"] == 2 * (d + 4 * ffn)

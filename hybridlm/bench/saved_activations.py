@@ -1,0 +1,59 @@
+"""Bytes that autograd keeps for the backward, per token, for each sublayer: the activation memory of training.
+
+    python -m hybridlm.bench.saved_activations [--kinds mamba2 gdn ...] [--seq 256] [--dtype bf16]
+
+Runs one forward of each sublayer (the seed's 300M shapes, torch path, so it works on CPU) under
+``torch.autograd.graph.saved_tensors_hooks`` and sums the distinct storages packed for the backward,
+parameters excluded. The recurrences' internals differ between the torch and the Triton path, the
+element-wise work around them (projections, gates, skips, casts) is the same code on both, so a change
+there shows here with the size it has on the GPU. Prints one JSON line per sublayer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Dict
+
+import torch
+
+from hybridlm.bench.mixers import SHAPES_300M
+from hybridlm.model import HybridConfig
+from hybridlm.model.layers import SUBLAYERS
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def saved_bytes_per_token(kind: str, seq: int = 256, dtype: torch.dtype = torch.bfloat16) -> Dict[str, float]:
+    """``bytes_per_token`` kept for the backward by one forward of sublayer ``kind`` (batch 1, ``seq`` tokens)."""
+    torch.manual_seed(0)
+    config = HybridConfig(**{**SHAPES_300M, "vocab_size": 512, "backend": "torch"})
+    layer = SUBLAYERS[kind](config).to(dtype)
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    kept: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept.setdefault(storage.data_ptr(), storage.nbytes())
+        return t
+
+    x = torch.randn(1, seq, config.hidden_size, dtype=dtype, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    return {"sublayer": kind, "seq": seq, "dtype": str(dtype).split(".")[-1],
+            "bytes_per_token": sum(kept.values()) / seq}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m hybridlm.bench.saved_activations", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kinds", nargs="+", default=list(SUBLAYERS), choices=list(SUBLAYERS))
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    args = p.parse_args(argv)
+    for kind in args.kinds:
+        print(json.dumps(saved_bytes_per_token(kind, args.seq, DTYPES[args.dtype])), flush=True)
+
+
+if __name__ == "__main__":
+    main()
