@@ -156,6 +156,16 @@ def test_profile_categories():
     assert categorize("something_unheard_of") == "other"
 
 
+def test_profile_counts_kernels_only():
+    """The GPU-side ``ProfilerStep#N`` range spans a whole step; counted as a kernel it doubled the total."""
+    from hybridlm.bench.profile_step import is_kernel_row
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    assert is_kernel_row("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN", cuda)
+    assert not is_kernel_row("ProfilerStep*", cuda)
+    assert not is_kernel_row("my_range", cuda, is_user_annotation=True)
+    assert not is_kernel_row("aten::mm", cpu)
+
+
 def test_saved_activations_counts_what_autograd_keeps():
     """SwiGLU MLP on the torch path, bf16: the input x [d] for the two projections, gate and up [ffn] each, silu(gate)
     [ffn] for the product, and the product [ffn] for down_proj: 2 bytes x (d + 4 ffn) per token, weights excluded."""

@@ -34,6 +34,14 @@ def categorize(name: str) -> str:
     return "other"
 
 
+def is_kernel_row(name: str, device_type, is_user_annotation: bool = False) -> bool:
+    """Whether a profiler row is a GPU kernel. The profiler also puts its ``ProfilerStep#N`` ranges (and any
+    ``record_function`` range) on the GPU timeline: such a row spans the whole step and is no kernel."""
+    if device_type != torch.autograd.DeviceType.CUDA or is_user_annotation:
+        return False
+    return not name.startswith("ProfilerStep")
+
+
 class StepProfiler:
     """An ``on_step``-style hook: profiles steps ``skip + 1 .. skip + active`` (1-based) of a run."""
 
@@ -70,7 +78,7 @@ class StepProfiler:
             if cuda:
                 # kernels only: a CPU op (aten::mm, an autograd Function, the ProfilerStep annotation) also carries
                 # the device time of the kernels it launched, which would count those kernels twice or more
-                if evt.device_type != torch.autograd.DeviceType.CUDA:
+                if not is_kernel_row(evt.key, evt.device_type, getattr(evt, "is_user_annotation", False)):
                     continue
                 us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
             else:

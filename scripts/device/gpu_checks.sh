@@ -8,7 +8,7 @@
 #   GPU 1: PRETRAIN=1: `deepspeed pretrain.py` on the GDN-300M recipe on 1, then 2 GPUs (ZeRO-1, nccl);
 #          SPEED=1: scripts/device/train_speed.sh (issue #5's benchmark, FAMILIES) instead;
 #   both:  TWO_GPU=1: at the end, issue #5's benchmark of gdn_300m on 2 GPUs against the 1-GPU report.
-# Settings: KINDS (sublayers to check; "" for none), MODEL_TESTS=1 (whole-model + generation GPU tests), TIMING_KINDS (mixers to time; "" for none), PRETUNE=1
+# Settings: KINDS (sublayers to check; "" for none), MODEL_TESTS=1 (whole-model + generation GPU tests; MODEL_TESTS_K narrows them: a pytest -k expression), TIMING_KINDS (mixers to time; "" for none), PRETUNE=1
 # (warm the autotune cache for the upcycling route's shapes), DEADLINE (seconds until the logs must be packed).
 # Needs .device (the bundle) and .xfer (made by scripts/device/pack_data.sh). Results land in $OUT.
 set -u
@@ -32,7 +32,7 @@ for kind in ${KINDS-gdn kda mamba2 mla mlp}; do
   done
 done
 if [ "${MODEL_TESTS:-1}" = 1 ]; then
-  CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 -m pytest -q -rfE --tb=line -m gpu -o addopts= tests/gpu -k "whole_model or generation" \
+  CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 -m pytest -q -rfE --tb=line -m gpu -o addopts= tests/gpu -k "${MODEL_TESTS_K:-whole_model or generation}" \
     > "$LOGS/pytest_model_generation.log" 2>&1 &
   PARITY_PIDS+=($!)
 fi

@@ -3,7 +3,7 @@
 in_proj -> [z | x | B | C | dt]; depthwise causal conv + SiLU over [x | B | C]; dt = softplus(dt + dt_bias);
 the SSD scan; + D * x skip; RMSNorm(y * silu(z)) per group; out_proj.
 
-The SSD with scalar decay per head equals simple gated linear attention with q = C, k = B, v = x * dt,
+The SSD with scalar decay per head equals simple gated linear attention with q = C, k = dt * B, v = x,
 log-decay g = A * dt (A = -exp(A_log)) and scale 1, so the Triton path is fla's ``chunk_simple_gla`` and
 the torch path is :func:`hybridlm.ops.chunked_recurrence.chunk_gated_recurrence` without a delta rule.
 ``d_xb`` (MambaInLlama) projects x and B to fewer channels and repeats them across heads after the conv,
@@ -84,26 +84,37 @@ class Mamba2(nn.Module):
             xbc = ctx.zero_padding(xbc)
         x, b, c = xbc.split([self.d_xb, self.d_b, self.n_groups * self.d_state], dim=-1)
         x = self._repeat_heads(x, self.d_xb // self.head_dim, self.head_dim)            # [B,T,H,P]
-        b = self._repeat_heads(b, self.d_b // self.d_state, self.d_state)               # [B,T,H,N]
         c = self._repeat_heads(c, self.n_groups, self.d_state)                          # [B,T,H,N]
         dt = F.softplus(dt.float() + self.dt_bias.float())                              # [B,T,H]
         g = -self.A_log.float().exp() * dt
-        # fp32 products by type promotion, so autograd keeps the bf16 x for the backward, not fp32 copies
-        # of it (two [tokens, d_inner] fp32 tensors per layer: what ran Mamba2-300M out of memory)
-        v = x * dt.unsqueeze(-1)
+        k = self._dt_scaled_keys(b, dt)                                                 # [B,T,H,N]
         if triton:
-            y, state = self._triton_ssd(c, b, v.to(x.dtype), g, cache)
+            y, state = self._triton_ssd(c, k, x, g, cache)
         elif cache is None:
-            y, _ = chunk_gated_recurrence(c, b, v, g, beta=None, scale=1.0, chunk_size=self.chunk_size)
+            y, _ = chunk_gated_recurrence(c, k, x, g, beta=None, scale=1.0, chunk_size=self.chunk_size)
         else:
-            y, state = gated_recurrence_with_state(c, b, v, g, None, 1.0, cache.state, self.chunk_size)
+            y, state = gated_recurrence_with_state(c, k, x, g, None, 1.0, cache.state, self.chunk_size)
         if cache is not None:
             cache.advance(state, T)
-        y = torch.addcmul(y.float(), x, self.D.float().view(-1, 1))  # y + D * x in fp32
+        # the D skip in the activations' dtype: an fp32 y + D * x would be one more fp32 [tokens, d_inner]
+        # tensor per layer, kept for the norm's backward (the gated norm computes in fp32 inside)
+        y = torch.addcmul(y, x, self.D.to(x.dtype).view(-1, 1))
         y = gated_rms_norm(y.reshape(Bsz, T, self.d_inner), z, self.norm_weight, self.norm_eps,
                            activation="swish", norm_before_gate=False,
                            group_size=self.d_inner // self.n_groups, triton=triton)
         return self.out_proj(y.to(hidden.dtype))
+
+    def _dt_scaled_keys(self, b: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        """``dt * B`` per head, [B, T, H, N]. The SSD update ``h = exp(g) h + dt B x^T`` scales the outer
+        product by dt, so dt can go onto B instead of x: broadcasting B's groups over their heads does the
+        head repetition and the scaling in one product, and x enters the scan as it is. The product is in B's
+        dtype (bf16 in training): the scan's kernel reads bf16 keys anyway, and an fp32 product would be an
+        fp32 [tokens, H * N] tensor forward and backward (as was x * dt in fp32)."""
+        Bsz, T, _ = b.shape
+        groups = self.d_b // self.d_state
+        per_group = self.num_heads // groups
+        scaled = b.view(Bsz, T, groups, 1, self.d_state) * dt.to(b.dtype).view(Bsz, T, groups, per_group, 1)
+        return scaled.reshape(Bsz, T, self.num_heads, self.d_state)
 
     @staticmethod
     def _triton_ssd(c, b, v, g, cache):
