@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from hybridlm.bench.parity import compare_paths
+from hybridlm.bench.parity import compare_paths, relative_errors, run_path
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.layers import SUBLAYERS
 from hybridlm.bench.mixers import SHAPES_300M
@@ -15,6 +15,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 # fla's chunk kernels use TF32 tensor-core dots even for fp32 inputs (seen on an H200: GDN fp32 output
 # 7e-4, A_log grad 7e-3 relative L2); bf16 rounds every intermediate (GDN 8e-3 / 1.4e-2, Mamba2 4e-3 / 6e-3).
 TOL = {torch.float32: 1e-2, torch.bfloat16: 3e-2}
+# The decay parameters' gradients go through fla's dg, a reverse cumulative sum of q.dq - k.dk whose terms
+# nearly cancel. Measured on an H200 in fp32 against the strict-fp32 torch path
+# (scripts/device/mamba2_probe.py): Mamba2 dt_bias 1.1e-2 and A_log 5.7e-3, while every other Mamba2 gradient
+# is within 8e-5 and TF32 dots alone move dt_bias by 1.0e-3. So these two get their own fp32 bound.
+DECAY_PARAMS = ("A_log", "dt_bias")
+DECAY_TOL = {torch.float32: 2e-2, torch.bfloat16: 3e-2}
 
 
 def record(name: str, errs: dict) -> None:
@@ -32,11 +38,16 @@ def test_sublayer_triton_matches_torch(kind, dtype, T):
     cfg = HybridConfig(**SHAPES_300M)
     torch.manual_seed(0)
     layer = SUBLAYERS[kind](cfg, 0).cuda().to(dtype)
-    errs = compare_paths(layer, lambda: torch.randn(2, T, cfg.hidden_size, device="cuda", dtype=dtype),
-                         lambda m, x: m(x))
+    run = lambda backend: run_path(layer, backend, lambda: torch.randn(2, T, cfg.hidden_size, device="cuda",
+                                                                      dtype=dtype), lambda m, x: m(x))
+    errs = relative_errors(run("triton"), run("torch"))
+    per_param = errs.pop("per_param")
     record(f"{kind}/{str(dtype).split('.')[-1]}/T{T}", errs)
     tol = TOL[dtype]
-    assert errs["output"] < tol and errs["grad_input"] < tol and errs["grad_params_max"] < tol, errs
+    assert errs["output"] < tol and errs["grad_input"] < tol, errs
+    for name, err in per_param.items():
+        bound = DECAY_TOL[dtype] if name.split(".")[-1] in DECAY_PARAMS else tol
+        assert err < bound, (name, err, per_param)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
