@@ -117,3 +117,28 @@ def test_mamba2_grouped_xb_matches_reference():
     assert layer.d_xb == 32 and layer.d_b == 32
     x = torch.randn(2, 21, 64)
     assert rel_err(layer(x), ref.mamba2_layer(layer, x)) < TOL
+
+
+def test_norms_torch_path_match_the_formula():
+    """rms_norm and the grouped gated norm (torch.nn.functional.rms_norm inside) against the written formula."""
+    from hybridlm.ops.elementwise import gated_rms_norm, rms_norm
+    torch.manual_seed(0)
+    x32, z, w = torch.randn(2, 5, 12), torch.randn(2, 5, 12), torch.randn(12)
+    ref = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    torch.testing.assert_close(rms_norm(x32, w, 1e-6), ref, rtol=1e-6, atol=1e-6)
+    gated = x32 * torch.nn.functional.silu(z)
+    groups = gated.view(2, 5, 3, 4)
+    ref = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + 1e-6)).view(2, 5, 12) * w
+    out = gated_rms_norm(x32, z, w, 1e-6, norm_before_gate=False, group_size=4)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    assert rms_norm(x32.bfloat16(), w, 1e-6).dtype == torch.bfloat16
+
+
+def test_small_inference_calls_take_the_torch_path():
+    """A decode step's norms and SwiGLU skip fla's kernels only outside autograd and only for few rows."""
+    from hybridlm.ops.backend import SMALL_CALL_ROWS, is_small_inference_call
+    step, prompt = torch.zeros(4, 1, 576), torch.zeros(1, SMALL_CALL_ROWS + 1, 576)
+    with torch.no_grad():
+        assert is_small_inference_call(step)
+        assert not is_small_inference_call(prompt)
+    assert not is_small_inference_call(step)  # training: always the fused kernels

@@ -1,7 +1,8 @@
 """Small fused pieces shared by the mixers, each with a torch path and an fla Triton path.
 
-Every function takes ``triton: bool`` (decided once per forward by :func:`hybridlm.ops.backend.use_triton`)
-so both paths compute the same function and can be compared directly.
+Every function takes ``triton: bool`` (decided by :func:`hybridlm.ops.backend.use_triton`, or
+:func:`~hybridlm.ops.backend.use_triton_elementwise` for the small kernels) so both paths compute the same
+function and can be compared directly.
 """
 from __future__ import annotations
 
@@ -15,10 +16,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, triton: bool = F
     if triton:
         from fla.modules.layernorm import rms_norm as fla_rms_norm
         return fla_rms_norm(x, weight, None, eps=eps)
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return (x * weight.float()).to(dtype)
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
 def _gate(z: torch.Tensor, activation: str) -> torch.Tensor:
@@ -47,8 +45,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     shape = x.shape
     if group_size is not None:
         x = x.reshape(*shape[:-1], shape[-1] // group_size, group_size)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    x = x.reshape(shape) * weight.float()
+    x = F.rms_norm(x, (x.shape[-1],), eps=eps).reshape(shape) * weight.float()
     if norm_before_gate:
         x = x * _gate(z, activation)
     return x.to(dtype)

@@ -7,6 +7,7 @@
 # eager decode (transformers' DynamicCache). GPUS="0 1": the teacher runs on the second GPU meanwhile; one GPU:
 # one after the other. Reports: $LOGS/generation_{graph,eager}/ = the hybrid's pass joined with the teacher's.
 #   GPUS="1"  BATCHES="1 16 48 128"  PROMPT_LENS="8192 1024"  NEW_TOKENS=1024  DEADLINE_AT=<epoch seconds>
+#   PASSES="hybrid_graph hybrid_eager teacher" (a subset runs only those)
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/device/common.sh
@@ -31,13 +32,15 @@ bench() {  # GPU NAME [bench args...]: one pass into $LOGS/gen_NAME
     --out "$LOGS/gen_$name" > "$LOGS/generation_$name.log" 2>&1
   echo "[$(date +%T)] generation $name: exit $?"
 }
-if [ "$GPU_B" != "$GPU_A" ]; then
+PASSES=" ${PASSES:-hybrid_graph hybrid_eager teacher} "
+if [ "$GPU_B" != "$GPU_A" ] && [[ $PASSES == *" teacher "* ]]; then
   bench "$GPU_B" teacher --models teacher --check-generate 32 &
   TEACHER_PID=$!
 fi
-bench "$GPU_A" hybrid_graph --models hybrid --cuda-graph; pack_out
-bench "$GPU_A" hybrid_eager --models hybrid --check-generate 32; pack_out
-if [ -n "${TEACHER_PID:-}" ]; then wait "$TEACHER_PID"; else bench "$GPU_A" teacher --models teacher --check-generate 32; fi
+[[ $PASSES == *" hybrid_graph "* ]] && { bench "$GPU_A" hybrid_graph --models hybrid --cuda-graph; pack_out; }
+[[ $PASSES == *" hybrid_eager "* ]] && { bench "$GPU_A" hybrid_eager --models hybrid --check-generate 32; pack_out; }
+if [ -n "${TEACHER_PID:-}" ]; then wait "$TEACHER_PID"
+elif [[ $PASSES == *" teacher "* ]]; then bench "$GPU_A" teacher --models teacher --check-generate 32; fi
 for pass in graph eager; do  # the hybrid's pass next to the teacher's: comparisons and the plot
   parts=()
   for f in "$LOGS/gen_teacher/generation.json" "$LOGS/gen_hybrid_$pass/generation.json"; do [ -f "$f" ] && parts+=("$f"); done

@@ -18,7 +18,7 @@ from torch import nn
 
 from hybridlm.model.layers.conv import ShortConv, run_short_conv
 from hybridlm.model.layers.init import init_A_log, init_dt_bias
-from hybridlm.ops.backend import use_triton
+from hybridlm.ops.backend import use_triton, use_triton_elementwise
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state, l2_normalize
 from hybridlm.ops.elementwise import gated_rms_norm
 
@@ -120,5 +120,6 @@ class DeltaRuleMixer(nn.Module):
             cache.advance(state, T)
         gate = self.output_gate(x).view(B, T, self.num_v_heads, self.head_v_dim)
         o = gated_rms_norm(o, gate, self.o_norm_weight, self.norm_eps,
-                           activation=self.output_gate_activation, triton=triton)
+                           activation=self.output_gate_activation,
+                           triton=triton and use_triton_elementwise(self.backend, o))
         return self.o_proj(o.reshape(B, T, self.value_dim).to(x.dtype))

@@ -22,7 +22,7 @@ from torch import nn
 
 from hybridlm.model.layers.conv import ShortConv, run_short_conv
 from hybridlm.model.layers.init import init_A_log, init_dt_bias
-from hybridlm.ops.backend import use_triton
+from hybridlm.ops.backend import use_triton, use_triton_elementwise
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state
 from hybridlm.ops.elementwise import gated_rms_norm
 
@@ -101,7 +101,8 @@ class Mamba2(nn.Module):
         y = torch.addcmul(y, x, self.D.to(x.dtype).view(-1, 1))
         y = gated_rms_norm(y.reshape(Bsz, T, self.d_inner), z, self.norm_weight, self.norm_eps,
                            activation="swish", norm_before_gate=False,
-                           group_size=self.d_inner // self.n_groups, triton=triton)
+                           group_size=self.d_inner // self.n_groups,
+                           triton=triton and use_triton_elementwise(self.backend, y))
         return self.out_proj(y.to(hidden.dtype))
 
     def _dt_scaled_keys(self, b: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:

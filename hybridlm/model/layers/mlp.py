@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from hybridlm.ops.backend import use_triton
+from hybridlm.ops.backend import use_triton_elementwise
 from hybridlm.ops.elementwise import swiglu
 
 
@@ -16,4 +16,4 @@ class SwiGLUMLP(nn.Module):
         self.backend = config.backend
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:  # position-wise: nothing to cache or mask
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), triton=use_triton(self.backend, x)))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), triton=use_triton_elementwise(self.backend, x)))

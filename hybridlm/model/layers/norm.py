@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from hybridlm.ops.backend import use_triton
+from hybridlm.ops.backend import use_triton_elementwise
 from hybridlm.ops.elementwise import rms_norm
 
 
@@ -14,4 +14,4 @@ class RMSNorm(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, triton=use_triton(self.backend, x))
+        return rms_norm(x, self.weight, self.eps, triton=use_triton_elementwise(self.backend, x))
