@@ -144,6 +144,13 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     merged = merge([str(out / "train_speed.json"), str(out / "train_speed.json")], tmp_path / "merged")
     assert [e["name"] for e in merged["entries"]] == list(entries)
     assert (tmp_path / "merged" / "train_speed.png").is_file()
+    # the same entry at another micro-batch is another measurement: kept next to the first
+    other = json.loads((out / "train_speed.json").read_text())
+    for e in other["entries"]:
+        e["micro_batch"] = e.get("micro_batch", 0) + 1
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    both = merge([str(out / "train_speed.json"), str(tmp_path / "other.json")], tmp_path / "both")
+    assert len(both["entries"]) == 2 * len(entries) and "micro_batch" not in both
 
 
 def test_profile_categories():

@@ -350,8 +350,10 @@ def write(report: Dict[str, Any], out: Path) -> None:
 
 
 def merge(paths: Sequence[str], out: Path) -> Dict[str, Any]:
-    """Entries of several reports (a later report's entry replaces an earlier one of the same name and kind)."""
-    _, merged = merge_reports(paths, lambda e: (e["kind"], e["name"]))
+    """Entries of several reports; a later report's entry replaces an earlier one of the same name, kind and
+    micro-batch (the same entry at another micro-batch is another measurement, kept). The header's
+    ``micro_batch`` is dropped: each entry carries its own."""
+    _, merged = merge_reports(paths, lambda e: (e["kind"], e["name"], e.get("micro_batch")), derived=("micro_batch",))
     write(merged, out)
     return merged
 
