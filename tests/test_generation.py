@@ -297,3 +297,40 @@ def test_graphed_decoder_on_cpu_equals_the_plain_loop(name):
     assert torch.equal(torch.cat(tokens, 1), greedy_generate(model, ids, new)[:, ids.shape[1]:])
     with pytest.raises(ValueError, match="static"):
         GraphedDecoder(model, out.cache)
+
+
+@torch.no_grad()
+def test_graphed_generate_gives_generates_tokens():
+    """graphed_generate (static cache + GraphedDecoder, eager on CPU) against transformers' generate(): greedy,
+    with an EOS that ends one row early (padded, as generate() pads) and then all rows; sampling: seeded and
+    repeatable, top_k=1 is greedy."""
+    from hybridlm.model.graphs import STOP_CHECK_EVERY, graphed_generate
+    model = _model("mixed")
+    ids, new = _ids(2, 7), 10
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, pad_token_id=0)
+    got = graphed_generate(model, ids, new)
+    assert torch.equal(got, want)
+
+    eos = int(want[0, 7 + 2])  # row 0's third new token
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    want_eos = model.generate(ids, **kw)
+    got_eos = graphed_generate(model, ids, new, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(got_eos, want_eos)
+    assert (got_eos[0, 7 + 3:] == 0).all()  # row 0 padded after its EOS
+
+    # every row finished: both stop at the last row's EOS, also past a host check (STOP_CHECK_EVERY steps)
+    long_new = STOP_CHECK_EVERY + 8
+    first = graphed_generate(model, ids[:1], long_new)
+    eos = int(first[0, 7 + 1])
+    want_stop = model.generate(ids[:1], attention_mask=torch.ones_like(ids[:1]), max_new_tokens=long_new,
+                               do_sample=False, eos_token_id=eos, pad_token_id=0)
+    got_stop = graphed_generate(model, ids[:1], long_new, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(got_stop, want_stop) and got_stop.shape[1] < 7 + long_new
+
+    def sample(seed, **kw):
+        return graphed_generate(model, ids, new, do_sample=True, generator=torch.Generator().manual_seed(seed), **kw)
+    assert torch.equal(sample(3, temperature=0.7), sample(3, temperature=0.7))
+    assert not torch.equal(sample(3, temperature=5.0), sample(4, temperature=5.0))
+    assert torch.equal(sample(5, top_k=1), got)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        graphed_generate(model, ids, 0)

@@ -106,3 +106,67 @@ class GraphedDecoder:
         return self.static_logits
 
     __call__ = step
+
+
+STOP_CHECK_EVERY = 32
+
+
+def _next_tokens(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: Optional[int],
+                 generator: Optional[torch.Generator]) -> torch.Tensor:
+    """[B, vocab] logits -> [B] token ids: argmax, or a draw from softmax(logits / temperature) over the top_k."""
+    if not do_sample:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def graphed_generate(model, input_ids: torch.LongTensor, max_new_tokens: int, eos_token_id: Optional[int] = None,
+                     pad_token_id: Optional[int] = None, do_sample: bool = False, temperature: float = 1.0,
+                     top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                     cuda_graph: Optional[bool] = None) -> torch.LongTensor:
+    """``generate()`` through a static cache and one captured decode step: the fast path for small models.
+
+    ``input_ids [B, P]`` are full rows (a static cache takes no padding: batch prompts of one length, or use
+    ``model.generate`` with a left-padded batch). Returns ``[B, P + n]``; greedy by default (the tokens of
+    ``model.generate(do_sample=False)``), or sampling with ``temperature`` / ``top_k`` / ``generator``.
+    With ``eos_token_id``, a row that produced it continues with ``pad_token_id`` (default: the EOS), and
+    generation ends once every row has (checked on the host once at the end, so ``n`` is as ``generate()``
+    would return it, while the device may run up to ``max_new_tokens`` steps). ``cuda_graph``: None = on CUDA.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if do_sample and temperature <= 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    B, P = input_ids.shape
+    device = input_ids.device
+    cache = HybridCache(model.config, max_length=P + max_new_tokens - 1, batch_size=B, dtype=model.dtype,
+                        device=device)
+    logits = model(input_ids=input_ids, cache=cache, logits_to_keep=1).logits[:, -1]
+    decoder = GraphedDecoder(model, cache, enabled=cuda_graph)
+    out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    pad = eos_token_id if pad_token_id is None else pad_token_id
+    steps = max_new_tokens
+    for i in range(max_new_tokens):
+        nxt = _next_tokens(logits, do_sample, temperature, top_k, generator)
+        if eos_token_id is not None:
+            nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
+            finished |= nxt == eos_token_id
+            # a host sync every STOP_CHECK_EVERY steps, not every step, to stop soon after the last EOS
+            if (i + 1) % STOP_CHECK_EVERY == 0 and bool(finished.all()):
+                out[:, i] = nxt
+                steps = i + 1
+                break
+        out[:, i] = nxt
+        if i + 1 < max_new_tokens:
+            logits = decoder.step(nxt)[:, -1]
+    out = out[:, :steps]
+    if eos_token_id is not None and bool(finished.all()):
+        # generate() stops at the step where the last row finished: cut there
+        first_eos = (out == eos_token_id).int().argmax(1)
+        out = out[:, :int(first_eos.max().item()) + 1]
+    return torch.cat([input_ids, out], dim=1)

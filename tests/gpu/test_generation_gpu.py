@@ -131,3 +131,19 @@ def test_cuda_graph_decode_equals_eager_static_cache(name, dtype):
     prefill(graph_cache)
     again = decoder.step(eager_tokens[0]).clone()
     assert _rel(again, eager_logits[1]) < 1e-3
+
+
+@pytest.mark.parametrize("name", ["mamba2", "mixed"])
+@torch.no_grad()
+def test_graphed_generate_equals_its_eager_run(name):
+    """graphed_generate through the CUDA graph against the same call with cuda_graph=False (eager steps on the
+    static cache), fp32: the same tokens, EOS handling included."""
+    from hybridlm.model.graphs import graphed_generate
+    model = _model(name, torch.float32)
+    ids = torch.randint(1, 4096, (3, 137), device="cuda")
+    eager = graphed_generate(model, ids, 40, cuda_graph=False)
+    graphed = graphed_generate(model, ids, 40)
+    assert torch.equal(graphed, eager)
+    eos = int(eager[1, 137 + 5])
+    assert torch.equal(graphed_generate(model, ids, 40, eos_token_id=eos, pad_token_id=0),
+                       graphed_generate(model, ids, 40, eos_token_id=eos, pad_token_id=0, cuda_graph=False))
