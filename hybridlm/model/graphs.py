@@ -134,8 +134,9 @@ def graphed_generate(model, input_ids: torch.LongTensor, max_new_tokens: int, eo
     ``model.generate`` with a left-padded batch). Returns ``[B, P + n]``; greedy by default (the tokens of
     ``model.generate(do_sample=False)``), or sampling with ``temperature`` / ``top_k`` / ``generator``.
     With ``eos_token_id``, a row that produced it continues with ``pad_token_id`` (default: the EOS), and
-    generation ends once every row has (checked on the host once at the end, so ``n`` is as ``generate()``
-    would return it, while the device may run up to ``max_new_tokens`` steps). ``cuda_graph``: None = on CUDA.
+    generation ends once every row has: the host looks every ``STOP_CHECK_EVERY`` steps (one sync each, not one
+    per step), and the result is cut at the last row's EOS, so ``n`` is what ``generate()`` returns.
+    ``cuda_graph``: None = on CUDA.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
