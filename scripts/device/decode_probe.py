@@ -13,18 +13,13 @@ import pstats
 import time
 
 import torch
-from transformers import LlamaConfig
+from pretune_route import route_config  # this folder is on sys.path when run as a script
 
 from hybridlm.model import HybridForCausalLM
-from upcycle.student import student_config
 
 
-def route_twin(config_path: str, device: str, n_mla: int = 8) -> HybridForCausalLM:
-    llama = LlamaConfig.from_dict(json.load(open(config_path)))
-    L = llama.num_hidden_layers
-    kinds = ["mla" if i % (L // n_mla) == 0 and i // (L // n_mla) < n_mla else "mamba2" for i in range(L)]
-    cfg = student_config(llama, kinds, kv_lora_rank=128, rope_dim=16)
-    return HybridForCausalLM(cfg).to(device, torch.bfloat16).eval()
+def route_twin(config_path: str, device: str) -> HybridForCausalLM:
+    return HybridForCausalLM(route_config(config_path)[1]).to(device, torch.bfloat16).eval()
 
 
 @torch.no_grad()

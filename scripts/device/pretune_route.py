@@ -15,6 +15,15 @@ from hybridlm.model import HybridForCausalLM
 from upcycle.student import student_config
 
 
+def route_config(teacher_config: str, n_mla: int = 8, kv_rank: int = 128, rope_dim: int = 16):
+    """The route's hybrid config from the teacher's config.json: n_mla MLA layers spread evenly from layer 0,
+    Mamba2 elsewhere. Returns (teacher LlamaConfig, hybrid config)."""
+    llama = LlamaConfig.from_dict(json.load(open(teacher_config)))
+    L = llama.num_hidden_layers
+    kinds = ["mla" if i % (L // n_mla) == 0 and i // (L // n_mla) < n_mla else "mamba2" for i in range(L)]
+    return llama, student_config(llama, kinds, kv_lora_rank=kv_rank, rope_dim=rope_dim)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("config")
@@ -29,10 +38,7 @@ def main():
                    help="also save a random-weight LlamaForCausalLM of the teacher's config (bf16): the teacher's "
                         "architecture, for the generation benchmark on a machine without the teacher's weights")
     args = p.parse_args()
-    llama = LlamaConfig.from_dict(json.load(open(args.config)))
-    L = llama.num_hidden_layers
-    kinds = ["mla" if i % (L // args.n_mla) == 0 and i // (L // args.n_mla) < args.n_mla else "mamba2" for i in range(L)]
-    cfg = student_config(llama, kinds, kv_lora_rank=args.kv_rank, rope_dim=args.rope_dim)
+    llama, cfg = route_config(args.config, args.n_mla, args.kv_rank, args.rope_dim)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a rehearsal of the device scripts
     model = HybridForCausalLM(cfg).to(device)
     for shape in args.shapes.split(","):
