@@ -7,6 +7,7 @@ import sys
 from typing import List, Optional
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.engine.engine import NonFiniteLossError
 from hybridlm.config.loader import load_config
 
 
@@ -42,4 +43,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteLossError as e:  # the run stopped itself, its checkpoint saved: a message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     return 0

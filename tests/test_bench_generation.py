@@ -143,7 +143,8 @@ def test_cuda_graph_option_decodes_through_the_static_cache(models, tmp_path):
     by_model = {e["model"]: e for e in rep["entries"]}
     h, t = by_model["hybrid"], by_model["teacher"]
     assert h["status"] == "ok" and h["cuda_graph"] is True and h["graph_replayed"] is False
-    assert h["decode_path"].startswith("static HybridCache") and h["graph_capture_s"] >= 0
+    assert h["decode_path"].startswith("static HybridCache")
+    assert 0 <= h["graph_capture_s"] < 0.5  # no graph on CPU: capture() returns at once
     assert h["matches_generate"] is True and h["full_forward_agree_tokens"] == NEW
     assert t["cuda_graph"] is False and "decode_path" not in t and t["matches_generate"] is True
     # the static cache is exactly full after the run: allocated bytes are the used ones, as the dynamic cache's

@@ -168,6 +168,11 @@ def test_prepare_refuses_existing_and_missing(austen, tmp_path, tok_dir):
         prepare([str(tmp_path / "missing.txt")], str(tok_dir), tmp_path / "out", progress=False)
     with pytest.raises(ConfigError, match="val_fraction"):
         prepare([str(ALPACA)], str(tok_dir), tmp_path / "out", val_fraction=1.0, progress=False)
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"not a parquet file")
+    with pytest.raises(ConfigError, match=r"bad\.parquet: not a readable Parquet file"):
+        prepare([str(bad)], str(tok_dir), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_interrupted_prepare_leaves_nothing(tmp_path, tok_dir, books, monkeypatch):
@@ -318,6 +323,17 @@ def test_truncated_shard(damaged):
     with pytest.raises(ConfigError, match=r"shard_00001\.bin.*expected"):
         PackedTokens(damaged, "train")
     PackedTokens(damaged, "val")  # the other split is intact
+
+
+def test_garbage_shard_of_the_right_size(damaged):
+    """0xFF bytes over a shard (size unchanged): the first read that touches them names the file and the id."""
+    shard = damaged / "train" / "shard_00001.bin"
+    shard.write_bytes(b"\xff" * shard.stat().st_size)
+    tokens = PackedTokens(damaged, "train")
+    start = int(tokens._starts[1])  # the damaged shard's first token
+    assert tokens.read(0, 16).max() < tokens.vocab_size  # the intact shard reads as before
+    with pytest.raises(ConfigError, match=r"shard_00001\.bin: token id \d+ at token 0 is outside the vocabulary"):
+        tokens.read(start - 2, 8)
 
 
 def test_missing_shard(damaged):

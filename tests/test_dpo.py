@@ -345,6 +345,9 @@ def test_chat_template_path(tok):
     assert t.decode(out["chosen_input_ids"][n:]) == "The capital of France is Paris.<|eot_id|>"
     assert t.decode(out["chosen_input_ids"][:n]).endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
     assert out["chosen_input_ids"][0] != t.bos_token_id  # the template did not write a bos; none added
+    for side in ("chosen", "rejected"):  # the prompt is masked out of the loss, the answer is not
+        ids, labels = out[f"{side}_input_ids"], out[f"{side}_labels"]
+        assert labels[:n] == [-100] * n and labels[n:] == ids[n:] and len(labels) == len(ids) > n
 
 
 def test_collate_pairs_layout(tok):

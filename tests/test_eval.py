@@ -123,7 +123,17 @@ def test_bad_input_is_one_line(models, austen_files, tmp_path):
     empty.write_text("\n\n  \n", encoding="utf-8")
     no_config = tmp_path / "not_a_model"
     no_config.mkdir()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x", encoding="utf-8")
+    import shutil
+    truncated = tmp_path / "truncated_hybrid"  # a copy cut short: safetensors' header no longer parses
+    shutil.copytree(models["hybrid"], truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:64])
     cases = [
+        (["--model", truncated, "--text", austen_files[0]], "cannot be loaded as a hybrid"),
+        # checked before the evaluation runs, so no result is computed and then lost
+        (["--model", models["hybrid"], "--text", austen_files[0], "--out", a_file / "res.json"], "--out: cannot write"),
         (["--model", tmp_path / "missing", "--text", austen_files[0]], "no such file or directory"),
         (["--model", no_config, "--text", austen_files[0]], "config.json"),
         (["--model", models["hybrid"], "--text", tmp_path / "missing.txt"], "no such file or directory"),
@@ -158,9 +168,29 @@ def test_lm_eval_local_task_on_tiny_hybrid(models, austen_tasks, tmp_path, capsy
     res = json.loads(out.strip().splitlines()[-1])
     assert json.loads(out_file.read_text()) == res
     metrics = res["tasks"]["austen_cloze"]
-    for name in ("acc", "acc_norm"):
-        assert 0.0 <= metrics[name] <= 1.0
     assert res["n_samples"]["austen_cloze"] == {"original": 500, "effective": 6}
+    # the same 6 items scored here without the harness: log-likelihood of " " + choice after the context
+    # (continuation tokens = tokens of context + continuation past those of the context, no BOS), argmax
+    # for acc, argmax of log-likelihood per character of the choice for acc_norm (lm_eval/api/task.py)
+    from transformers import AutoTokenizer
+    from hybridlm.model import HybridForCausalLM
+    model = HybridForCausalLM.from_pretrained(models["hybrid"]).eval()
+    tok = AutoTokenizer.from_pretrained(models["hybrid"])
+    items = [json.loads(l) for l in (austen_tasks / "austen_cloze" / "austen_cloze.jsonl").read_text().splitlines()][:6]
+    hits = {"acc": 0, "acc_norm": 0}
+    for item in items:
+        scores = []
+        for choice in item["choices"]:
+            ctx = tok(item["context"], add_special_tokens=False)["input_ids"]
+            whole = tok(item["context"] + " " + choice, add_special_tokens=False)["input_ids"]
+            cont = whole[len(ctx):]
+            with torch.no_grad():
+                logp = model(input_ids=torch.tensor([whole[:-1]])).logits[0].log_softmax(-1)
+            scores.append(sum(logp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont)))
+        hits["acc"] += max(range(4), key=lambda i: scores[i]) == item["label"]
+        hits["acc_norm"] += max(range(4), key=lambda i: scores[i] / len(item["choices"][i])) == item["label"]
+    for name in ("acc", "acc_norm"):
+        assert metrics[name] == pytest.approx(hits[name] / 6), (name, metrics, hits)
     assert res["model_type"] == "hybrid"
 
 

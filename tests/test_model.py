@@ -39,6 +39,14 @@ def test_pattern_plan_and_ratio():
     (dict(gdn=dict(num_heads=2, heads=4)), "gdn: unknown key 'heads'"),
     (dict(backend="cuda"), "backend: unknown backend 'cuda'"),
     (dict(hybrid_override_pattern="----"), "hybrid_override_pattern: has no sequence mixer"),
+    # sizes of 0 or below: named, not a ZeroDivisionError, a negative-dimension error or a silent default
+    (dict(gdn=dict(num_heads=0)), "gdn.num_heads: must be a positive integer, got 0"),
+    (dict(gdn=dict(num_heads=2, head_dim=16, head_v_dim=0)), "gdn.head_v_dim: must be a positive integer, got 0"),
+    (dict(kda=dict(num_heads=2, head_dim=0)), "kda.head_dim: must be a positive integer, got 0"),
+    (dict(kda=dict(num_heads=2, head_dim=16, num_v_heads=0)), "kda.num_v_heads: must be a positive integer"),
+    (dict(mamba2=dict(expand=0)), "mamba2.expand: must be a positive integer, got 0"),
+    (dict(mamba2=dict(d_state=0)), "mamba2.d_state: must be a positive integer, got 0"),
+    (dict(rms_norm_eps=-1.0), "rms_norm_eps: must be a positive number, got -1.0"),
 ])
 def test_bad_config_is_one_clear_line(values, field):
     with pytest.raises(ConfigError) as e:

@@ -156,26 +156,35 @@ def test_compose_round_trips_through_save_and_from_pretrained(gqa, tmp_path):
 
 
 def test_exact_mla_student_has_zero_kl_and_smart_composes_it(exact, data_dir, tmp_path):
-    """One KV head + rope 16 + full ranks: the MLA student is the teacher, so KL ~ 0 for it and for the
-    hybrid SMART composes with every layer MLA; the all-Mamba2 student is far off."""
+    """One KV head + rope 16 + full ranks: the MLA student is the teacher, so KL ~ 0 for it; the all-Mamba2
+    student is far off. SMART measures each layer's KL (checked against a hybrid composed here), picks 2 of 4
+    layers by the selection rule, and the hybrid composed from its report is the one composed here."""
+    from smart_select.selection import select_layers
+    from upcycle.compose import compose_hybrid
     from upcycle.smart_stage import model_kl
     teacher, mla, mamba = _load(exact)
     batches = _batches(data_dir)
     assert model_kl(teacher, mla, batches) < 1e-6
-    assert model_kl(teacher, mamba, batches) > 1e-3
+    kl_all = model_kl(teacher, mamba, batches)
+    assert kl_all > 1e-3
     p = _parser()
     args = p.parse_args(["smart", "--teacher", str(exact["teacher"]), "--mla-student", str(exact["mla"]),
                          "--mamba-student", str(exact["mamba"]), "--data-path", str(data_dir),
-                         "--seq-len", str(SEQ_LEN), "--batches", "2", "--batch-size", "2", "--n-mla", "4",
+                         "--seq-len", str(SEQ_LEN), "--batches", "2", "--batch-size", "2", "--n-mla", "2",
                          "--out", str(tmp_path / "smart")])
     result = args.fn(args)
-    assert result["chosen"] == [0, 1, 2, 3]
+    assert abs(result["kl_all"] - kl_all) < 1e-9
+    # layer 1 alone as MLA, measured here, is the stage's kl[1]; sensitivity = kl_all - kl
+    assert abs(result["kl"][1] - model_kl(teacher, compose_hybrid(mla, mamba, [1]), batches)) < 1e-9
     assert all(abs(result["kl_all"] - s - k) < 1e-12 for s, k in zip(result["sensitivity"], result["kl"]))
+    assert result["chosen"] == select_layers(result["sensitivity"], 2) and len(result["chosen"]) == 2
     args = p.parse_args(["compose", "--mla-student", str(exact["mla"]), "--mamba-student", str(exact["mamba"]),
                          "--from-smart", str(tmp_path / "smart" / "smart_report.json"), "--out", str(tmp_path / "h")])
     args.fn(args)
     hybrid = HybridForCausalLM.from_pretrained(tmp_path / "h")
-    assert model_kl(teacher, hybrid, batches) < 1e-6
+    kl_hybrid = model_kl(teacher, hybrid, batches)
+    assert abs(kl_hybrid - model_kl(teacher, compose_hybrid(mla, mamba, result["chosen"]), batches)) < 1e-9
+    assert kl_hybrid < kl_all  # two exact MLA layers bring the hybrid closer to the teacher
 
 
 @needs_data

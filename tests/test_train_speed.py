@@ -132,8 +132,8 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
         # two more steps ran under the profiler; they are not in the timing
         prof = e["profile"]
         assert prof["profiled_steps"] == 2 and prof["ms_per_step"] > 0
-        assert abs(sum(c["share"] for c in prof["categories"]) - 1) < 1e-6
-        assert any(c["category"] == "matmul (GEMM)" for c in prof["categories"])
+        gemm = [c for c in prof["categories"] if c["category"] == "matmul (GEMM)"]
+        assert len(gemm) == 1 and gemm[0]["ms_per_step"] > 0 and 0 < gemm[0]["share"] < 1
         assert e["mfu"] == pytest.approx(e["flops_per_token"] * e["tokens_per_s"] / (989.5e12))
     assert llama["params"] == llama["non_embedding_params"] + 128256 * 128  # tied, hidden 128
     assert "DeepSpeed ZeRO-1" in ours["recipe"] and "plain PyTorch" in llama["recipe"]

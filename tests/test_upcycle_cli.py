@@ -69,3 +69,17 @@ def test_kv_report_layer_out_of_range():
     proc = upcycle("kv-report", "--teacher", "configs/llama/llama-3.2-1b.json", "--mla-layers", "0,16",
                    "--kv-rank", 128, "--rope-dim", 32)
     assert proc.returncode == 2 and "index 16 out of range for a 16-layer teacher" in proc.stderr
+
+
+def test_init_names_a_damaged_teacher(tmp_path, tiny_llama):
+    """A teacher whose weights were cut short (an interrupted copy): one line naming it, nothing written."""
+    import shutil
+    damaged = tmp_path / "teacher"
+    shutil.copytree(tiny_llama, damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:64])
+    proc = upcycle("init", "--teacher", damaged, "--out", tmp_path / "init")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-600:]
+    assert last.startswith(f"error: {damaged}") and "cannot be loaded" in last
+    assert not (tmp_path / "init").exists()

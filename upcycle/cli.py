@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.engine.engine import NonFiniteLossError
 
 
 def _layers(text: str) -> List[int]:
@@ -162,6 +163,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ConfigError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteLossError as e:  # a training stage stopped itself, its checkpoint saved
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

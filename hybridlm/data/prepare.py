@@ -113,7 +113,12 @@ def _json_records(path: Path) -> Iterator[Any]:
 def _parquet_texts(path: Path, text_field: str) -> Iterator[str]:
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    import pyarrow as pa
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ConfigError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
     names = pf.schema_arrow.names
     cols = [text_field] if text_field in names else [c for c in ALPACA_FIELDS if c in names]
     if text_field not in names and not {"instruction", "output"} <= set(cols):

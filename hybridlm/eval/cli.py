@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from hybridlm.config.errors import ConfigError
+from hybridlm.config.errors import ConfigError, last_line, weight_load_errors
 
 DTYPES = ("fp32", "bf16")
 HYBRID_MODEL_TYPE = "hybrid_lm"  # HybridConfig.model_type (not imported here: keeps bad-input errors fast)
@@ -100,8 +100,8 @@ def load_model(kind: str, path: Path, gguf: Optional[str], dtype: str, device):
 
         try:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype))
-        except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:
-            raise ConfigError(f"{path}: cannot be loaded as a hybrid ({_last_line(str(e))})") from None
+        except weight_load_errors() as e:
+            raise ConfigError(f"{path}: cannot be loaded as a hybrid ({last_line(str(e))})") from None
     return model.to(device).eval()
 
 
@@ -122,9 +122,6 @@ def load_eval_tokenizer(path: Path, gguf: Optional[str], override: Optional[str]
         raise ConfigError(f"{e}; pass --tokenizer (e.g. asset:llama3.2)") from None
 
 
-def _last_line(text: str) -> str:
-    lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else "(no message)"
 
 
 # -------------------------------------------------------------------------------------------- text
@@ -160,7 +157,7 @@ def dataset_documents(spec: str, text_field: str, config: Optional[str] = None) 
     except ConfigError:
         raise
     except Exception as e:  # network, unknown name, unknown split: one line for the user
-        raise ConfigError(f"dataset {spec!r}: cannot be loaded ({type(e).__name__}: {_last_line(str(e))})") from None
+        raise ConfigError(f"dataset {spec!r}: cannot be loaded ({type(e).__name__}: {last_line(str(e))})") from None
     for i, rec in enumerate(ds):
         text = _record_text(rec, text_field, f"dataset {spec!r} row {i}")
         if text.strip():
@@ -301,16 +298,36 @@ def write_json(path, result: Dict[str, Any]) -> None:
     os.replace(tmp, p)
 
 
+def check_writable(path) -> None:
+    """Fail before the evaluation, not after it, when ``--out`` cannot be written."""
+    p = Path(path).expanduser()
+    probe = p.with_name(f".{p.name}.probe-{os.getpid()}")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text("", encoding="utf-8")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--out: cannot write {p} ({e.strerror or e})") from None
+    if p.is_dir():
+        raise ConfigError(f"--out: {p} is a directory; give a file path such as {p / 'result.json'}")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        result = args.func(args)
         if args.out:
-            write_json(args.out, result)
+            check_writable(args.out)
+        result = args.func(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result), flush=True)
+    print(json.dumps(result), flush=True)  # the result first: a failed write below must not lose it
+    if args.out:
+        try:
+            write_json(args.out, result)
+        except OSError as e:
+            print(f"error: --out: cannot write {args.out} ({e.strerror or e}); the result is on stdout", file=sys.stderr)
+            return 2
     return 0
 
 

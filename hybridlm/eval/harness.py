@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from hybridlm.config.errors import ConfigError
+from hybridlm.config.errors import ConfigError, last_line
 
 LM_EVAL_HINT = "pip install -e '.[eval]'"
 HF_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -101,7 +101,7 @@ def run_harness(kind: str, path: Path, gguf: Optional[str], tasks: List[str], in
             device=device, limit=limit, task_manager=manager, log_samples=False, random_seed=seed,
             numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
     except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"lm-eval: {type(e).__name__}: {_last_line(str(e))}") from None
+        raise ConfigError(f"lm-eval: {type(e).__name__}: {last_line(str(e))}") from None
     if results is None:  # non-zero ranks under accelerate launch
         return {}
     out = summarize(results)
@@ -117,6 +117,3 @@ def run_harness(kind: str, path: Path, gguf: Optional[str], tasks: List[str], in
     return out
 
 
-def _last_line(text: str) -> str:
-    lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else "(no message)"

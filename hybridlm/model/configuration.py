@@ -18,6 +18,15 @@ from hybridlm.model.pattern import MIXERS, parse_pattern, pattern_from_ratio
 from hybridlm.ops.backend import BACKENDS
 
 
+def _positive(args, where: str, names) -> None:
+    """Each of ``names`` that is set must be a positive int (0 or a negative size would crash, or be replaced
+    by a default, deep inside a layer)."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ConfigError(f"{where}.{name}: must be a positive integer, got {value!r}")
+
+
 def _divides(where: str, what: str, n: int, total_name: str, total: int) -> None:
     if n <= 0 or total % n:
         raise ConfigError(f"{where}: {what} {n} does not divide {total_name} {total}")
@@ -58,6 +67,7 @@ class DeltaRuleArgs:
     gate_rank: Optional[int] = None    # KDA only: low-rank gate bottleneck, default head_v_dim
 
     def finalize(self, hidden: int, where: str) -> None:
+        _positive(self, where, ("num_heads", "head_dim", "num_v_heads", "head_v_dim", "conv_size", "gate_rank"))
         if self.head_dim is None:
             _divides(f"{where}.num_heads", "num_heads", self.num_heads, "hidden_size", hidden)
             self.head_dim = hidden // self.num_heads
@@ -82,6 +92,7 @@ class Mamba2Args:
     norm_eps: float = 1e-6
 
     def finalize(self, hidden: int, where: str) -> None:
+        _positive(self, where, ("d_state", "head_dim", "n_groups", "expand", "d_inner", "d_xb", "conv_size"))
         self.d_inner = self.d_inner or self.expand * hidden
         _divides(f"{where}.head_dim", "head_dim", self.head_dim, "d_inner", self.d_inner)
         n_heads = self.d_inner // self.head_dim
@@ -151,6 +162,8 @@ class HybridConfig(PretrainedConfig):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "loss_chunks"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(rms_norm_eps, (int, float)) or not rms_norm_eps > 0:
+            raise ConfigError(f"rms_norm_eps: must be a positive number, got {rms_norm_eps!r}")
         if hybrid_override_pattern is None and hybrid_attention_ratio is None and num_layers is None:
             # transformers builds ``HybridConfig()`` to diff against when saving: it must be a valid default
             hybrid_override_pattern = DEFAULT_PATTERN

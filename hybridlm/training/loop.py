@@ -37,6 +37,8 @@ class RunConfig:
     max_minutes: float = 0.0      # stop (evaluate, save, export) after this much training time; 0: no limit
 
     def validate(self, where: str = "run") -> None:
+        if not isinstance(self.output_dir, str) or not self.output_dir.strip():
+            raise ConfigError(f"{where}.output_dir: expected a directory path, got {self.output_dir!r}")
         for name in ("log_interval", "keep_last"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name}: expected an integer >= 1, got {getattr(self, name)}")
