@@ -91,3 +91,20 @@ def test_route_smoke_on_real_smollm2(tmp_path):
     hybrid = json.loads((out / "dpo" / "final" / "config.json").read_text())
     assert hybrid["hybrid_override_pattern"].count("*") == 8 and hybrid["num_layers"] == 60
     shutil.rmtree(tmp_path)  # ~5 GB of fp32 135M-parameter models; CI machines have little disk
+
+
+@pytest.mark.parametrize("override,message", [
+    ("init.kv_rnk=64", "error: init: unknown key 'kv_rnk'"),
+    ("smart.batchsize=4", "error: smart: unknown key 'batchsize'"),
+    ("dpo.optim.lrr=1e-6", "error: dpo.optim: unknown key 'lrr'"),
+    ("kd.kd.temprature=2", "error: kd.kd: unknown key 'temprature'"),
+])
+def test_route_checks_every_section_before_the_first_stage(tmp_path, override, message):
+    """A typo anywhere in the route config stops it at once, with one line, before any stage writes."""
+    out = tmp_path / "route"
+    cmd = [sys.executable, "-m", "upcycle.cli", "run", "--config", "configs/upcycle/smollm2_route_cpu.yaml",
+           f"output_dir={out}", override]
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-1500:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-800:]
+    assert not out.exists()

@@ -29,6 +29,43 @@ def _stage_sections(section: Dict[str, Any], where: str, **fixed) -> Dict[str, A
     return out
 
 
+SMART_KEYS = ("n_mla", "layers", "batches", "batch_size")
+
+
+def check_route(cfg: Dict[str, Any], stages: Dict[str, Dict[str, Any]]) -> None:
+    """Every section of the route, before the first stage starts: a typo in ``dpo.optim`` must not surface
+    after init, both ILD runs, SMART and KD have finished."""
+    import inspect
+
+    from distill.dpo_stage import DPOConfig, PreferenceDataConfig
+    from distill.kd import KDConfig
+    from hybridlm.data.sft import SFTDataConfig
+    from hybridlm.engine import OptimConfig
+    from hybridlm.training import RunConfig
+    from upcycle.cli import init_students
+
+    def known_keys(where: str, section: Dict[str, Any], known) -> None:
+        unknown = sorted(set(section) - set(known))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known keys: {', '.join(sorted(known))})")
+
+    params = inspect.signature(init_students).parameters
+    known_keys("init", cfg.get("init") or {},
+               [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n != "overwrite"])
+    known_keys("smart", cfg.get("smart") or {}, SMART_KEYS)
+    data_classes = {"ild": DataConfig, "kd": SFTDataConfig, "dpo": PreferenceDataConfig}
+    own = {"kd": ("kd", KDConfig), "dpo": ("dpo", DPOConfig)}
+    for name, sections in stages.items():
+        known_keys(name, {k: v for k, v in sections.items() if k not in ("teacher", "student")},
+                   ("data", "optim", "run") + ((own[name][0],) if name in own else ()))
+        build_dataclass(data_classes[name], sections.get("data") or {}, f"{name}.data")
+        build_dataclass(OptimConfig, sections.get("optim") or {}, f"{name}.optim")
+        build_dataclass(RunConfig, sections.get("run") or {}, f"{name}.run").validate(f"{name}.run")
+        if name in own:
+            key, cls = own[name]
+            build_dataclass(cls, sections.get(key) or {}, f"{name}.{key}")
+
+
 def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     from distill.dpo_stage import run_dpo
     from distill.kd import run_kd
@@ -47,6 +84,16 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     unknown = sorted(set(report_opts) - {"seq_len", "max_tokens"})
     if unknown:
         raise ConfigError(f"report: unknown key {unknown[0]!r} (known keys: max_tokens, seq_len)")
+    ild = cfg.get("ild") or {}
+    hybrid = out / "hybrid"
+    stages = {
+        "ild": _stage_sections(ild, "ild", teacher__path=teacher, run__output_dir=str(out / "ild_mla")),
+        "kd": _stage_sections(cfg.get("kd") or {}, "kd", teacher__path=teacher, student__path=str(hybrid),
+                              run__output_dir=str(out / "kd")),
+        "dpo": _stage_sections(cfg.get("dpo") or {}, "dpo", student__path=str(out / "kd" / "final"),
+                               run__output_dir=str(out / "dpo")),
+    }
+    check_route(cfg, stages)
     dist = init_distributed()
     summary: Dict[str, Any] = {"teacher": teacher}
     if dist.rank == 0:
@@ -59,7 +106,6 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     barrier()
     summary["init"] = json.loads((init_dir / "init_report.json").read_text())
 
-    ild = cfg.get("ild") or {}
     for kind in ("mla", linear):
         summary[f"ild_{kind}"] = run_ild(_stage_sections(
             ild, "ild", teacher__path=teacher, student__path=str(init_dir / f"{kind}_student"),
@@ -76,16 +122,13 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     chosen, _ = layers_from_report(smart_dir)
     summary["smart"] = {"mla_layers": chosen}
 
-    hybrid = out / "hybrid"
     if dist.rank == 0 and not (hybrid / "config.json").is_file():
         compose_from_dirs(out / "ild_mla" / "final", out / f"ild_{linear}" / "final", chosen, hybrid,
                           overwrite=True)
     barrier()
 
-    summary["kd"] = run_kd(_stage_sections(cfg.get("kd") or {}, "kd", teacher__path=teacher,
-                                           student__path=str(hybrid), run__output_dir=str(out / "kd")))
-    summary["dpo"] = run_dpo(_stage_sections(cfg.get("dpo") or {}, "dpo", student__path=str(out / "kd" / "final"),
-                                             run__output_dir=str(out / "dpo")))
+    summary["kd"] = run_kd(stages["kd"])
+    summary["dpo"] = run_dpo(stages["dpo"])
     if dist.rank == 0:
         from upcycle.route_report import route_report
         ild_data = build_dataclass(DataConfig, (ild.get("data") or {}), "ild.data")
