@@ -15,15 +15,25 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pretrain.py", description=__doc__)
     p.add_argument("--config", required=True, help="experiment YAML (or a bare model YAML)")
     p.add_argument("--dry-run", action="store_true",
-                   help="build the model on the meta device, print one JSON line (params, layer plan) and exit")
+                   help="check every section, build the model on the meta device, print one JSON line (params, "
+                        "layer plan) and exit")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. optim.lr=3e-4 model.mixer=kda")
     return p.parse_args(argv)
 
 
 def dry_run(sections) -> dict:
+    """The model's summary, built on the meta device; the data / optim / run sections that are given are checked
+    too (keys and values, not the data on disk; a bare model file has none)."""
+    from hybridlm.config.structured import build_dataclass
+    from hybridlm.data import DataConfig
+    from hybridlm.engine import OptimConfig
     from hybridlm.model.configuration import HybridConfig
     from hybridlm.model.summary import model_summary
+    from hybridlm.training import RunConfig
+    for name, cls in (("data", DataConfig), ("optim", OptimConfig), ("run", RunConfig)):
+        if sections.get(name):
+            build_dataclass(cls, sections[name], name)
     model = dict(sections["model"])
     if model.get("vocab_size", "auto") == "auto":  # the tokenizer decides; load it, nothing else
         from hybridlm.data import load_tokenizer

@@ -208,3 +208,13 @@ def test_chunked_cross_entropy_triton_path_through_the_interpreter():
                          env=subprocess_env(TRITON_INTERPRET="1"))
     assert out.returncode == 0, out.stderr[-2000:]
     assert float(out.stdout.strip().splitlines()[-1]) < 1e-5
+
+
+def test_dry_run_checks_the_other_sections_too():
+    """An experiment file's optim / run / data sections are checked by --dry-run, not only at the real run."""
+    for override, message in (("optim.lrr=1", "error: optim: unknown key 'lrr'"),
+                              ("run.output_dir=", "error: run.output_dir: expected a directory path"),
+                              ("data.seq_len=0", "error: data.seq_len: expected an integer >= 1")):
+        out = subprocess.run([sys.executable, "pretrain.py", "--config", "configs/experiments/default_cpu.yaml",
+                              "--dry-run", override], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(message), out.stderr[-500:]
