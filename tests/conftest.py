@@ -71,3 +71,12 @@ def save_tiny_llama(out, num_layers: int = 4):
     LlamaForCausalLM(cfg).save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def assert_chart(path, min_side: int = 200) -> None:
+    """``path`` is a decodable PNG of at least ``min_side`` pixels a side with something drawn on it (not a
+    blank canvas): the check a report's picture gets beyond existing."""
+    import matplotlib.image as mpimg
+    img = mpimg.imread(str(path))
+    assert img.ndim == 3 and min(img.shape[:2]) >= min_side, (path, img.shape)
+    assert img[..., :3].std() > 0.01, f"{path}: blank"

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from conftest import save_tiny_llama
+from conftest import save_tiny_llama, assert_chart
 from hybridlm.bench import generation as G
 from hybridlm.model import HybridForCausalLM
 from hybridlm.model.generate import greedy_generate
@@ -53,7 +53,7 @@ def report(models):
 def test_every_entry_measured_and_written(report):
     rep, out = report
     on_disk = json.loads((out / "generation.json").read_text())
-    assert (out / "generation.png").stat().st_size > 0
+    assert_chart(out / "generation.png")
     assert on_disk["entries"] == json.loads(json.dumps(rep["entries"]))
     assert {(e["model"], e["prompt_len"], e["batch"]) for e in on_disk["entries"]} == {
         (m, p, b) for m in G.MODELS for p in PROMPTS for b in BATCHES}
@@ -127,9 +127,10 @@ def test_oom_stops_larger_batches(models, tmp_path, monkeypatch):
                   "--new-tokens", "2", "--batches", "1", "2", "4", "--out", str(tmp_path), "--warmup-steps", "0"])
     assert [(e["batch"], e["status"]) for e in rep["entries"]] == [(1, "ok"), (2, "oom")]
     assert rep["entries"][1]["oom_phase"] == "decode"
-    assert (tmp_path / "generation.png").is_file()
+    assert_chart(tmp_path / "generation.png")
     merged = G.main(["--merge", str(tmp_path / "generation.json"), "--out", str(tmp_path / "merged")])
-    assert len(merged["entries"]) == 2 and (tmp_path / "merged" / "generation.png").is_file()
+    assert len(merged["entries"]) == 2
+    assert_chart(tmp_path / "merged" / "generation.png")
 
 
 def test_cuda_graph_option_decodes_through_the_static_cache(models, tmp_path):

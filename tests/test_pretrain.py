@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, subprocess_env, assert_chart
 
 TINY_MODEL = [
     "model.hidden_size=32", "model.intermediate_size=64",
@@ -61,7 +61,7 @@ def test_run_writes_logs_checkpoints_export_and_sample(tmp_path, austen_data):
     assert len(val) == 2 and val[1] < val[0] - 0.05 and result["val_loss"] == val[1] < train[1] - 0.1
     prompt = "It is a truth universally acknowledged"
     assert result["sample"].startswith(prompt) and len(result["sample"]) > len(prompt)  # new text after the prompt
-    assert (out / "loss_curve.png").stat().st_size > 1000
+    assert_chart(out / "loss_curve.png")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()

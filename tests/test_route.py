@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, SHARED_DATA, save_tiny_llama, subprocess_env
+from conftest import REPO, SHARED_DATA, save_tiny_llama, subprocess_env, assert_chart
 from hybridlm.eval.perplexity import perplexity
 from upcycle.route_report import heldout_windows
 from upcycle.teacher import load_teacher
@@ -37,7 +37,7 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
     for stage in ("ild_mla", "ild_mamba2", "kd", "dpo"):
         assert json.loads((out / stage / "final" / "stage.json").read_text())["steps"] == 2, stage
         assert not (out / stage / "checkpoints").exists(), stage  # finished: resume state removed
-    assert (out / "smart" / "smart_report.png").is_file()
+    assert_chart(out / "smart" / "smart_report.png")
     hybrid = json.loads((out / "dpo" / "final" / "config.json").read_text())
     assert hybrid["hybrid_override_pattern"].count("*") == 2
     report = json.loads((out / "report.json").read_text())
@@ -50,7 +50,7 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
     assert [s["stage"] for s in report["stages"]] == ["ILD (MLA student)", "ILD (Mamba2 student)", "KD-SFT", "DPO"]
     assert 0.0 <= report["stages"][-1]["dpo_heldout"]["rewards/accuracies"] <= 1.0
     assert "| after DPO |" in (out / "report.md").read_text()
-    assert (out / "report.png").stat().st_size > 0
+    assert_chart(out / "report.png")
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-2000:]
     assert again.stdout.count("already finished") == 4  # ild x2, kd, dpo skipped; init/smart/compose reused
