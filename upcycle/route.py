@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 from hybridlm.config.errors import ConfigError
-from hybridlm.config.structured import build_dataclass
+from hybridlm.config.structured import build_dataclass, check_known_keys
 from hybridlm.data import DataConfig
 from hybridlm.engine import barrier, init_distributed
 
@@ -19,9 +19,7 @@ ROUTE_SECTIONS = ("output_dir", "teacher", "init", "ild", "smart", "kd", "dpo", 
 
 
 def _stage_sections(section: Dict[str, Any], where: str, **fixed) -> Dict[str, Any]:
-    unknown = sorted(set(section) - {"data", "optim", "run", "kd", "dpo"})
-    if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known keys: data, optim, run, kd, dpo)")
+    check_known_keys(where, section, ("data", "optim", "run", "kd", "dpo"))
     out = {k: dict(v or {}) for k, v in section.items()}
     for key, value in fixed.items():
         name, _, field = key.partition("__")
@@ -44,19 +42,14 @@ def check_route(cfg: Dict[str, Any], stages: Dict[str, Dict[str, Any]]) -> None:
     from hybridlm.training import RunConfig
     from upcycle.cli import init_students
 
-    def known_keys(where: str, section: Dict[str, Any], known) -> None:
-        unknown = sorted(set(section) - set(known))
-        if unknown:
-            raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known keys: {', '.join(sorted(known))})")
-
     params = inspect.signature(init_students).parameters
-    known_keys("init", cfg.get("init") or {},
+    check_known_keys("init", cfg.get("init") or {},
                [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n != "overwrite"])
-    known_keys("smart", cfg.get("smart") or {}, SMART_KEYS)
+    check_known_keys("smart", cfg.get("smart") or {}, SMART_KEYS)
     data_classes = {"ild": DataConfig, "kd": SFTDataConfig, "dpo": PreferenceDataConfig}
     own = {"kd": ("kd", KDConfig), "dpo": ("dpo", DPOConfig)}
     for name, sections in stages.items():
-        known_keys(name, {k: v for k, v in sections.items() if k not in ("teacher", "student")},
+        check_known_keys(name, {k: v for k, v in sections.items() if k not in ("teacher", "student")},
                    ("data", "optim", "run") + ((own[name][0],) if name in own else ()))
         build_dataclass(data_classes[name], sections.get("data") or {}, f"{name}.data")
         build_dataclass(OptimConfig, sections.get("optim") or {}, f"{name}.optim")
@@ -81,9 +74,7 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     init_opts = dict(cfg.get("init") or {})
     linear = init_opts.get("linear_mixer", "mamba2")
     report_opts = dict(cfg.get("report") or {})
-    unknown = sorted(set(report_opts) - {"seq_len", "max_tokens"})
-    if unknown:
-        raise ConfigError(f"report: unknown key {unknown[0]!r} (known keys: max_tokens, seq_len)")
+    check_known_keys("report", report_opts, ("seq_len", "max_tokens"))
     ild = cfg.get("ild") or {}
     hybrid = out / "hybrid"
     stages = {

@@ -64,15 +64,20 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
+def check_known_keys(where: str, values: Mapping[str, Any], known) -> None:
+    """A key of ``values`` outside ``known`` is a one-line error naming it (and listing the known ones)."""
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known keys: {', '.join(sorted(known))})")
+
+
 def build_dataclass(cls: Type[T], values: Mapping[str, Any], where: str) -> T:
     """``cls(**values)`` with unknown keys and mistyped values reported as ``ConfigError``."""
     if not isinstance(values, Mapping):
         raise ConfigError(f"{where}: expected a mapping, got {type(values).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known keys: {', '.join(sorted(fields))})")
+    check_known_keys(where, values, fields)
     kwargs: Dict[str, Any] = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in values.items()}
     try:
         obj = cls(**kwargs)

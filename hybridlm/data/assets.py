@@ -79,8 +79,6 @@ def _run(cmd: list, cwd: Path, what: str) -> subprocess.CompletedProcess:
         raise AssetError(f"{what}: needs the program {cmd[0]!r}, which is not installed") from None
 
 
-
-
 # --------------------------------------------------------------------------------------- tokenizer
 LLAMA3_TEXT_VOCAB = 128256
 

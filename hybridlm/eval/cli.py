@@ -122,8 +122,6 @@ def load_eval_tokenizer(path: Path, gguf: Optional[str], override: Optional[str]
         raise ConfigError(f"{e}; pass --tokenizer (e.g. asset:llama3.2)") from None
 
 
-
-
 # -------------------------------------------------------------------------------------------- text
 def text_documents(specs: List[str], text_field: str) -> Iterator[str]:
     """Documents of ``--text`` sources; each must exist (a missing path is never taken for a dataset name)."""

@@ -115,5 +115,3 @@ def run_harness(kind: str, path: Path, gguf: Optional[str], tasks: List[str], in
     except Exception:  # the table is a courtesy for humans; the JSON line is the result
         pass
     return out
-
-

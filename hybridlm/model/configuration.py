@@ -13,7 +13,7 @@ from typing import List, Optional
 from transformers import PretrainedConfig
 
 from hybridlm.config.errors import ConfigError
-from hybridlm.config.structured import build_dataclass
+from hybridlm.config.structured import build_dataclass, check_known_keys
 from hybridlm.model.pattern import MIXERS, parse_pattern, pattern_from_ratio
 from hybridlm.ops.backend import BACKENDS
 
@@ -51,9 +51,7 @@ class MLAArgs:
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim < 0:
             raise ConfigError(f"{where}.qk_rope_head_dim: {self.qk_rope_head_dim} must be even and >= 0 "
                               "(RoPE rotates pairs; 0 means no position encoding)")
-        for name in ("num_heads", "kv_lora_rank", "v_head_dim"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{where}.{name}: must be positive, got {getattr(self, name)}")
+        _positive(self, where, ("num_heads", "kv_lora_rank", "v_head_dim"))
 
 
 @dataclass
@@ -196,10 +194,7 @@ class HybridConfig(PretrainedConfig):
     def from_user_dict(cls, values: dict, where: str = "model") -> "HybridConfig":
         """Build from a YAML model section; an unknown key is an error rather than a silent extra attribute."""
         import inspect
-        known = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known keys: {', '.join(sorted(known))})")
+        check_known_keys(where, values, set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"})
         if values.get("hybrid_override_pattern") is None and values.get("hybrid_attention_ratio") is None:
             raise ConfigError(f"{where}.hybrid_override_pattern: missing; give a pattern such as '*-M-M-M-' "
                               "or num_layers with hybrid_attention_ratio")
