@@ -22,7 +22,6 @@ max_prompt_length 512 (set ``optim.max_steps`` to pairs / global batch for one e
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 from distill.dpo import METRIC_KEYS, dpo_loss, sequence_logps
 from distill.kd import add_stage_parser, amend_stage_result
 from hybridlm.config.errors import ConfigError
+from hybridlm.utils.atomic import json_text
 
 DPO_SECTIONS = ("student", "data", "optim", "run", "dpo")
 EVAL_KEYS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
@@ -165,8 +165,8 @@ def run_dpo(sections: Dict[str, Any]) -> Dict[str, Any]:
                 row = {"step": result["steps"], "val_dpo_loss": held_out["loss"],
                        **{f"val_{k}": held_out[k] for k in EVAL_KEYS}}
                 with (Path(run.output_dir) / "metrics.jsonl").open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-                print(json.dumps({"dpo_eval": held_out}), flush=True)
+                    f.write(json_text(row) + "\n")
+                print(json_text({"dpo_eval": held_out}), flush=True)
     return amend_stage_result(run.output_dir, extra, {"dpo": to_dict(cfg)}, result)
 
 

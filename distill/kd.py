@@ -26,7 +26,6 @@ CLI (wired into ``python -m upcycle.cli`` by :func:`add_subcommands`)::
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -35,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.utils.atomic import write_json
 
 IGNORE_INDEX = -100
 KD_SECTIONS = ("teacher", "student", "data", "optim", "run", "kd")
@@ -160,7 +160,6 @@ def amend_stage_result(output_dir, extra: Dict[str, Any], config_extra: Optional
     ``config_extra`` goes under ``result["config"]`` and is only added when absent, so a skipped (already
     finished) stage keeps recording the settings it actually ran with."""
     from hybridlm.engine import barrier, is_main
-    from hybridlm.engine.checkpoint import atomic_write_text
     done = Path(output_dir) / "final" / "stage.json"
     result = dict(result or {})
     changed = False
@@ -174,7 +173,7 @@ def amend_stage_result(output_dir, extra: Dict[str, Any], config_extra: Optional
             result[k] = v
             changed = True
     if changed and is_main() and done.is_file():
-        atomic_write_text(str(done), json.dumps(result, indent=2))
+        write_json(done, result)
     barrier()
     return result
 

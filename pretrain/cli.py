@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import List, Optional
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.engine.engine import NonFiniteLossError
 from hybridlm.config.loader import load_config
+from hybridlm.utils.atomic import json_text
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -46,7 +46,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         sections = load_config(args.config, args.overrides)
         if args.dry_run:
-            print(json.dumps(dry_run(sections)))
+            print(json_text(dry_run(sections)))
             return 0
         from pretrain.train import run_pretraining
         run_pretraining(sections, config_path=args.config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -20,10 +21,10 @@ from hybridlm.config.structured import build_dataclass, to_dict
 from hybridlm.data import DataConfig, PackedBatches, ensure_prepared, load_tokenizer, open_splits, read_meta
 from hybridlm.engine import DistInfo, Engine, OptimConfig, barrier, init_distributed, seed_everything
 from hybridlm.model import HybridConfig, HybridForCausalLM
-from hybridlm.model.generate import greedy_generate
 from hybridlm.model.summary import model_summary
 from hybridlm.training import RunConfig, train_loop
 from hybridlm.training.faults import with_nan_faults
+from hybridlm.utils.atomic import json_text, write_json
 
 
 def lm_loss(model, batch):
@@ -88,7 +89,68 @@ def build_engine(setup: PretrainingSetup) -> Engine:
                   with_nan_faults(lm_loss, setup.optim.gradient_accumulation_steps(setup.dist.world_size)))
 
 
+def completed_result(sections: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The recorded ``result.json`` of a run that already reached ``optim.max_steps`` (and exported, when
+    ``run.export``), or None: rerunning such a run must not resume at its last step, train nothing and
+    overwrite its figures with empty ones. ``run.resume: false`` always trains from scratch."""
+    optim = build_dataclass(OptimConfig, sections["optim"], "optim")
+    run = build_dataclass(RunConfig, sections["run"], "run")
+    out = Path(run.output_dir)
+    if not run.resume or not (out / "result.json").is_file():
+        return None
+    try:
+        result = json.loads((out / "result.json").read_text(encoding="utf-8"))
+    except ValueError:
+        return None
+    if not isinstance(result, dict) or not isinstance(result.get("steps"), int) or result["steps"] < optim.max_steps:
+        return None  # stopped early (run.max_minutes) or max_steps raised since: continue it
+    if run.export and not (out / "final" / "config.json").is_file():
+        return None
+    return result
+
+
+def sample_text(module, tokenizer, run: RunConfig, eos_token_id) -> str:
+    """``run.sample_tokens`` new tokens after ``run.sample_prompt`` through transformers' ``generate``: top-k /
+    temperature sampling from a fixed seed (greedy when ``sample_temperature`` is 0), no n-gram repeated, and
+    the global RNG left as it was."""
+    device = next(module.parameters()).device
+    ids = torch.tensor([tokenizer(run.sample_prompt, add_special_tokens=False)["input_ids"]], device=device)
+    options = dict(max_new_tokens=run.sample_tokens, attention_mask=torch.ones_like(ids),
+                   eos_token_id=eos_token_id, pad_token_id=eos_token_id,
+                   no_repeat_ngram_size=run.sample_no_repeat_ngram or None)
+    if run.sample_temperature > 0:
+        options.update(do_sample=True, temperature=run.sample_temperature, top_k=run.sample_top_k or None)
+    else:
+        options.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            torch.manual_seed(run.sample_seed)
+            gen = module.generate(ids, **options)
+    finally:
+        module.train(was_training)
+    return tokenizer.decode(gen[0].tolist())
+
+
+def sample_settings(run: RunConfig, steps: int) -> str:
+    """What the sample is, for the line that prints it."""
+    how = (f"top-k {run.sample_top_k}, temperature {run.sample_temperature:g}, seed {run.sample_seed}"
+           if run.sample_temperature > 0 else "greedy")
+    if run.sample_no_repeat_ngram:
+        how += f", no repeated {run.sample_no_repeat_ngram}-grams"
+    return f"{how}; {steps} steps of training, expect rough text"
+
+
 def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None) -> Dict[str, Any]:
+    done = completed_result(sections)
+    if done is not None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            out = Path(sections["run"].get("output_dir", RunConfig.output_dir))
+            print(f"run already complete: {out} finished {done['steps']} steps; nothing to train, its result.json "
+                  f"is kept (a new run.output_dir or a larger optim.max_steps trains again)", flush=True)
+            print(json_text(done), flush=True)
+        return done
     setup = prepare_pretraining(sections)
     data_cfg, optim, run, dist, meta, config = (setup.data, setup.optim, setup.run, setup.dist, setup.meta,
                                                 setup.config)
@@ -98,8 +160,8 @@ def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None)
         out.mkdir(parents=True, exist_ok=True)
         summary = model_summary(config)
         resolved = {"model": config.to_dict(), "data": to_dict(data_cfg), "optim": to_dict(optim), "run": to_dict(run)}
-        (out / "config.resolved.json").write_text(json.dumps(resolved, indent=2, default=str))
-        print(json.dumps({"params": summary["params"], "non_embedding_params": summary["non_embedding_params"],
+        write_json(out / "config.resolved.json", resolved, default=str)
+        print(json_text({"params": summary["params"], "non_embedding_params": summary["non_embedding_params"],
                           "layer_plan": summary["layer_plan"], "world_size": dist.world_size,
                           "device": str(dist.device), "precision": optim.precision,
                           "tokens_per_step": optim.global_batch_size * data_cfg.seq_len}), flush=True)
@@ -121,12 +183,10 @@ def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None)
                 tokenizer.save_pretrained(final)
             result["exported_to"] = str(final)
         if run.sample_tokens and tokenizer is not None:
-            ids = torch.tensor([tokenizer(run.sample_prompt, add_special_tokens=False)["input_ids"]],
-                               device=next(module.parameters()).device)
-            gen = greedy_generate(module, ids, run.sample_tokens, eos_token_id=config.eos_token_id)
-            result["sample"] = tokenizer.decode(gen[0].tolist())
-            print(f"sample: {result['sample']!r}", flush=True)
-        (out / "result.json").write_text(json.dumps(result, indent=2))
-        print(json.dumps(result), flush=True)
+            result["sample"] = sample_text(module, tokenizer, run, config.eos_token_id)
+            result["sample_settings"] = sample_settings(run, outcome.steps)
+            print(f"sample ({result['sample_settings']}): {result['sample']!r}", flush=True)
+        write_json(out / "result.json", result)
+        print(json_text(result), flush=True)
     barrier()
     return result

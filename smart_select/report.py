@@ -1,11 +1,11 @@
 """The SMART report: per-layer KL, sensitivity and choice as JSON, a Markdown table and a bar chart."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.utils.atomic import write_json
 
 from .selection import KLValues, _finite, _kl_list, validate_layers
 
@@ -59,7 +59,7 @@ def write_smart_report(out_dir: Union[str, Path], kl_all: float, kl_per_layer: K
     payload = dict(num_layers=L, n_mla=len(chosen_sorted), kl_all=base, chosen=chosen_sorted,
                    sensitivity_sum=sum(sens[i] for i in chosen_sorted), layers=rows, kv=kv)
     paths = dict(json=out / "smart_report.json", md=out / "smart_report.md", png=out / "smart_report.png")
-    paths["json"].write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    write_json(paths["json"], payload)
 
     lines = [f"# SMART layer selection: {len(chosen_sorted)} MLA of {L} layers", "",
              f"KL(teacher || all-Mamba2) = {_num(base)}; sensitivity s_i = KL_all - KL_i (larger = layer i "

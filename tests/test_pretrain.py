@@ -47,10 +47,18 @@ def losses(out_dir):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+def strict_json(text):
+    """json.loads refusing NaN / Infinity: what the project writes must be standard JSON."""
+    def refuse(token):
+        raise ValueError(f"non-standard JSON token {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
 def test_run_writes_logs_checkpoints_export_and_sample(tmp_path, austen_data):
-    run_pretrain(tmp_path / "run", austen_data)
+    proc = run_pretrain(tmp_path / "run", austen_data)
     out = tmp_path / "run"
-    result = json.loads((out / "result.json").read_text())
+    result = strict_json((out / "result.json").read_text())
+    assert strict_json(proc.stdout.strip().splitlines()[-1]) == result
     assert result["steps"] == 8 and result["skipped_steps"] == 0
     train = losses(out)
     assert sorted(train) == list(range(1, 9))
@@ -61,6 +69,8 @@ def test_run_writes_logs_checkpoints_export_and_sample(tmp_path, austen_data):
     assert len(val) == 2 and val[1] < val[0] - 0.05 and result["val_loss"] == val[1] < train[1] - 0.1
     prompt = "It is a truth universally acknowledged"
     assert result["sample"].startswith(prompt) and len(result["sample"]) > len(prompt)  # new text after the prompt
+    settings = "top-k 50, temperature 0.8, seed 0, no repeated 3-grams; 8 steps of training, expect rough text"
+    assert result["sample_settings"] == settings and f"sample ({settings}): " in proc.stdout
     assert_chart(out / "loss_curve.png")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(out / "tensorboard"))
@@ -73,6 +83,13 @@ def test_run_writes_logs_checkpoints_export_and_sample(tmp_path, austen_data):
     import hybridlm.model  # noqa: F401  (registers the classes)
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     assert model.config.layer_plan[0] == "mla" and (out / "final" / "tokenizer.json").is_file()
+    # the same command again: the run is complete, nothing trains, the recorded figures stay as they are
+    recorded, ckpt_files = (out / "result.json").read_text(), sorted(p.name for p in (out / "checkpoints").iterdir())
+    again = run_pretrain(out, austen_data)
+    assert "run already complete" in again.stdout and "resumed from" not in again.stdout
+    assert (out / "result.json").read_text() == recorded and losses(out) == train
+    assert strict_json(again.stdout.strip().splitlines()[-1]) == result
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ckpt_files
 
 
 def test_sigkill_then_resume_logs_the_same_losses_bitwise(tmp_path, austen_data):

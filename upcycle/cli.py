@@ -15,6 +15,7 @@ from typing import List, Optional
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.engine.engine import NonFiniteLossError
+from hybridlm.utils.atomic import write_json
 
 
 def _layers(text: str) -> List[int]:
@@ -75,7 +76,7 @@ def init_students(teacher_spec, out, *, q_rank=None, kv_rank=128, energy=None, r
                                 if energy_kept else None)}
         print(f"{kind} student -> {target}")
         print(format_kv_report(kv))
-    (out / "init_report.json").write_text(json.dumps(summary, indent=2))
+    write_json(out / "init_report.json", summary)
     return summary
 
 

@@ -25,7 +25,6 @@ the tokenizer of the linear-mixer student's directory and a ``compose.json`` of 
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Sequence, Tuple, Union
@@ -35,6 +34,7 @@ import torch
 from hybridlm.config.errors import ConfigError
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.pattern import SEQUENCE_MIXERS
+from hybridlm.utils.atomic import write_json
 from smart_select.selection import validate_layers
 
 PathLike = Union[str, os.PathLike]
@@ -196,7 +196,7 @@ def compose_from_dirs(mla_dir: PathLike, mamba_dir: PathLike, mla_layers: Sequen
     with atomic_directory(out, overwrite=overwrite) as tmp:
         hybrid.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / COMPOSE_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        write_json(tmp / COMPOSE_INFO, info)
     return {**info, "out": str(out)}
 
 

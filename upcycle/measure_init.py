@@ -7,7 +7,6 @@ Jane Austen text: how much each choice of the SVD init keeps before any distilla
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -15,6 +14,7 @@ import torch
 from hybridlm.data.assets import corpus_path
 from hybridlm.eval.perplexity import perplexity, token_windows
 from hybridlm.model import HybridForCausalLM
+from hybridlm.utils.atomic import json_text, write_json
 from upcycle.init_mamba import init_student_from_teacher
 from upcycle.student import ROPE_INITS, student_config
 from upcycle.teacher import load_teacher, load_teacher_tokenizer
@@ -33,7 +33,7 @@ def main(argv=None):
     windows = token_windows(tok, [book.read_text()[200000:260000]], 256, args.tokens)
     L = teacher.config.num_hidden_layers
     rows = [{"model": "teacher", **perplexity(teacher, windows)}]
-    print(json.dumps(rows[-1]), flush=True)
+    print(json_text(rows[-1]), flush=True)
     for variant in args.variants:
         rope_dim, kv_rank = (int(v) for v in variant.split(":"))
         for rope_init in ROPE_INITS:
@@ -43,8 +43,8 @@ def main(argv=None):
             init_student_from_teacher(student, teacher, ["mla"] * L, mla_options={"rope_init": rope_init})
             rows.append({"model": "all-MLA", "rope_dim": rope_dim, "kv_rank": kv_rank, "rope_init": rope_init,
                          **perplexity(student, windows)})
-            print(json.dumps(rows[-1]), flush=True)
-    Path(args.out).write_text(json.dumps({"text": f"{book.name}[200000:260000]", "rows": rows}, indent=2))
+            print(json_text(rows[-1]), flush=True)
+    write_json(Path(args.out), {"text": f"{book.name}[200000:260000]", "rows": rows})
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import build_dataclass, check_known_keys
 from hybridlm.data import DataConfig
 from hybridlm.engine import barrier, init_distributed
+from hybridlm.utils.atomic import write_json
 
 ROUTE_SECTIONS = ("output_dir", "teacher", "init", "ild", "smart", "kd", "dpo", "report")
 
@@ -86,24 +87,35 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     }
     check_route(cfg, stages)
     dist = init_distributed()
+    from upcycle.route_progress import RouteProgress, training_plan
+    ild_plans = {f"ild_{k}": training_plan("ild", {**stages["ild"], "run": {**stages["ild"]["run"],
+                                                                              "output_dir": str(out / f"ild_{k}")}})
+                 for k in ("mla", linear)}
+    progress = RouteProgress({"init": None, **ild_plans, "smart": None, "compose": None,
+                              "kd": training_plan("kd", stages["kd"]), "dpo": training_plan("dpo", stages["dpo"]),
+                              "report": None}, enabled=dist.rank == 0)
     summary: Dict[str, Any] = {"teacher": teacher}
     if dist.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "route_config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        write_json(out / "route_config.json", cfg, default=str)
 
     init_dir = out / "init"
+    progress.start("init")
     if dist.rank == 0 and not (init_dir / "init_report.json").is_file():
         init_students(teacher, init_dir, overwrite=True, **init_opts)
     barrier()
     summary["init"] = json.loads((init_dir / "init_report.json").read_text())
 
     for kind in ("mla", linear):
+        progress.start(f"ild_{kind}")
         summary[f"ild_{kind}"] = run_ild(_stage_sections(
             ild, "ild", teacher__path=teacher, student__path=str(init_dir / f"{kind}_student"),
             run__output_dir=str(out / f"ild_{kind}")))
+        progress.finished(f"ild_{kind}", summary[f"ild_{kind}"])
 
     smart = dict(cfg.get("smart") or {})
     smart_dir = out / "smart"
+    progress.start("smart")
     if dist.rank == 0 and not (smart_dir / "smart_report.json").is_file():
         data_cfg = build_dataclass(DataConfig, (ild.get("data") or {}), "ild.data")
         run_smart(teacher, out / "ild_mla" / "final", out / f"ild_{linear}" / "final", data_cfg,
@@ -113,18 +125,22 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     chosen, _ = layers_from_report(smart_dir)
     summary["smart"] = {"mla_layers": chosen}
 
+    progress.start("compose")
     if dist.rank == 0 and not (hybrid / "config.json").is_file():
         compose_from_dirs(out / "ild_mla" / "final", out / f"ild_{linear}" / "final", chosen, hybrid,
                           overwrite=True)
     barrier()
 
-    summary["kd"] = run_kd(stages["kd"])
-    summary["dpo"] = run_dpo(stages["dpo"])
+    for name, run_stage in (("kd", run_kd), ("dpo", run_dpo)):
+        progress.start(name)
+        summary[name] = run_stage(stages[name])
+        progress.finished(name, summary[name])
+    progress.start("report")
     if dist.rank == 0:
         from upcycle.route_report import route_report
         ild_data = build_dataclass(DataConfig, (ild.get("data") or {}), "ild.data")
         summary["report"] = route_report(out, ild_data.path, device=dist.device, **report_opts)
-        (out / "route.json").write_text(json.dumps(summary, indent=2, default=str))
+        write_json(out / "route.json", summary, default=str)
         print(f"route finished: {out / 'route.json'}", flush=True)
     barrier()
     return summary

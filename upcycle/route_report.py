@@ -19,7 +19,7 @@ import torch
 from hybridlm.config.errors import ConfigError
 from hybridlm.data.packed import PackedTokens
 from hybridlm.eval.perplexity import perplexity
-from hybridlm.engine.checkpoint import atomic_write_text
+from hybridlm.utils.atomic import atomic_write_text, json_text, write_json
 
 STAGE_DIRS = (("ild_mla", "ILD (MLA student)"), ("ild_mamba2", "ILD (Mamba2 student)"),
               ("ild_gdn", "ILD (GDN student)"), ("ild_kda", "ILD (KDA student)"),
@@ -83,7 +83,7 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
     for label, load in models:
         model = load().to(device=device, dtype=torch.float32)
         rows.append({"model": label, **perplexity(model, windows)})
-        print(json.dumps(rows[-1]), flush=True)
+        print(json_text(rows[-1]), flush=True)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -91,7 +91,7 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
     report = {"heldout": {"data": str(data_path), "split": "val", "seq_len": seq_len,
                           "tokens": sum(w.numel() - 1 for w in windows)},
               "perplexity": rows, "stages": stages}
-    atomic_write_text(str(out / "report.json"), json.dumps(report, indent=2))
+    write_json(out / "report.json", report)
     atomic_write_text(str(out / "report.md"), report_markdown(report))
     plot_report(report, out / "report.png")
     print(f"route report: {out / 'report.md'}", flush=True)

@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.utils.atomic import write_json
 
 PathLike = Union[str, os.PathLike]
 CHUNK_ELEMENTS = 1 << 24  # logits elements per KL chunk (64 MiB of fp32)
@@ -279,7 +280,7 @@ def run_smart(teacher, mla_dir: PathLike, mamba_dir: PathLike, data_cfg, n_mla: 
             "kv_ratio": kv["ratio"], "kv_compression": kv["compression"], "kv_lora_rank": r_kv, "rope_dim": d_rope,
             "device": str(dev), "measure_seconds": round(seconds, 2),
             "seconds": round(time.perf_counter() - t_start, 2)}
-    (out / RUN_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    write_json(out / RUN_INFO, info)
     if verbose:
         print(paths["md"].read_text(encoding="utf-8"), flush=True)
         print(f"chosen MLA layers: {','.join(map(str, chosen))}", flush=True)

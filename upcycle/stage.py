@@ -20,7 +20,7 @@ from hybridlm.config.structured import build_dataclass, to_dict
 from hybridlm.data import DataConfig, ensure_prepared, load_tokenizer, open_splits, read_meta
 from hybridlm.engine import Engine, OptimConfig, barrier, init_distributed
 from hybridlm.training import RunConfig, train_loop
-from hybridlm.utils.atomic import atomic_directory
+from hybridlm.utils.atomic import atomic_directory, json_text, write_json
 
 STAGE_SECTIONS = ("teacher", "student", "data", "optim", "run")
 
@@ -109,8 +109,8 @@ def run_stage(name: str, sections: Dict[str, Any],
         with atomic_directory(done.parent, overwrite=True) as tmp:
             engine.module.save_pretrained(tmp)
             teacher_tok.save_pretrained(tmp)
-            (tmp / "stage.json").write_text(json.dumps(result, indent=2))
-        print(json.dumps({k: v for k, v in result.items() if k != "config"}), flush=True)
+            write_json(tmp / "stage.json", result)
+        print(json_text({k: v for k, v in result.items() if k != "config"}), flush=True)
     barrier()
     if dist.rank == 0 and run.checkpoint_dir.exists():
         # a finished stage is skipped on rerun, so its resume checkpoints (optimizer state: ~12 bytes per

@@ -26,6 +26,7 @@ import torch
 
 from hybridlm.config.errors import ConfigError, last_line, weight_load_errors
 from hybridlm.data.assets import ASSET_PREFIX, AssetError, _atomic_build, _run, cache_dir, fetch_assets
+from hybridlm.utils.atomic import write_json
 
 PathLike = Union[str, os.PathLike]
 
@@ -89,10 +90,10 @@ def _build_smollm2(out: Path) -> None:
     del gguf_model
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
-    (out / "asset.json").write_text(json.dumps({
+    write_json(out / "asset.json", {
         "name": "SmolLM2-135M-Instruct", "source": f"PyPI {SMOLLM2_PIP}", "file": SMOLLM2_GGUF,
         "sha256": digest.hexdigest(), "dequantized": "Q4_1 -> float32 by transformers",
-    }, indent=2) + "\n", encoding="utf-8")
+    })
 
 
 TEACHER_ASSETS = {SMOLLM2_NAME: smollm2_path}

@@ -8,6 +8,8 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
+from hybridlm.utils.atomic import write_json
+
 
 def is_oom(e: BaseException) -> bool:
     if isinstance(e, torch.cuda.OutOfMemoryError):
@@ -38,11 +40,7 @@ def versions() -> Dict[str, Optional[str]]:
 
 def write_report(report: Dict, path: Path) -> None:
     """The report as JSON, replaced atomically (a reader or a cut-off call never sees half a file)."""
-    import json
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2, default=str))
-    tmp.replace(path)
+    write_json(path, report, default=str)
 
 
 def merge_reports(paths: Sequence[str], entry_key: Callable[[Dict], Hashable],

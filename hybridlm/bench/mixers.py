@@ -9,7 +9,6 @@ the given batch / sequence, next to flash-linear-attention's own layer of the sa
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -18,6 +17,7 @@ import torch
 from hybridlm.bench.parity import compare_paths, set_backend
 from hybridlm.model import HybridConfig
 from hybridlm.model.layers import SUBLAYERS
+from hybridlm.utils.atomic import write_json
 
 SHAPES_300M = dict(
     vocab_size=128256, hidden_size=1024, intermediate_size=4096, hybrid_override_pattern="*-G-K-S-",
@@ -87,8 +87,7 @@ def main(argv=None):
     start = time.perf_counter()
 
     def save():
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.out, report)
 
     for kind in args.kinds:
         for dtype in [d for d in (torch.bfloat16, torch.float32) if str(d).split(".")[-1] in args.dtypes]:

@@ -11,7 +11,6 @@ there shows here with the size it has on the GPU. Prints one JSON line per subla
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Dict
 
 import torch
@@ -19,6 +18,7 @@ import torch
 from hybridlm.bench.mixers import SHAPES_300M
 from hybridlm.model import HybridConfig
 from hybridlm.model.layers import SUBLAYERS
+from hybridlm.utils.atomic import json_text
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     args = p.parse_args(argv)
     for kind in args.kinds:
-        print(json.dumps(saved_bytes_per_token(kind, args.seq, DTYPES[args.dtype])), flush=True)
+        print(json_text(saved_bytes_per_token(kind, args.seq, DTYPES[args.dtype])), flush=True)
 
 
 if __name__ == "__main__":

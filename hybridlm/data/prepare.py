@@ -37,6 +37,7 @@ import numpy as np
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.data.config import DEFAULT_SHARD_TOKENS, DataConfig
+from hybridlm.utils.atomic import write_json
 
 FORMAT = "hybridlm-packed-tokens"
 FORMAT_VERSION = 1
@@ -351,7 +352,7 @@ def prepare(sources: Sequence[str], tokenizer: str, out_dir, *, val_fraction: fl
             "splits": meta_splits,
             "seconds": round(time.perf_counter() - t0, 2),
         }
-        (tmp / META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        write_json(tmp / META, meta)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the dataset is an ordinary directory

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.utils.atomic import TMP_PREFIX, atomic_write_text, write_json  # noqa: F401  (re-exported)
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
-TMP_PREFIX = ".tmp_"
 TRASH_PREFIX = ".trash_"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -81,18 +81,6 @@ def fsync_tree(root: str) -> None:
         fsync_dir(d)
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see either the old or the new content."""
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f"{TMP_PREFIX}{os.path.basename(path)}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(directory)
-
-
 def remove_tree(path: str) -> None:
     """Delete a directory so that a crash part-way never leaves something that looks complete."""
     if not os.path.exists(path):
@@ -116,7 +104,7 @@ def write_manifest(tag_dir: str, meta: Dict[str, Any]) -> None:
                 continue
             full = os.path.join(dirpath, name)
             files[os.path.relpath(full, tag_dir)] = os.path.getsize(full)
-    atomic_write_text(os.path.join(tag_dir, MANIFEST), json.dumps({**meta, "files": files}, indent=1, sort_keys=True))
+    write_json(os.path.join(tag_dir, MANIFEST), {**meta, "files": files}, indent=1, sort_keys=True)
 
 
 def read_manifest(tag_dir: str) -> Dict[str, Any]:

@@ -23,7 +23,6 @@ CLI::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.utils.atomic import json_text
 
 AUSTEN_TASK = "austen_cloze"
 AUSTEN_VERSION = 1  # bump when the items change: the cached build lives in a versioned folder
@@ -138,9 +138,9 @@ def build_austen_cloze(out_dir, corpus_dir=None, n_items: int = DEFAULT_ITEMS, s
     task_dir = Path(out_dir).expanduser().resolve() / AUSTEN_TASK
     task_dir.mkdir(parents=True, exist_ok=True)
     data_file = task_dir / f"{AUSTEN_TASK}.jsonl"
-    _atomic_write(data_file, "".join(json.dumps(it, ensure_ascii=False, sort_keys=True) + "\n" for it in items))
+    _atomic_write(data_file, "".join(json_text(it, ensure_ascii=False, sort_keys=True) + "\n" for it in items))
     _atomic_write(task_dir / f"{AUSTEN_TASK}.yaml",
-                  TASK_YAML.format(task=AUSTEN_TASK, version=AUSTEN_VERSION, data_file=json.dumps(str(data_file))))
+                  TASK_YAML.format(task=AUSTEN_TASK, version=AUSTEN_VERSION, data_file=json_text(str(data_file))))
     return task_dir
 
 

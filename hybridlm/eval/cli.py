@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from hybridlm.config.errors import ConfigError, last_line, weight_load_errors
+from hybridlm.utils.atomic import json_text, write_json
 
 DTYPES = ("fp32", "bf16")
 HYBRID_MODEL_TYPE = "hybrid_lm"  # HybridConfig.model_type (not imported here: keeps bad-input errors fast)
@@ -125,11 +126,11 @@ def load_eval_tokenizer(path: Path, gguf: Optional[str], override: Optional[str]
 # -------------------------------------------------------------------------------------------- text
 def text_documents(specs: List[str], text_field: str) -> Iterator[str]:
     """Documents of ``--text`` sources; each must exist (a missing path is never taken for a dataset name)."""
-    from hybridlm.data.assets import ASSET_PREFIX, CORPUS_NAME
+    from hybridlm.data.assets import ASSET_PREFIX
     from hybridlm.data.prepare import iter_documents
 
-    for spec in specs:
-        if spec != ASSET_PREFIX + CORPUS_NAME and not Path(spec).expanduser().exists():
+    for spec in specs:  # an asset: name (e.g. asset:sotu, the held-out corpus) is checked by resolve_source
+        if not spec.startswith(ASSET_PREFIX) and not Path(spec).expanduser().exists():
             raise ConfigError(f"text {spec!r}: no such file or directory")
     return iter_documents(specs, text_field=text_field)
 
@@ -265,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ppl", help="perplexity on text files or a dataset")
     _add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text", nargs="+", help=".txt/.json/.jsonl/.parquet files or folders, asset:janeausten")
+    src.add_argument("--text", nargs="+",
+                     help=".txt/.json/.jsonl/.parquet files or folders, corpora (asset:janeausten, asset:sotu, ...)")
     src.add_argument("--dataset", help="NAME[:split] (split default train): a datasets folder or name")
     src.add_argument("--packed", help="hybrid-prepare output folder: its validation split")
     p.add_argument("--dataset-config", default=None, help="the dataset's config name, if it has several")
@@ -285,15 +287,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     p.set_defaults(func=run_lm_eval)
     return ap
-
-
-def write_json(path, result: Dict[str, Any]) -> None:
-    p = Path(path).expanduser()
-    if p.parent and not p.parent.is_dir():
-        p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, p)
 
 
 def check_writable(path) -> None:
@@ -319,10 +312,10 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result), flush=True)  # the result first: a failed write below must not lose it
+    print(json_text(result), flush=True)  # the result first: a failed write below must not lose it
     if args.out:
         try:
-            write_json(args.out, result)
+            write_json(Path(args.out).expanduser(), result)
         except OSError as e:
             print(f"error: --out: cannot write {args.out} ({e.strerror or e}); the result is on stdout", file=sys.stderr)
             return 2

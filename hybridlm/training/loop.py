@@ -33,7 +33,11 @@ class RunConfig:
     tensorboard: bool = True
     export: bool = True           # transformers-format model in output_dir/final
     sample_prompt: str = "It is a truth universally acknowledged"
-    sample_tokens: int = 24
+    sample_tokens: int = 24       # new tokens of the end-of-run sample (pre-training); 0: no sample
+    sample_temperature: float = 0.8   # 0: greedy
+    sample_top_k: int = 50            # 0: the whole vocabulary
+    sample_seed: int = 0
+    sample_no_repeat_ngram: int = 3   # no n-gram of this size twice in the sample; 0: no guard
     max_minutes: float = 0.0      # stop (evaluate, save, export) after this much training time; 0: no limit
 
     def validate(self, where: str = "run") -> None:
@@ -42,7 +46,8 @@ class RunConfig:
         for name in ("log_interval", "keep_last"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name}: expected an integer >= 1, got {getattr(self, name)}")
-        for name in ("eval_interval", "save_interval", "sample_tokens", "max_minutes"):
+        for name in ("eval_interval", "save_interval", "sample_tokens", "max_minutes", "sample_temperature",
+                     "sample_top_k", "sample_no_repeat_ngram"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{where}.{name}: expected an integer >= 0, got {getattr(self, name)}")
 
@@ -55,7 +60,7 @@ class RunConfig:
 class TrainingOutcome:
     steps: int
     tokens: int
-    final_loss: float
+    final_loss: Optional[float]   # None: no step logged a finite loss
     val_loss: Optional[float]
     skipped_steps: int
     max_loss_increase: float
@@ -178,10 +183,12 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
             bar.close()
         logger.close()
     history = read_jsonl(logger.path) if main else []
+    if not last:  # resumed at max_steps: no step ran here, the last logged loss is the final one
+        last = next((r for r in reversed(history) if "loss" in r), {})
     if main:
         plot_curves(history, out / "loss_curve.png", title=title or out.name)
     barrier()
     return TrainingOutcome(
-        steps=engine.global_step, tokens=state["tokens"], final_loss=last.get("loss", float("nan")),
+        steps=engine.global_step, tokens=state["tokens"], final_loss=last.get("loss"),
         val_loss=val.get("val_loss"), skipped_steps=engine.skipped_steps,
         max_loss_increase=state["max_loss_increase"], seconds=time.perf_counter() - t_start, history=history)

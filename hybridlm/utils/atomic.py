@@ -1,10 +1,23 @@
-"""Write a directory all-or-nothing: build it under a temporary name beside the target, then rename."""
+"""All-or-nothing writes: a directory (built under a temporary name beside the target, then renamed), a text
+file (temporary file, fsync, ``os.replace``), and the project's one JSON writer.
+
+JSON goes out strict: a non-finite float (NaN, +-inf: a skipped step's loss, a perplexity that overflowed)
+becomes ``null``, never the ``NaN`` / ``Infinity`` tokens that Python's ``json`` writes by default and other
+readers reject. :func:`json_text` is that encoding as a string (for printed lines and JSONL rows),
+:func:`write_json` writes it to a file atomically.
+"""
 from __future__ import annotations
 
 import contextlib
+import json
+import math
+import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any, Callable, Optional
+
+TMP_PREFIX = ".tmp_"
 
 
 @contextlib.contextmanager
@@ -24,3 +37,63 @@ def atomic_directory(final: Path, overwrite: bool = False):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` so that readers see either the old or the new content."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f"{TMP_PREFIX}{os.path.basename(path)}.{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+def finite_or_none(obj: Any) -> Any:
+    """``obj`` with every non-finite float (at any depth of dicts, lists and tuples) replaced by ``None``."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
+def json_text(obj: Any, *, indent: Optional[int] = None, default: Optional[Callable[[Any], Any]] = None,
+              **kwargs) -> str:
+    """Strict JSON of ``obj``: non-finite floats written as ``null`` (``json.dumps(..., allow_nan=False)``
+    of :func:`finite_or_none`). ``default`` converts other objects, as in ``json.dumps``; what it returns is
+    made finite too."""
+    hook = None if default is None else (lambda o: finite_or_none(default(o)))
+    return json.dumps(finite_or_none(obj), indent=indent, default=hook, allow_nan=False, **kwargs)
+
+
+def write_json(path, obj: Any, *, indent: Optional[int] = 2, default: Optional[Callable[[Any], Any]] = None,
+               **kwargs) -> None:
+    """``obj`` as strict JSON (:func:`json_text`, a final newline) in ``path``, written atomically (parent
+    directories made as needed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json_text(obj, indent=indent, default=default, **kwargs) + "\n")

@@ -1,7 +1,8 @@
 """Plot-able training logs: JSONL (one object per step) + TensorBoard, and a loss-curve PNG.
 
-Only the main rank writes. On resume, entries after the resumed step are dropped (JSONL rewritten,
-TensorBoard purged) so a curve never shows the steps a killed run repeated.
+Only the main rank writes; a non-finite value (a skipped step's loss) is written as null. On resume, entries
+after the resumed step are dropped (JSONL rewritten, TensorBoard purged) so a curve never shows the steps a
+killed run repeated.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import math
 import os
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
+
+from hybridlm.utils.atomic import json_text
 
 
 def read_jsonl(path: Path) -> List[Dict[str, Any]]:
@@ -37,7 +40,7 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= resume_step]
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.write_text("".join(json_text(r) + "\n" for r in kept), encoding="utf-8")
         os.replace(tmp, self.path)
         if tensorboard:
             try:
@@ -50,8 +53,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **{k: _plain(v) for k, v in values.items()}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json_text(record) + "\n")
         if self.tb is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
@@ -64,11 +67,7 @@ class MetricsLogger:
 
 
 def _plain(v: Any) -> Any:
-    if hasattr(v, "item"):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return v
+    return v.item() if hasattr(v, "item") else v  # a non-finite float is written as null (json_text)
 
 
 def plot_curves(records: Iterable[Dict[str, Any]], png: Path, keys=("loss", "val_loss"), title: str = "") -> Optional[Path]:

@@ -8,7 +8,6 @@ the figures say which Python functions and how many ops a step costs.
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import time
 
@@ -16,6 +15,7 @@ import torch
 from pretune_route import route_config  # this folder is on sys.path when run as a script
 
 from hybridlm.model import HybridForCausalLM
+from hybridlm.utils.atomic import json_text
 
 
 def route_twin(config_path: str, device: str) -> HybridForCausalLM:
@@ -49,7 +49,7 @@ def main():
     steps(args.steps)
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
-    print(json.dumps({"eager_ms_per_step": ms, "batch": args.batch, "prompt": args.prompt}), flush=True)
+    print(json_text({"eager_ms_per_step": ms, "batch": args.batch, "prompt": args.prompt}), flush=True)
 
     prof = cProfile.Profile()
     prof.enable()

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
@@ -20,6 +19,7 @@ from hybridlm.bench.mixers import SHAPES_300M
 from hybridlm.bench.parity import relative_errors, run_path
 from hybridlm.model import HybridConfig
 from hybridlm.model.layers import SUBLAYERS
+from hybridlm.utils.atomic import json_text
 
 
 def tf32_answer(kind: str, T: int = 300) -> dict:
@@ -82,8 +82,8 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=16)
     args = p.parse_args()
     for kind in ("mamba2", "gdn"):
-        print(json.dumps(tf32_answer(kind)), flush=True)
-    print(json.dumps(conv_answer(args.micro_batch)), flush=True)
+        print(json_text(tf32_answer(kind)), flush=True)
+    print(json_text(conv_answer(args.micro_batch)), flush=True)
 
 
 if __name__ == "__main__":
