@@ -44,7 +44,7 @@ def head_rows(w, h):
 
 
 # ---------------------------------------------------------------------------------------------- Mamba2
-def test_mamba2_mapping_copies_vkqo_and_keeps_defaults():
+def test_mamba2_mapping_copies_vkqo_identity_conv_constant_gate():
     from upcycle.init_mamba import init_linear_mixer_from_attention
     teacher = tiny_llama()
     student = tiny_student(teacher, ["mamba2", "mamba2"])
@@ -59,11 +59,17 @@ def test_mamba2_mapping_copies_vkqo_and_keeps_defaults():
     z, x, b, c, dt = m.in_proj.weight.detach().split(sizes, dim=0)
     assert torch.equal(x, w["v"]) and torch.equal(b, w["k"]) and torch.equal(c, w["q"])
     assert torch.equal(m.out_proj.weight, w["o"])
-    z0, _, _, _, dt0 = before.split(sizes, dim=0)
-    assert torch.equal(z, z0) and torch.equal(dt, dt0)                  # z / dt rows untouched ...
-    for rows in (z, dt):                                                 # ... and still the N(0, 0.02) init
-        assert abs(rows.mean().item()) < 0.005 and 0.015 < rows.std().item() < 0.025
-    assert torch.equal(m.conv1d.weight, conv_before)
+    _, _, _, _, dt0 = before.split(sizes, dim=0)
+    assert torch.equal(dt, dt0)                                          # dt rows untouched ...
+    assert abs(dt.mean().item()) < 0.005 and 0.015 < dt.std().item() < 0.025   # ... the N(0, 0.02) init
+    # the gate starts constant: z's weights zero, silu(z_bias) = 1
+    assert torch.equal(z, torch.zeros_like(z))
+    assert torch.allclose(F.silu(m.z_bias.detach()), torch.ones(m.d_inner), atol=1e-6)
+    # the conv starts as the identity on the current token
+    assert not torch.equal(m.conv1d.weight, conv_before)
+    ident = torch.zeros_like(conv_before)
+    ident[:, -1] = 1.0
+    assert torch.equal(m.conv1d.weight.detach(), ident) and torch.equal(m.conv1d.bias.detach(), torch.zeros(m.conv_dim))
     A = m.A_log.detach().exp()
     assert ((A >= 1 - 1e-5) & (A <= 16 + 1e-4)).all()
     assert torch.equal(m.D.detach(), torch.ones(N_H))
@@ -278,3 +284,51 @@ def test_smollm2_teacher_real_asset():
     ppl = math.exp(loss)
     print(f"SmolLM2-135M-Instruct perplexity on 2x1024 tokens of Emma: {ppl:.2f}")
     assert ppl < 60
+
+
+# ---------------------------------------------------------------------------------------- calibration
+@pytest.mark.parametrize("kind", ["mamba2", "gdn"])
+def test_output_scale_fit_is_the_least_squares_solution(kind):
+    """The fitted norm weight beats both the unit weight and a silent mixer on the calibration tokens, and
+    it is the least-squares optimum: nudging any weight raises the error."""
+    from upcycle.calibrate import calibrate_student
+    from upcycle.init_mamba import init_student_from_teacher
+    teacher = tiny_llama(layers=2)
+    kinds = [kind, kind]
+    student = tiny_student(teacher, kinds)
+    init_student_from_teacher(student, teacher, kinds)
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    report = calibrate_student(student, teacher, ids, kinds, )
+    assert sorted(report) == [0, 1]
+    from distill.ild import teacher_trace
+    trace = teacher_trace(teacher, ids)
+    for i, r in report.items():
+        assert r["rel_err_after"] < min(1.0, r["rel_err_before"])        # better than silence and than w = 1
+        block = student.model.layers[2 * i]
+        x, a, _ = trace[i]
+        w = block.mixer.norm_weight if kind == "mamba2" else block.mixer.o_norm_weight
+        def err():
+            with torch.no_grad():
+                return ((block.mixer(block.norm(x)) - a).double().pow(2).sum() / a.double().pow(2).sum()).item()
+        best = err()
+        assert abs(best - r["rel_err_after"]) < 1e-5
+        with torch.no_grad():
+            for j in (0, w.numel() // 2):
+                for delta in (0.05, -0.05):
+                    w[j] += delta
+                    assert err() > best - 1e-7                            # a (ridge-)optimum: no nudge helps
+                    w[j] -= delta
+
+
+def test_calibration_text_round_robin_and_errors(tmp_path):
+    from upcycle.calibrate import calibration_text
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(); b.mkdir()
+    for i in range(3):
+        (a / f"{i}.txt").write_text("A" * 10)
+        (b / f"{i}.txt").write_text("B" * 10)
+    texts = calibration_text([str(a), str(b)], 35)
+    assert [t[0] for t in texts] == ["A", "B", "A", "B"] and sum(map(len, texts)) == 35
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="holds no .txt documents"):
+        calibration_text([str(tmp_path / "empty")], 10)

@@ -35,8 +35,13 @@ def cmd_kv_report(args) -> dict:
 
 
 def init_students(teacher_spec, out, *, q_rank=None, kv_rank=128, energy=None, rope_dim=32,
-                  rope_init="frequency_matched", linear_mixer="mamba2", seed=0, overwrite=False) -> dict:
-    """Build and save the pure-MLA and pure linear-mixer students of a Llama teacher (``upcycle init``)."""
+                  rope_init="frequency_matched", linear_mixer="mamba2", seed=0,
+                  calib_sources=("asset:janeausten",), calib_tokens=4096, calib_seq_len=512,
+                  overwrite=False) -> dict:
+    """Build and save the pure-MLA and pure linear-mixer students of a Llama teacher (``upcycle init``).
+
+    The linear mixers' output scales are fitted to the teacher's attention outputs on ``calib_tokens`` tokens
+    of ``calib_sources`` (:mod:`upcycle.calibrate`; ``calib_tokens: 0`` skips it)."""
     import torch
     from hybridlm.model import HybridForCausalLM
     from hybridlm.utils.atomic import atomic_directory
@@ -62,6 +67,9 @@ def init_students(teacher_spec, out, *, q_rank=None, kv_rank=128, energy=None, r
         torch.manual_seed(seed)
         student = HybridForCausalLM(cfg)
         info = init_student_from_teacher(student, teacher, kinds, mla_options={"rope_init": rope_init})
+        if kind != "mla" and calib_tokens:
+            summary["calibration"] = _calibrate(student, teacher, tokenizer, kinds, calib_sources, calib_tokens,
+                                                calib_seq_len)
         target = out / f"{kind}_student"
         with atomic_directory(target, overwrite=overwrite) as tmp:
             student.save_pretrained(tmp)
@@ -80,10 +88,35 @@ def init_students(teacher_spec, out, *, q_rank=None, kv_rank=128, energy=None, r
     return summary
 
 
+def _calibrate(student, teacher, tokenizer, kinds, sources, tokens, seq_len) -> dict:
+    """Fit the linear student's output scales (on the GPU when there is one) and summarise the fit."""
+    import torch
+    from upcycle.calibrate import calibrate_student, calibration_batch
+
+    if isinstance(sources, str):
+        sources = [sources]
+    ids = calibration_batch(tokenizer, list(sources), int(tokens), int(seq_len))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    teacher.to(device)
+    student.to(device)
+    try:
+        per_layer = calibrate_student(student, teacher, ids, kinds)
+    finally:
+        teacher.cpu()
+        student.cpu()
+    before = [r["rel_err_before"] for r in per_layer.values()]
+    after = [r["rel_err_after"] for r in per_layer.values()]
+    print(f"calibrated {len(per_layer)} mixers on {ids.numel()} tokens: relative error of the mixer output "
+          f"{sum(before) / len(before):.3g} -> {sum(after) / len(after):.3g} (mean over layers)", flush=True)
+    return {"sources": list(sources), "tokens": ids.numel(), "mean_rel_err_before": sum(before) / len(before),
+            "mean_rel_err_after": sum(after) / len(after), "layers": per_layer}
+
+
 def cmd_init(args) -> dict:
     return init_students(args.teacher, args.out, q_rank=args.q_rank, kv_rank=args.kv_rank, energy=args.energy,
                          rope_dim=args.rope_dim, rope_init=args.rope_init, linear_mixer=args.linear_mixer,
-                         seed=args.seed, overwrite=args.overwrite)
+                         seed=args.seed, calib_sources=args.calib_sources, calib_tokens=args.calib_tokens,
+                         overwrite=args.overwrite)
 
 
 def cmd_run(args) -> dict:
@@ -124,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--rope-init", choices=("frequency_matched", "published"), default="frequency_matched")
     i.add_argument("--linear-mixer", choices=("mamba2", "gdn", "kda"), default="mamba2")
     i.add_argument("--seed", type=int, default=0, help="seed of the default-initialised parameters (z, dt, conv)")
+    i.add_argument("--calib-sources", nargs="+", default=["asset:janeausten"],
+                   help="text (asset:<name>, .txt files or folders) whose teacher activations fit the linear "
+                        "mixers' output scales")
+    i.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (0: no calibration)")
     i.add_argument("--overwrite", action="store_true")
     i.set_defaults(fn=cmd_init)
     r = sub.add_parser("run", help="the whole route: init, ILD of both students, SMART, compose, KD, DPO")

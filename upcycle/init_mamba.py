@@ -6,9 +6,11 @@ MambaInLlama (SPEC §3): attention's q / k / v / o play the roles of a linear re
   d_state = d_h, n_groups = n_h): ``in_proj`` rows ``[z | x | B | C | dt]`` get x <- W_v, B <- W_k,
   C <- W_q; ``out_proj`` <- W_o. x and B keep the teacher's n_kv heads; the layer repeats each across its
   GQA group after the conv (kv head j serves heads j*g .. j*g+g-1, exactly Llama's ``repeat_kv``).
-  The z and dt rows and the conv keep their default init; A_log = log U(1, 16), dt_bias = softplus^-1(dt)
-  with dt log-uniform in [1e-3, 1e-1] floored at 1e-4, D = 1 and the gated-norm weight 1 are re-drawn by
-  the layer's own initialisers.
+  The dt rows keep their default init; A_log = log U(1, 16), dt_bias = softplus^-1(dt) with dt log-uniform
+  in [1e-3, 1e-1] floored at 1e-4 and D = 1 are re-drawn by the layer's own initialisers. Unlike
+  MambaInLlama, the conv starts as the identity and (with ``gate_bias``) the gate as the constant 1, and
+  :mod:`upcycle.calibrate` then fits the gated norm's weight to the teacher's output scale: the published
+  init is worse than a uniform guess before training (docs/upcycling_init.md).
 * GDN / KDA (shapes of :func:`upcycle.student.delta_rule_args`: n_h heads of d_h for q, k and v):
   q_proj <- W_q, k_proj / v_proj <- W_k / W_v with each kv head repeated across its GQA group,
   o_proj <- W_o; the rest (convs, beta, decay and output gates) keeps its default init, the decay
@@ -81,6 +83,17 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
 
 
+SILU_INVERSE_OF_ONE = 1.2784645  # silu(1.2784645) = 1.0
+
+
+def set_conv_identity(conv) -> None:
+    """A depthwise causal kernel that passes the current token through unchanged (before the SiLU)."""
+    conv.weight.zero_()
+    conv.weight[:, -1] = 1.0
+    if conv.bias is not None:
+        conv.bias.zero_()
+
+
 # ------------------------------------------------------------------------------------------ mixers
 @torch.no_grad()
 def init_mamba2_from_attention(mixer, attn) -> None:
@@ -104,7 +117,14 @@ def init_mamba2_from_attention(mixer, attn) -> None:
     _copy(c, w["q"])
     _copy(mixer.out_proj.weight, w["o"])
     mixer.reset_recurrent_parameters()   # A_log, dt_bias, D
-    mixer.norm_weight.fill_(1.0)
+    mixer.norm_weight.fill_(1.0)         # upcycle.calibrate fits it to the teacher's output scale
+    # A random conv kernel mixes each channel of x / B / C with its neighbours in time and a random z scrambles
+    # the output direction; both made the copied attention useless (docs/upcycling_init.md). The conv starts
+    # as the identity on the current token, the gate as the constant silu(z_bias) = 1 with z's weights zero.
+    set_conv_identity(mixer.conv1d)
+    if mixer.z_bias is not None:
+        z.zero_()
+        mixer.z_bias.fill_(SILU_INVERSE_OF_ONE)
 
 
 @torch.no_grad()

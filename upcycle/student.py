@@ -57,9 +57,9 @@ def mla_args(s: Dict[str, Any], q_lora_rank: int, kv_lora_rank: int, rope_dim: i
 
 def mamba2_args(s: Dict[str, Any]) -> Dict[str, Any]:
     """MambaInLlama shapes: expand 1 (d_inner = n_h d_h), x / B at n_kv d_h repeated like GQA, d_state = d_h,
-    one group per head (C has the query's n_h d_h channels)."""
+    one group per head (C has the query's n_h d_h channels); a gate bias so that the gate can start constant."""
     return dict(d_state=s["d_h"], head_dim=s["d_h"], n_groups=s["n_h"], expand=1, d_inner=s["n_h"] * s["d_h"],
-                d_xb=s["n_kv"] * s["d_h"], conv_size=4, conv_bias=True, norm_eps=s["eps"])
+                d_xb=s["n_kv"] * s["d_h"], conv_size=4, conv_bias=True, norm_eps=s["eps"], gate_bias=True)
 
 
 def delta_rule_args(s: Dict[str, Any]) -> Dict[str, Any]:

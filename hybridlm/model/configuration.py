@@ -88,6 +88,9 @@ class Mamba2Args:
     conv_size: int = 4
     conv_bias: bool = True
     norm_eps: float = 1e-6
+    # a learned bias on the output gate's input z: lets an upcycled layer start with a constant gate
+    # (docs/upcycling_init.md); off for models trained from scratch, as in Mamba2
+    gate_bias: bool = False
 
     def finalize(self, hidden: int, where: str) -> None:
         _positive(self, where, ("d_state", "head_dim", "n_groups", "expand", "d_inner", "d_xb", "conv_size"))

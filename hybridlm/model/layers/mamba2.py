@@ -1,7 +1,8 @@
 """Mamba2 mixer without ``mamba_ssm``.
 
 in_proj -> [z | x | B | C | dt]; depthwise causal conv + SiLU over [x | B | C]; dt = softplus(dt + dt_bias);
-the SSD scan; + D * x skip; RMSNorm(y * silu(z)) per group; out_proj.
+the SSD scan; + D * x skip; RMSNorm(y * silu(z)) per group; out_proj. With ``gate_bias`` z gets a learned
+bias (used by upcycled layers, which start with a constant gate).
 
 The SSD with scalar decay per head equals simple gated linear attention with q = C, k = dt * B, v = x,
 log-decay g = A * dt (A = -exp(A_log)) and scale 1, so the Triton path is fla's ``chunk_simple_gla`` and
@@ -52,6 +53,9 @@ class Mamba2(nn.Module):
         for p in (self.A_log, self.dt_bias, self.D):
             p._no_weight_decay = True
         self.norm_weight = nn.Parameter(torch.ones(self.d_inner))
+        self.z_bias = nn.Parameter(torch.zeros(self.d_inner)) if a.gate_bias else None
+        if self.z_bias is not None:
+            self.z_bias._no_weight_decay = True
         self.out_proj = nn.Linear(self.d_inner, d, bias=False)
         self.reset_recurrent_parameters()
 
@@ -79,6 +83,8 @@ class Mamba2(nn.Module):
             cache = ctx.layer(self.layer_idx)
             hidden = ctx.zero_padding(hidden)
         z, xbc, dt = self.in_proj(hidden).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        if self.z_bias is not None:
+            z = z + self.z_bias.to(z.dtype)
         xbc = run_short_conv(self.conv1d, xbc, triton, cache)
         if ctx is not None:
             xbc = ctx.zero_padding(xbc)

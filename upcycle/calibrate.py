@@ -1,0 +1,107 @@
+"""Output-scale calibration of attention-initialised linear mixers (Mamba2, GDN, KDA).
+
+A linear mixer copied from attention ends in a (gated) RMSNorm: it hands the teacher's ``W_o`` a signal of unit
+RMS per group, while ``W_o`` was trained on attention outputs that are often ten times smaller. So each layer's
+output-norm weight ``w`` is fitted by least squares, teacher-forced: with ``n`` the mixer's normalised output
+(weight 1) and ``a`` the teacher attention's output on the same input,
+
+    minimise  sum_tokens || W_o (w[idx] * n) - a ||^2  +  ridge ||w||^2
+
+(``idx`` maps channels to weights: one weight per channel for Mamba2, one per head channel shared by the heads
+for GDN / KDA). The normal equations are ``(P^T ((n^T n) * (W_o^T W_o)) P) w = P^T ((a W_o) * n).sum(0)`` with
+``P`` the channel-to-weight one-hot matrix, a small dense solve per layer. On the calibration tokens the fit is
+never worse than a silent mixer (w = 0). docs/upcycling_init.md has the measurements.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import torch
+
+from hybridlm.config.errors import ConfigError
+from hybridlm.data.assets import resolve_source
+from hybridlm.eval.perplexity import token_windows
+
+
+def calibration_text(sources: Sequence[str], max_chars: int) -> List[str]:
+    """Plain text of ``sources`` (``asset:<name>``, a ``.txt`` file or a directory of them), documents taken
+    round-robin across sources until ``max_chars`` characters."""
+    per_source: List[List[Path]] = []
+    for spec in sources:
+        path = Path(resolve_source(spec))
+        files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+        if not files or not all(f.is_file() for f in files):
+            raise ConfigError(f"init.calib_sources: {spec!r} holds no .txt documents")
+        per_source.append(files)
+    texts, total, i = [], 0, 0
+    while total < max_chars and any(i < len(f) for f in per_source):
+        for files in per_source:
+            if i < len(files) and total < max_chars:
+                text = files[i].read_text(encoding="utf-8", errors="replace")
+                texts.append(text[:max_chars - total])
+                total += len(texts[-1])
+        i += 1
+    return texts
+
+
+def calibration_batch(tokenizer, sources: Sequence[str], tokens: int, seq_len: int) -> torch.Tensor:
+    """``[n, seq_len]`` token ids of the calibration text (at least one window)."""
+    windows = token_windows(tokenizer, calibration_text(sources, 8 * tokens), seq_len, tokens)
+    if not windows:
+        raise ConfigError(f"init.calib_sources: fewer than {seq_len + 1} tokens of text in {list(sources)}")
+    return torch.stack(windows)[:, :-1]
+
+
+def _norm_weight(mixer) -> torch.nn.Parameter:
+    return mixer.norm_weight if hasattr(mixer, "norm_weight") else mixer.o_norm_weight
+
+
+def _out_proj(mixer) -> torch.nn.Linear:
+    return mixer.out_proj if hasattr(mixer, "out_proj") else mixer.o_proj
+
+
+@torch.no_grad()
+def fit_output_scale(mixer, x: torch.Tensor, target: torch.Tensor, ridge: float = 1e-3) -> Dict[str, float]:
+    """Set ``mixer``'s output-norm weight to the least-squares fit of ``mixer(x) ~ target``; returns the
+    relative squared error before and after (``target`` [B, T, d] is the teacher attention's output)."""
+    weight, out_proj = _norm_weight(mixer), _out_proj(mixer)
+    target = target.to(torch.float64).reshape(-1, target.shape[-1])
+    before = (mixer(x).to(torch.float64).reshape(target.shape) - target).pow(2).sum() / target.pow(2).sum()
+    weight.fill_(1.0)
+    captured = {}
+    hook = out_proj.register_forward_pre_hook(lambda _m, args: captured.__setitem__("n", args[0]))
+    try:
+        mixer(x)
+    finally:
+        hook.remove()
+    n = captured["n"].reshape(-1, out_proj.in_features).to(torch.float64)
+    w_o = out_proj.weight.to(torch.float64)
+    channels = out_proj.in_features
+    onehot = torch.zeros(channels, weight.numel(), dtype=torch.float64, device=n.device)
+    onehot[torch.arange(channels), torch.arange(channels) % weight.numel()] = 1.0  # heads share o_norm_weight
+    gram = onehot.T @ ((n.T @ n) * (w_o.T @ w_o)) @ onehot
+    rhs = onehot.T @ ((target @ w_o) * n).sum(0)
+    gram += ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    weight.copy_(torch.linalg.solve(gram, rhs).to(weight.dtype))
+    after = (mixer(x).to(torch.float64).reshape(target.shape) - target).pow(2).sum() / target.pow(2).sum()
+    return {"rel_err_before": float(before), "rel_err_after": float(after)}
+
+
+@torch.no_grad()
+def calibrate_student(student, teacher, input_ids: torch.Tensor, layer_kinds: Sequence[str],
+                      linear_kinds: Sequence[str] = ("mamba2", "gdn", "kda")) -> Dict[int, Dict[str, float]]:
+    """Fit every linear mixer's output scale of ``student`` (layer ``i`` = sublayers ``2i, 2i + 1``) to the
+    teacher's attention output on ``input_ids``, each layer fed the teacher's own input (teacher-forced)."""
+    from distill.ild import teacher_trace
+
+    trace = teacher_trace(teacher, input_ids.to(next(teacher.parameters()).device))
+    report = {}
+    for i, kind in enumerate(layer_kinds):
+        if kind not in linear_kinds:
+            continue
+        block = student.model.layers[2 * i]
+        x, attn_out, _ = trace[i]
+        dtype = next(block.parameters()).dtype
+        report[i] = fit_output_scale(block.mixer, block.norm(x.to(dtype)), attn_out)
+    return report
