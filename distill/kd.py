@@ -1,4 +1,4 @@
-"""KD-SFT: the student learns the frozen teacher's next-token distribution on chat data (SPEC §3).
+"""KD-SFT: the student learns the frozen teacher's next-token distribution on chat data or general text.
 
 Loss over the supervised (assistant) tokens, shifted like a causal LM (the logits at position t score
 ``labels[t + 1]``; positions whose target is -100 are left out)::
@@ -152,6 +152,62 @@ def kd_loss(student, teacher, batch: Dict[str, torch.Tensor], kl_weight: float =
     return loss, {"kl": kl, "ce": ce, "tokens": rows.numel()}
 
 
+# ------------------------------------------------------------------------------------- data
+KD_DATA_FORMATS = ("chat", "packed")
+
+
+class AlignedLabels:
+    """Packed LM batches (labels = the next tokens) as KD batches (labels aligned with ``input_ids``, every
+    token supervised); the wrapped iterator's resume state passes through."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return aligned_labels(next(self.batches))
+
+    def state_dict(self):
+        return self.batches.state_dict()
+
+    def load_state_dict(self, state):
+        self.batches.load_state_dict(state)
+
+    def __getattr__(self, name):  # epoch sizes and the like, for the loop's progress line
+        return getattr(self.batches, name)
+
+
+def aligned_labels(batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    # kd_loss scores labels[t + 1] at position t, so the window's own ids are its aligned labels (the window's
+    # last target is dropped: one token in seq_len)
+    return {"input_ids": batch["input_ids"], "labels": batch["input_ids"]}
+
+
+def packed_kd_batches(data_cfg, optim, dist, tokenizer):
+    from upcycle.stage import packed_lm_batches
+    train, val = packed_lm_batches(data_cfg, optim, dist, tokenizer)
+    return AlignedLabels(train), [aligned_labels(b) for b in val]
+
+
+def kd_data(data_section: Optional[Dict[str, Any]]) -> Tuple[type, Any, Dict[str, Any]]:
+    """(dataclass, batch factory, section without ``format``) of a KD ``data:`` section.
+
+    ``format: chat`` (default): a chat / alpaca JSON file, the assistant tokens supervised. ``format: packed``:
+    text sources packed into windows exactly like ILD's data (a :class:`hybridlm.data.DataConfig`), every token
+    supervised: KD on general text keeps what the teacher knows beyond chat."""
+    from hybridlm.data import DataConfig
+    from hybridlm.data.sft import SFTDataConfig, make_sft_batches
+    section = dict(data_section or {})
+    fmt = section.pop("format", "chat")
+    if fmt not in KD_DATA_FORMATS:
+        raise ConfigError(f"kd.data.format: {fmt!r} is not one of {', '.join(KD_DATA_FORMATS)}")
+    if fmt == "packed":
+        return DataConfig, packed_kd_batches, section
+    return SFTDataConfig, make_sft_batches, section
+
+
 # ------------------------------------------------------------------------------------- stage
 def amend_stage_result(output_dir, extra: Dict[str, Any], config_extra: Optional[Dict[str, Any]] = None,
                        result: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -182,12 +238,12 @@ def run_kd(sections: Dict[str, Any]) -> Dict[str, Any]:
     """KD-SFT of the student directory on chat data (``kd:`` section: :class:`KDConfig`); every student
     parameter trains. Returns (and writes to ``final/stage.json``) the stage summary."""
     from hybridlm.config.structured import build_dataclass, to_dict
-    from hybridlm.data.sft import SFTDataConfig, make_sft_batches
     from hybridlm.training import RunConfig
     from upcycle.stage import run_stage
 
     sections = dict(sections)
     cfg = build_dataclass(KDConfig, sections.pop("kd", None) or {}, "kd")
+    data_class, make_batches, sections["data"] = kd_data(sections.get("data"))
 
     def make_loss(teacher):
         teacher.eval()
@@ -195,7 +251,7 @@ def run_kd(sections: Dict[str, Any]) -> Dict[str, Any]:
                                               cfg.temperature, cfg.chunk_tokens)
 
     result = run_stage("kd", sections, make_loss, lambda student: student.parameters(),
-                       make_batches=make_sft_batches, data_class=SFTDataConfig)
+                       make_batches=make_batches, data_class=data_class)
     run = build_dataclass(RunConfig, sections["run"], "run")
     return amend_stage_result(run.output_dir, {}, {"kd": to_dict(cfg)}, result)
 

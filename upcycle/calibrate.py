@@ -45,9 +45,30 @@ def calibration_text(sources: Sequence[str], max_chars: int) -> List[str]:
     return texts
 
 
+def packed_windows(path: Path, tokens: int, seq_len: int) -> List[torch.Tensor]:
+    """``seq_len + 1`` windows spread evenly over the training split of a prepared dataset (``prepare``'s
+    output: its documents come source by source, so even spacing samples every source)."""
+    import numpy as np
+    from hybridlm.data.packed import PackedTokens
+    split = PackedTokens(path, "train")
+    n = max(1, tokens // seq_len)
+    last = len(split) - seq_len - 1
+    if last < 0:
+        raise ConfigError(f"init.calib_sources: {path} has fewer than {seq_len + 1} training tokens")
+    starts = np.linspace(0, last, n).astype(np.int64)
+    return [torch.from_numpy(np.asarray(split.read(int(s), seq_len + 1), dtype=np.int64)) for s in starts]
+
+
 def calibration_batch(tokenizer, sources: Sequence[str], tokens: int, seq_len: int) -> torch.Tensor:
-    """``[n, seq_len]`` token ids of the calibration text (at least one window)."""
-    windows = token_windows(tokenizer, calibration_text(sources, 8 * tokens), seq_len, tokens)
+    """``[n, seq_len]`` token ids of the calibration text (at least one window). A source that is a prepared
+    dataset (a directory with ``meta.json``, tokenized by the teacher's tokenizer) gives windows of its
+    training split; the others are plain text."""
+    packed = [Path(s) for s in sources if (Path(s) / "meta.json").is_file()]
+    text = [s for s in sources if not (Path(s) / "meta.json").is_file()]
+    windows = [w for p in packed for w in packed_windows(p, tokens // len(sources), seq_len)]
+    if text:
+        windows += token_windows(tokenizer, calibration_text(text, 8 * tokens), seq_len,
+                                 tokens * len(text) // len(sources))
     if not windows:
         raise ConfigError(f"init.calib_sources: fewer than {seq_len + 1} tokens of text in {list(sources)}")
     return torch.stack(windows)[:, :-1]

@@ -141,7 +141,10 @@ def cmd_report(args) -> dict:
         data = ((json.loads(cfg_file.read_text()).get("ild") or {}).get("data") or {}).get("path")
         if not data:
             raise ConfigError("--data: the route config names no ild.data.path; give the packed data to hold out")
-    return route_report(args.route_dir, data, seq_len=args.seq_len, max_tokens=args.tokens)
+    cfg_file = Path(args.route_dir) / "route_config.json"
+    saved = (json.loads(cfg_file.read_text()).get("report") or {}) if cfg_file.is_file() else {}
+    sources = args.heldout_sources if args.heldout_sources is not None else saved.get("heldout_sources", ())
+    return route_report(args.route_dir, data, seq_len=args.seq_len, max_tokens=args.tokens, heldout_sources=sources)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--data", default=None, help="packed data whose validation split is the held-out text "
                     "(default: the route's ild.data.path)")
     rp.add_argument("--seq-len", type=int, default=512)
+    rp.add_argument("--heldout-sources", nargs="+", default=None,
+                    help="held-out text (b) that no stage trains on (default: the route config's report.heldout_sources)")
     rp.add_argument("--tokens", type=int, default=65536, help="held-out tokens to score")
     rp.set_defaults(fn=cmd_report)
     k = sub.add_parser("kv-report", help="KV-cache size of a hybrid against its Llama teacher, without weights")

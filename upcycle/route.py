@@ -37,7 +37,7 @@ def check_route(cfg: Dict[str, Any], stages: Dict[str, Dict[str, Any]]) -> None:
     import inspect
 
     from distill.dpo_stage import DPOConfig, PreferenceDataConfig
-    from distill.kd import KDConfig
+    from distill.kd import KDConfig, kd_data
     from hybridlm.data.sft import SFTDataConfig
     from hybridlm.engine import OptimConfig
     from hybridlm.training import RunConfig
@@ -52,7 +52,10 @@ def check_route(cfg: Dict[str, Any], stages: Dict[str, Dict[str, Any]]) -> None:
     for name, sections in stages.items():
         check_known_keys(name, {k: v for k, v in sections.items() if k not in ("teacher", "student")},
                    ("data", "optim", "run") + ((own[name][0],) if name in own else ()))
-        build_dataclass(data_classes[name], sections.get("data") or {}, f"{name}.data")
+        data_class, data = data_classes[name], sections.get("data") or {}
+        if name == "kd":
+            data_class, _, data = kd_data(data)
+        build_dataclass(data_class, data, f"{name}.data")
         build_dataclass(OptimConfig, sections.get("optim") or {}, f"{name}.optim")
         build_dataclass(RunConfig, sections.get("run") or {}, f"{name}.run").validate(f"{name}.run")
         if name in own:
@@ -75,7 +78,7 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     init_opts = dict(cfg.get("init") or {})
     linear = init_opts.get("linear_mixer", "mamba2")
     report_opts = dict(cfg.get("report") or {})
-    check_known_keys("report", report_opts, ("seq_len", "max_tokens"))
+    check_known_keys("report", report_opts, ("seq_len", "max_tokens", "heldout_sources", "targets"))
     ild = cfg.get("ild") or {}
     hybrid = out / "hybrid"
     stages = {

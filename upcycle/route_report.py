@@ -1,10 +1,14 @@
-"""The route's result table (``report.json``, ``report.md``, ``report.png``): perplexity on held-out real text of the teacher and of the hybrid after each
-stage (init only, ILD, KD, DPO), DPO's held-out reward accuracy, and the tokens and minutes each stage used.
+"""The route's result table (``report.json``, ``report.md``, ``report.png``): for the teacher and the hybrid after
+each stage (init only, ILD, KD, DPO), perplexity and per-token KL(teacher || model) on two held-out texts, DPO's
+held-out reward accuracy, and the tokens and minutes each stage used.
 
-    upcycle report --route-dir runs/smollm2_route [--data data_cache/janeausten-smollm2] [--tokens 65536]
+    upcycle report --route-dir runs/smollm2_route [--data data_cache/mix-smollm2] [--tokens 65536]
 
-The held-out text is the validation split of the packed data that ILD trained on (whole documents that no
-stage saw). "Init only" is the hybrid composed from the two un-distilled ``upcycle init`` students with the
+Held-out text (a) is the validation split of the packed data that ILD trained on (whole documents that no stage
+saw); (b) is ``report.heldout_sources`` (e.g. ``asset:sotu``), a source that no stage trains on. Perplexity is
+``exp`` of the token-mean next-token NLL; KL is the token mean of ``sum_v p_t(v) (log p_t(v) - log p_m(v))`` in
+nats, both over the same targets (every token of each window but its first), computed by the KD loss's chunked
+loop (:func:`distill.kd.kd_loss`), so no ``[tokens, vocab]`` tensor is kept. "Init only" is the hybrid composed from the two un-distilled ``upcycle init`` students with the
 layers SMART chose, so that the ILD row differs from it by training alone.
 """
 from __future__ import annotations
@@ -48,14 +52,42 @@ def _stage_row(out: Path, name: str, label: str) -> Optional[Dict[str, Any]]:
     return row
 
 
+def text_windows(tokenizer, sources, seq_len: int, max_tokens: int) -> List[torch.Tensor]:
+    """``seq_len + 1`` token windows of the plain text of ``sources`` (held-out text (b))."""
+    from hybridlm.eval.perplexity import token_windows
+    from upcycle.calibrate import calibration_text
+    windows = token_windows(tokenizer, calibration_text(list(sources), 16 * max_tokens), seq_len, max_tokens)
+    if not windows:
+        raise ConfigError(f"report.heldout_sources: fewer than {seq_len + 1} tokens in {list(sources)}")
+    return windows
+
+
+@torch.no_grad()
+def score(model, teacher, windows: List[torch.Tensor], batch_size: int = 4) -> Dict[str, float]:
+    """Token-mean NLL, perplexity and KL(teacher || model) over the windows (targets = window[1:])."""
+    import math
+    from distill.kd import kd_loss
+    device = next(model.parameters()).device
+    nll = kl = 0.0
+    count = 0
+    for i in range(0, len(windows), batch_size):
+        ids = torch.stack(windows[i:i + batch_size]).to(device)
+        _, m = kd_loss(model, teacher, {"input_ids": ids, "labels": ids}, kl_weight=1.0, ce_weight=1.0)
+        nll += float(m["ce"]) * m["tokens"]
+        kl += float(m["kl"]) * m["tokens"]
+        count += m["tokens"]
+    nll, kl = nll / max(count, 1), kl / max(count, 1)
+    return {"nll": nll, "ppl": math.exp(min(nll, 50.0)), "kl": kl, "tokens": count}
+
+
 @torch.no_grad()
 def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 65536,
-                 device: Optional[torch.device] = None) -> Dict[str, Any]:
-    """Measure every model the route has written so far; write ``report.json`` and ``report.md`` there."""
+                 device: Optional[torch.device] = None, heldout_sources=(), targets=(1.25, 1.10)) -> Dict[str, Any]:
+    """Measure every model the route has written so far; write ``report.json``, ``report.md`` and ``report.png``."""
     from hybridlm.model import HybridForCausalLM
     from upcycle.compose import compose_from_dirs
     from upcycle.smart_stage import layers_from_report
-    from upcycle.teacher import load_teacher
+    from upcycle.teacher import load_teacher, load_teacher_tokenizer
 
     out = Path(route_dir)
     route_cfg = out / "route_config.json"
@@ -63,34 +95,51 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
         raise ConfigError(f"{route_cfg}: missing (expected a directory written by `upcycle run`)")
     cfg = json.loads(route_cfg.read_text())
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    windows = heldout_windows(data_path, seq_len, max_tokens)
+    teacher_spec = cfg.get("teacher") or "asset:smollm2"
+    texts = {"a": {"name": f"{data_path} (validation split)", "windows": heldout_windows(data_path, seq_len, max_tokens)}}
+    if heldout_sources:
+        if isinstance(heldout_sources, str):
+            heldout_sources = [heldout_sources]
+        texts["b"] = {"name": ", ".join(heldout_sources),
+                      "windows": text_windows(load_teacher_tokenizer(teacher_spec), heldout_sources, seq_len, max_tokens)}
     linear = (cfg.get("init") or {}).get("linear_mixer", "mamba2")
+    teacher = load_teacher(teacher_spec).to(device=device, dtype=torch.float32).eval()
 
-    models: List[tuple] = [("teacher", lambda: load_teacher(cfg.get("teacher") or "asset:smollm2"))]
+    stages = [r for r in (_stage_row(out, n, lbl) for n, lbl in STAGE_DIRS) if r is not None]
+    tokens_by = {r["stage"]: r.get("tokens") or 0 for r in stages}
+    ild_tokens = sum(v for k, v in tokens_by.items() if k.startswith("ILD"))
+    models: List[tuple] = [("teacher", 0, lambda: teacher)]
     if (out / "smart" / "smart_report.json").is_file():
         chosen, _ = layers_from_report(out / "smart")
         init_hybrid = out / "hybrid_init"
         if not (init_hybrid / "config.json").is_file():
             compose_from_dirs(out / "init" / "mla_student", out / "init" / f"{linear}_student", chosen, init_hybrid,
                               overwrite=True)
-        models.append(("hybrid, init only", lambda: HybridForCausalLM.from_pretrained(init_hybrid)))
-    for label, path in (("hybrid after ILD", out / "hybrid"), ("after KD-SFT", out / "kd" / "final"),
-                        ("after DPO", out / "dpo" / "final")):
+        models.append(("hybrid, init only", 0, lambda: HybridForCausalLM.from_pretrained(init_hybrid)))
+    kd_tokens = ild_tokens + tokens_by.get("KD-SFT", 0)
+    for label, trained, path in (("hybrid after ILD", ild_tokens, out / "hybrid"),
+                                 ("after KD-SFT", kd_tokens, out / "kd" / "final"),
+                                 ("after DPO", kd_tokens + tokens_by.get("DPO", 0), out / "dpo" / "final")):
         if (path / "config.json").is_file():
-            models.append((label, lambda p=path: HybridForCausalLM.from_pretrained(p)))
+            models.append((label, trained, lambda p=path: HybridForCausalLM.from_pretrained(p)))
 
     rows = []
-    for label, load in models:
-        model = load().to(device=device, dtype=torch.float32)
-        rows.append({"model": label, **perplexity(model, windows)})
+    for label, trained, load in models:
+        model = load().to(device=device, dtype=torch.float32).eval()
+        row = {"model": label, "tokens_trained": trained}
+        for key, text in texts.items():
+            r = score(model, teacher, text["windows"])
+            suffix = "" if key == "a" else f"_{key}"
+            row.update({f"ppl{suffix}": r["ppl"], f"nll{suffix}": r["nll"], f"kl{suffix}": r["kl"]})
+        rows.append(row)
         print(json_text(rows[-1]), flush=True)
-        del model
+        if model is not teacher:
+            del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    stages = [r for r in (_stage_row(out, n, lbl) for n, lbl in STAGE_DIRS) if r is not None]
-    report = {"heldout": {"data": str(data_path), "split": "val", "seq_len": seq_len,
-                          "tokens": sum(w.numel() - 1 for w in windows)},
-              "perplexity": rows, "stages": stages}
+    report = {"heldout": {key: {"text": t["name"], "seq_len": seq_len, "tokens": sum(w.numel() - 1 for w in t["windows"])}
+                          for key, t in texts.items()},
+              "targets": {"ppl_ratio": list(targets)}, "perplexity": rows, "stages": stages}
     write_json(out / "report.json", report)
     atomic_write_text(str(out / "report.md"), report_markdown(report))
     plot_report(report, out / "report.png")
@@ -99,23 +148,35 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
 
 
 def plot_report(report: Dict[str, Any], png: Path) -> Path:
-    """Held-out perplexity of the teacher and of the hybrid after each stage (log scale), one bar each."""
+    """Held-out perplexity (a) and (b) against tokens trained, one point per stage, with the teacher's
+    perplexity and the target ratios as lines (log scale)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = report["perplexity"]
-    fig, ax = plt.subplots(figsize=(1.4 * len(rows) + 2, 4))
-    colors = ["#444444"] + ["#1f77b4"] * (len(rows) - 1)
-    bars = ax.bar([r["model"].replace(", ", ",\n").replace(" after ", "\nafter ") for r in rows],
-                  [r["ppl"] for r in rows], color=colors)
-    for bar, r in zip(bars, rows):
-        ax.annotate(f"{r['ppl']:.3g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("perplexity (held-out, log scale)")
-    ax.set_title(f"{report['heldout']['tokens']:,} held-out tokens")
-    ax.grid(axis="y", alpha=0.3)
+    keys = [k for k in ("a", "b") if k in report["heldout"]]
+    fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 4.5), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        field = "ppl" if key == "a" else f"ppl_{key}"
+        teacher = next(r[field] for r in rows if r["model"] == "teacher")
+        hybrid = [r for r in rows if r["model"] != "teacher"]
+        xs = [max(r["tokens_trained"], 1) / 1e6 for r in hybrid]
+        ax.plot(xs, [r[field] for r in hybrid], "o-", color="#1f77b4", label="hybrid")
+        for x, r in zip(xs, hybrid):
+            ax.annotate(f"{r['model'].replace('hybrid, ', '').replace('hybrid ', '')}\n{r[field]:.3g}", (x, r[field]),
+                        textcoords="offset points", xytext=(4, 6), fontsize=7)
+        ax.axhline(teacher, color="#444444", lw=1.5, label=f"teacher {teacher:.3g}")
+        for ratio, style in zip(report["targets"]["ppl_ratio"], ("--", ":")):
+            ax.axhline(teacher * ratio, color="#d62728", ls=style, lw=1, label=f"target {ratio:g}x teacher")
+        ax.set_yscale("log")
+        ax.set_xscale("symlog", linthresh=1.0)
+        ax.set_xlabel("tokens trained (millions; init at 0)")
+        ax.set_ylabel("perplexity (log scale)")
+        h = report["heldout"][key]
+        ax.set_title(f"({key}) {h['text'][:60]}: {h['tokens']:,} tokens", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     tmp = png.with_name(png.name + ".tmp.png")
     fig.savefig(tmp, dpi=120)
@@ -125,10 +186,16 @@ def plot_report(report: Dict[str, Any], png: Path) -> Path:
 
 
 def report_markdown(report: Dict[str, Any]) -> str:
-    h = report["heldout"]
-    lines = [f"Perplexity on {h['tokens']:,} held-out tokens ({h['data']}, {h['split']} split, windows of {h['seq_len']}):",
-             "", "| model | perplexity | NLL (nats/token) |", "|---|---|---|"]
-    lines += [f"| {r['model']} | {r['ppl']:.2f} | {r['nll']:.4f} |" for r in report["perplexity"]]
+    held = report["heldout"]
+    keys = [k for k in ("a", "b") if k in held]
+    lines = [f"Held-out ({k}): {held[k]['tokens']:,} tokens of {held[k]['text']}, windows of {held[k]['seq_len']}."
+             for k in keys]
+    cols = " | ".join(f"perplexity ({k}) | KL ({k}), nats/token" for k in keys)
+    lines += ["", f"| model | tokens trained | {cols} |", "|---|---|" + "---|---|" * len(keys)]
+    for r in report["perplexity"]:
+        cells = " | ".join(f"{r['ppl' if k == 'a' else 'ppl_' + k]:.2f} | {r['kl' if k == 'a' else 'kl_' + k]:.4f}"
+                           for k in keys)
+        lines.append(f"| {r['model']} | {r['tokens_trained']:,} | {cells} |")
     lines += ["", "| stage | steps | tokens | minutes | held-out DPO reward accuracy |", "|---|---|---|---|---|"]
     for s in report["stages"]:
         acc = s.get("dpo_heldout", {}).get("rewards/accuracies")

@@ -8,10 +8,11 @@ export TRITON_CACHE_DIR=/tmp/triton-cache
 LOGS=/tmp/device-logs   # raw logs stay here; pack_out bundles them (at most 8 files come back from $OUT)
 mkdir -p "$HYBRIDLM_CACHE" "$TRITON_CACHE_DIR" "$LOGS"
 # the shards' metadata names tokenizer and sources by their paths on the machine that prepared them
-relocate_meta() { sed -i "s#$(cat .xfer/cache_root.txt)#$HYBRIDLM_CACHE#g" data_cache/*/meta.json; }
+relocate_meta() { sed -i "s#$(cat "$HYBRIDLM_CACHE/cache_root.txt")#$HYBRIDLM_CACHE#g" data_cache/*/meta.json 2>/dev/null; }
 if [ ! -f "$HYBRIDLM_CACHE/.unpacked" ]; then  # once per machine: later calls to a warm machine reuse it
   tar xJf .xfer/cache.tar.xz -C "$HYBRIDLM_CACHE"
-  tar xJf .xfer/data.tar.xz
+  cp .xfer/cache_root.txt "$HYBRIDLM_CACHE/"  # later calls need not carry .xfer
+  [ -f .xfer/data.tar.xz ] && tar xJf .xfer/data.tar.xz
   relocate_meta
   [ -f .xfer/autotune.tar.xz ] && tar xJf .xfer/autotune.tar.xz -C "$TRITON_CACHE_DIR"
   touch "$HYBRIDLM_CACHE/.unpacked"

@@ -1,0 +1,75 @@
+"""Steps per second of the route's ILD and KD steps on the shared engine, on a random-weight twin of the
+SmolLM2-135M teacher (same shapes, so the same work per token): sizes each stage's max_steps to its minutes.
+
+    python3 scripts/device/route_speed.py --seq 1024 --micro 16 32 --steps 6 --out $OUT/route_speed.json
+"""
+import argparse
+import json
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from distill.ild import ild_loss
+from distill.kd import kd_loss
+from hybridlm.engine import Engine, OptimConfig, init_distributed
+from hybridlm.model import HybridForCausalLM
+from upcycle.student import student_config
+
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+               tie_word_embeddings=True, rope_theta=100000.0)
+ROUTE_MLA = (0, 4, 9, 13, 17, 21, 25, 29)
+
+
+def time_stage(name, student, loss_fn, trainable, micro, seq, steps, warmup):
+    optim = OptimConfig(micro_batch_size=micro, global_batch_size=micro, lr=1e-4, warmup_steps=1,
+                        max_steps=steps + warmup, precision="bf16")
+    engine = Engine(student, optim, lambda m, b: loss_fn(m.module, b), trainable=list(trainable(student)))
+    batch = {"input_ids": torch.randint(0, SMOLLM2["vocab_size"], (micro, seq))}
+    batch["labels"] = batch["input_ids"]
+    for _ in range(warmup):
+        engine.train_step([batch])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        r = engine.train_step([batch])
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    out = {"stage": name, "micro": micro, "seq": seq, "s_per_step": dt, "tokens_per_s": micro * seq / dt,
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(r.loss)}
+    print(json.dumps(out), flush=True)
+    del engine
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--micro", type=int, nargs="+", default=[16, 32])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    dist = init_distributed()
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(LlamaConfig(**SMOLLM2)).to(dist.device, torch.bfloat16).eval().requires_grad_(False)
+    L = SMOLLM2["num_hidden_layers"]
+    rows = []
+    for micro in args.micro:
+        for name, kinds in (("ild_mla", ["mla"] * L), ("ild_mamba2", ["mamba2"] * L)):
+            student = HybridForCausalLM(student_config(teacher.config, kinds, kv_lora_rank=128, rope_dim=16))
+            rows.append(time_stage(name, student, lambda s, b: ild_loss(s, teacher, b["input_ids"]),
+                                   lambda s: s.model.layers.parameters(), micro, args.seq, args.steps, args.warmup))
+        kinds = ["mla" if i in ROUTE_MLA else "mamba2" for i in range(L)]
+        student = HybridForCausalLM(student_config(teacher.config, kinds, kv_lora_rank=128, rope_dim=16))
+        rows.append(time_stage("kd", student, lambda s, b: kd_loss(s, teacher, b), lambda s: s.parameters(),
+                               micro, args.seq, args.steps, args.warmup))
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

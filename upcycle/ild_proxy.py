@@ -1,0 +1,132 @@
+"""CPU proxy of the route's ILD stage: a few of the teacher's layers converted to Mamba2 and trained by the ILD
+loss. ILD is teacher-forced, so each layer's problem is exactly the one it has in the full route; training 4 of
+30 layers costs a teacher forward plus 4 layers, a few minutes on 2 cores. It ranks init and learning-rate
+choices before GPU minutes are spent on them (BENCHMARKS.md, "Upcycling quality").
+
+    python -m upcycle.ild_proxy --variants ours:1e-3 published:1e-3 random:1e-3 ours:3e-4 --steps 120 \
+        --out docs/results/ild_proxy.json
+
+A variant is ``init:lr``: ``ours`` (upcycle init: identity conv, constant gate, calibrated output scale),
+``published`` (MambaInLlama's mapping as published), ``random`` (the same layers with the default
+from-scratch init, nothing copied from attention). Reported per evaluation: the held-out relative error of
+the mixer outputs, sum ||a_s - a_t||^2 / sum ||a_t||^2 (1.0 = a silent mixer), averaged over the layers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from distill.ild import teacher_trace
+from hybridlm.data.assets import corpus_path
+from hybridlm.eval.perplexity import token_windows
+from hybridlm.model import HybridForCausalLM
+from hybridlm.utils.atomic import write_json
+from upcycle.calibrate import calibrate_student
+from upcycle.init_mamba import init_student_from_teacher
+from upcycle.init_variants import published_mamba2
+from upcycle.student import student_config
+from upcycle.teacher import load_teacher, load_teacher_tokenizer
+
+INITS = ("ours", "published", "random")
+
+
+def build_student(teacher, init: str, calib_ids, layers, seed: int = 0):
+    L = teacher.config.num_hidden_layers
+    kinds = ["mamba2"] * L
+    torch.manual_seed(seed)
+    student = HybridForCausalLM(student_config(teacher.config, kinds, kv_lora_rank=128, rope_dim=16)).float()
+    if init != "random":
+        init_student_from_teacher(student, teacher, kinds)
+        if init == "published":
+            for n, i in enumerate(layers):
+                published_mamba2(student.model.layers[2 * i].mixer, seed + n)
+        else:
+            calibrate_student(student, teacher, calib_ids, [k if i in layers else "skip" for i, k in enumerate(kinds)])
+    return student
+
+
+def layer_losses(student, trace, layers):
+    """ILD terms of the chosen layers: (sum of mean ||y_s - y_t|| + mean ||a_s - a_t||, mixer rel. errors)."""
+    total, rel = 0.0, []
+    for i in layers:
+        x, a, y = trace[i]
+        mixer_block, mlp_block = student.model.layers[2 * i], student.model.layers[2 * i + 1]
+        a_s = mixer_block.mixer(mixer_block.norm(x))
+        y_s = mlp_block(x + a_s)
+        total = total + (y_s - y).norm(dim=-1).mean() + (a_s - a).norm(dim=-1).mean()
+        rel.append(((a_s - a).detach().double().pow(2).sum() / a.double().pow(2).sum()).item())
+    return total, rel
+
+
+def run_variant(teacher, train_ids, held_trace, calib_ids, init, lr, layers, steps, batch, eval_every):
+    student = build_student(teacher, init, calib_ids, layers)
+    params = [p for i in layers for blk in (student.model.layers[2 * i], student.model.layers[2 * i + 1])
+              for p in blk.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    curve = []
+
+    def evaluate(step):
+        with torch.no_grad():
+            _, rel = layer_losses(student, held_trace, layers)
+        curve.append({"step": step, "tokens": step * batch * train_ids.shape[1], "rel_err": sum(rel) / len(rel),
+                      "per_layer": rel})
+        print(json.dumps({"init": init, "lr": lr, **curve[-1]}), flush=True)
+
+    evaluate(0)
+    g = torch.Generator().manual_seed(0)
+    for step in range(1, steps + 1):
+        ids = train_ids[torch.randint(0, train_ids.shape[0], (batch,), generator=g)]
+        trace = teacher_trace(teacher, ids)
+        loss, _ = layer_losses(student, trace, layers)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        if step % eval_every == 0 or step == steps:
+            evaluate(step)
+    return curve
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--teacher", default="asset:smollm2")
+    p.add_argument("--variants", nargs="+", default=["ours:1e-3", "published:1e-3", "random:1e-3"])
+    p.add_argument("--layers", type=int, nargs="+", default=[4, 9, 17, 25])
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--out", default="ild_proxy.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    tok = load_teacher_tokenizer(args.teacher)
+    teacher = load_teacher(args.teacher, dtype=torch.float32).eval()
+    books = sorted(Path(corpus_path()).glob("*.txt"))
+    train_text = [b.read_text() for b in books[2:]]                 # four novels train ...
+    train_ids = torch.stack(token_windows(tok, train_text, args.seq_len, 400_000))[:, :-1]
+    held = torch.stack(token_windows(tok, [books[1].read_text()[200000:260000]], args.seq_len, 4 * args.seq_len))[:, :-1]
+    calib = torch.stack(token_windows(tok, [books[0].read_text()[100000:160000]], args.seq_len, 1024))[:, :-1]
+    held_trace = teacher_trace(teacher, held)                        # ... one holds out, one calibrates
+    results = []
+    for v in args.variants:
+        init, _, lr = v.partition(":")
+        if init not in INITS:
+            p.error(f"--variants: {v!r}: init must be one of {', '.join(INITS)}")
+        t0 = time.perf_counter()
+        curve = run_variant(teacher, train_ids, held_trace, calib, init, float(lr or 1e-3), args.layers,
+                            args.steps, args.batch, args.eval_every)
+        results.append({"init": init, "lr": float(lr or 1e-3), "curve": curve,
+                        "seconds": round(time.perf_counter() - t0)})
+        write_json(Path(args.out), {"layers": args.layers, "seq_len": args.seq_len, "batch": args.batch,
+                                    "steps": args.steps, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
