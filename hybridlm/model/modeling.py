@@ -19,8 +19,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hybridlm.model.cache import HybridCache, InferenceContext
 from hybridlm.model.configuration import HybridConfig
-from hybridlm.model.layers import SUBLAYERS, RMSNorm
+from hybridlm.model.layers import SUBLAYERS, Mamba2, RMSNorm
 from hybridlm.model.layers.conv import ShortConv
+from hybridlm.model.layers.init import init_residual_out_proj, init_short_conv
 from hybridlm.model.loss import IGNORE_INDEX, linear_cross_entropy
 from hybridlm.ops.backend import use_triton
 
@@ -59,6 +60,10 @@ class HybridPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
 
     def _init_weights(self, module: nn.Module) -> None:
+        """fla's from-scratch init (docs/initialisation.md): linears, short convs and embeddings normal(0,
+        initializer_range), biases 0, norm weights 1, the mixers' A_log / dt_bias / D by their own
+        ``reset_recurrent_parameters``; Mamba2's out_proj depth-scaled as in fla's Mamba2 (transformers applies
+        this to children before parents, so it overrides the nn.Linear branch)."""
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=std)
@@ -67,7 +72,7 @@ class HybridPreTrainedModel(PreTrainedModel):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, ShortConv):
-            module.reset_parameters()
+            init_short_conv(module, std)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
         if hasattr(module, "reset_recurrent_parameters"):
@@ -75,6 +80,10 @@ class HybridPreTrainedModel(PreTrainedModel):
             for name in ("o_norm_weight", "norm_weight"):
                 if hasattr(module, name):
                     nn.init.ones_(getattr(module, name))
+        if isinstance(module, Mamba2):
+            # every sublayer adds to the residual stream: fla's num_hidden_layers for a pure Mamba2 stack,
+            # mamba_ssm's 2 x n_layer with MLPs
+            init_residual_out_proj(module.out_proj, len(self.config.layer_plan))
 
 
 class HybridModel(HybridPreTrainedModel):

@@ -1,14 +1,16 @@
 """Depthwise causal short convolution parameters (the op lives in ``hybridlm.ops.elementwise``)."""
-import math
-
 import torch
 from torch import nn
 
+from hybridlm.model.layers.init import init_short_conv
 from hybridlm.ops.elementwise import short_conv, short_conv_with_state
 
 
 class ShortConv(nn.Module):
-    """Holds a depthwise kernel ``weight [dim, width]`` (and optional bias), initialised like nn.Conv1d."""
+    """Holds a depthwise kernel ``weight [dim, width]`` (and optional bias), initialised as fla initialises its
+    ``ShortConvolution``: weight normal(0, std) with the model's ``initializer_range`` (set by the model's
+    ``_init_weights``; 0.02 standalone), bias 0. The previous init (PyTorch's Conv1d default, std ~0.29 at
+    width 4) is :func:`hybridlm.model.layers.init.init_short_conv_legacy`."""
 
     def __init__(self, dim: int, width: int, bias: bool = False):
         super().__init__()
@@ -21,11 +23,8 @@ class ShortConv(nn.Module):
         """Per-sequence shape of its cached state ``[dim, width]`` (the last ``width`` inputs)."""
         return tuple(self.weight.shape)
 
-    def reset_parameters(self) -> None:
-        bound = 1.0 / math.sqrt(self.weight.shape[-1])  # fan_in of a depthwise conv is its width
-        nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -bound, bound)
+    def reset_parameters(self, std: float = 0.02) -> None:
+        init_short_conv(self, std)
 
 
 def run_short_conv(conv: ShortConv, x: torch.Tensor, triton: bool, cache=None, name: str = "conv") -> torch.Tensor:

@@ -1,0 +1,493 @@
+"""Loss parity: our model and a peer of identical shape trained side by side on the very same batches.
+
+    python -m hybridlm.bench.loss_parity --family gdn|kda|mamba2 --steps 300 --out DIR \\
+        [--config gdn_300m] [--model-override hidden_size=256 ...] [--peer fla|hf|ours] \\
+        [--seeds 0 1] [--ours-seeds 0] [--micro-batch 8] [--seq 2048] [--lr 6e-4 --min-lr 6e-5 --warmup 30] \\
+        [--ours-init fla legacy legacy:conv legacy:conv_bias+mamba2_out_proj] [--data DIR]
+
+**Ours** is ``HybridForCausalLM`` built from a model YAML (``--config``, default ``configs/models/
+{gdn,kda,mamba2}_300m.yaml``; ``--model-override key=value`` changes shapes, e.g. for small CPU runs).
+``--ours-init`` lists init variants, each trained as one more "ours" run against the same peer runs (the
+ablation table): ``fla`` (the default: fla's statistics), ``legacy`` (everything this toolkit did before,
+:func:`hybridlm.model.layers.init.apply_legacy_init`) or ``legacy:PART+PART`` (only those parts back to the
+old init; parts ``conv``, ``conv_bias``, ``mamba2_out_proj``).
+
+**Peers** (``--peer``, default ``fla``), built with the shapes of ours (the parameter counts are printed and
+must match): fla's ``GatedDeltaNetForCausalLM`` / ``KDAForCausalLM`` (as in :mod:`hybridlm.bench.train_speed`)
+and fla's ``Mamba2ForCausalLM``; ``hf``: transformers' ``Mamba2ForCausalLM`` (mamba2 only; its own init);
+``ours``: our model again with the peer seeds (``--peer-init``, a variant as above, picks its init), the
+peer that runs on a CPU. fla's models run Triton kernels and need CUDA. fla's and transformers' Mamba2 blocks
+have no MLP, so for ``--family mamba2`` our pattern becomes one Mamba2 mixer per sublayer of the config
+(``M-M-...`` of 24 sublayers -> ``MMMM...`` of 24 mixers) unless ``--keep-pattern`` (peer ``ours`` only).
+Without mamba_ssm both Mamba2 peers take their naive torch SSD, whose memory grows with the chunk length:
+``--peer-chunk-size`` (default 64) sets it.
+
+Both train in the same plain torch loop: fp32 weights, bf16 autocast on CUDA (fp32 on CPU), AdamW with the
+engine's parameter groups (:func:`hybridlm.engine.build_param_groups`: 1-D parameters and ``_no_weight_decay``
+tags are not decayed), the same betas / eps / weight decay, global-norm clipping, linear warmup + cosine to
+``--min-lr`` (:func:`hybridlm.engine.schedule.lr_lambda`), and the same loss convention (``labels = input_ids``,
+shifted inside each model). The batches come from the project's packed data (``PackedBatches``, the training
+loader's order, independent of the model seed); validation every ``--val-interval`` steps on the first
+``--val-batches`` batches of the held-out split. Every step records the batch's hash and first tokens and the
+learning rate; the report says whether they were identical for every run (and the command exits 2 if not).
+
+Writes ``DIR/loss_parity.json`` (after every run, so a cut-off call keeps the finished runs) and, at the end,
+``DIR/loss_parity.png`` (train loss, 10-step running mean; validation loss; gradient norm); ``--replot --out
+DIR`` redraws the chart from the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from hybridlm.bench.common import free_memory, versions, write_report
+from hybridlm.bench.train_speed import DEFAULT_DATA, DEFAULT_SOURCES, DEFAULT_TOKENIZER, model_section
+
+FAMILIES = ("gdn", "kda", "mamba2")
+DEFAULT_CONFIG = {"gdn": "gdn_300m", "kda": "kda_300m", "mamba2": "mamba2_300m"}
+PEERS = ("fla", "hf", "ours")
+SMOOTH = 10  # running-mean window of the train-loss curve
+
+
+# ------------------------------------------------------------------------------------------ models
+
+def resolve_config(args, data_dir: Path):
+    """Our HybridConfig: the model YAML with the overrides, vocabulary from the data; for ``mamba2`` against a
+    Mamba2-only peer, one mixer per sublayer."""
+    from hybridlm.data import read_meta
+    from pretrain.train import resolve_model_config
+
+    section = dict(model_section(args.config, args.model_override))
+    overridden = {o.split("=", 1)[0] for o in args.model_override}
+    if "hybrid_override_pattern" in overridden and "num_layers" not in overridden:
+        section.pop("num_layers", None)  # the new pattern gives the depth
+    section.setdefault("backend", "auto")
+    config = resolve_model_config(section, read_meta(data_dir), data_dir)
+    mixers = {k for k in config.layer_plan if k != "mlp"}
+    if mixers != {args.family}:
+        raise SystemExit(f"--family {args.family}: the config's sequence mixers are {sorted(mixers)}")
+    if args.family == "mamba2" and not args.keep_pattern and "mlp" in config.layer_plan:
+        section["hybrid_override_pattern"] = "M" * len(config.layer_plan)
+        section.pop("num_layers", None)
+        config = resolve_model_config(section, read_meta(data_dir), data_dir)
+    return config
+
+
+def parse_variant(text: str):
+    """``fla`` -> no legacy parts; ``legacy`` -> all of them; ``legacy:conv+mamba2_out_proj`` -> those."""
+    from hybridlm.model.layers.init import LEGACY_PARTS, check_legacy_parts
+    kind, _, parts = text.partition(":")
+    if kind == "fla" and not parts:
+        return []
+    if kind != "legacy":
+        raise ValueError(f"init variant {text!r}: expected fla, legacy or legacy:PART+PART")
+    return check_legacy_parts(parts.split("+")) if parts else list(LEGACY_PARTS)
+
+
+def build_ours(config, seed: int, variant: str = "fla"):
+    from hybridlm.model import HybridForCausalLM
+    from hybridlm.model.layers.init import apply_legacy_init
+
+    parts = parse_variant(variant)
+    torch.manual_seed(seed)
+    model = HybridForCausalLM(config)
+    touched = apply_legacy_init(model, parts, config.initializer_range) if parts else []
+    return model, {"class": "HybridForCausalLM", "init": variant, "legacy_parts": parts,
+                   "legacy_params": len(touched)}
+
+
+def build_peer(kind: str, family: str, config, seed: int, args):
+    """(model, description) of the peer with ``config``'s shapes."""
+    if kind == "ours":
+        return build_ours(config, seed, args.peer_init)
+    torch.manual_seed(seed)
+    if family in ("gdn", "kda"):
+        if kind != "fla":
+            raise SystemExit(f"--peer {kind}: the {family} peers are fla (CUDA) or ours")
+        from hybridlm.bench.train_speed import build_peer as speed_peer
+        shim = SimpleNamespace(seq=args.seq, fla_fused_linear_ce=False)
+        model, _, cfg = speed_peer("fla_gdn" if family == "gdn" else "fla_kda", config, shim)
+        return model, {"class": type(model).__name__, "config": cfg, "init": "its own (_init_weights)"}
+    a = config.mixer_args("mamba2")
+    if a.d_xb is not None and a.d_xb != a.d_inner:
+        raise SystemExit("--family mamba2: the peers have no d_xb (grouped x / B)")
+    n_layers = sum(1 for k in config.layer_plan if k == "mamba2")
+    common = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size, state_size=a.d_state,
+                  num_hidden_layers=n_layers, head_dim=a.head_dim, expand=a.d_inner // config.hidden_size,
+                  n_groups=a.n_groups, conv_kernel=a.conv_size, use_conv_bias=a.conv_bias, use_bias=False,
+                  initializer_range=config.initializer_range, tie_word_embeddings=config.tie_word_embeddings,
+                  chunk_size=args.peer_chunk_size, bos_token_id=config.bos_token_id,
+                  eos_token_id=config.eos_token_id, pad_token_id=None, use_cache=False)
+    if a.d_inner % config.hidden_size:
+        raise SystemExit("--family mamba2: the peers need d_inner = expand * hidden_size")
+    if kind == "fla":
+        from fla.models import Mamba2Config, Mamba2ForCausalLM
+        cfg = Mamba2Config(norm_eps=config.rms_norm_eps, norm_before_gate=False, **common)
+    else:
+        from transformers import Mamba2Config, Mamba2ForCausalLM
+        cfg = Mamba2Config(num_heads=a.d_inner // a.head_dim, layer_norm_epsilon=config.rms_norm_eps, **common)
+    model = Mamba2ForCausalLM(cfg)
+    return model, {"class": f"{'fla' if kind == 'fla' else 'transformers'}.{type(model).__name__}",
+                   "config": cfg.to_diff_dict(), "init": "its own (_init_weights)"}
+
+
+def count_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------------- training
+
+def batch_hash(ids: torch.Tensor) -> str:
+    return hashlib.sha1(ids.cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def train_batches(data_dir: Path, seq: int, micro_batch: int):
+    """The training loader's batches in its order (the data seed, not the model seed, fixes it)."""
+    from hybridlm.data import DataConfig, PackedBatches, PackedTokens
+    return PackedBatches(PackedTokens(data_dir, "train"), seq, micro_batch, 0, 1, DataConfig.seed)
+
+
+def val_batches(data_dir: Path, seq: int, micro_batch: int, n: int) -> List[Dict[str, torch.Tensor]]:
+    from hybridlm.data import PackedTokens, validation_batches
+    return validation_batches(PackedTokens(data_dir, "val"), seq, micro_batch, n)
+
+
+def lm_loss(model, ids: torch.Tensor, device: torch.device, bf16: bool) -> torch.Tensor:
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        return model(input_ids=ids, labels=ids).loss  # every model shifts the labels itself
+
+
+@torch.no_grad()
+def evaluate(model, batches, device, bf16: bool) -> float:
+    model.eval()
+    losses = [lm_loss(model, b["input_ids"].to(device), device, bf16).float().item() for b in batches]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def train_run(model, args, data_dir: Path, device: torch.device, val, label: str) -> Dict[str, Any]:
+    """One model through the shared loop; per-step loss, lr, grad norm, batch hash and first tokens."""
+    from hybridlm.engine import build_param_groups
+    from hybridlm.engine.schedule import lr_lambda
+
+    cuda = device.type == "cuda"
+    bf16 = args.precision == "bf16"
+    model.to(device).train()
+    groups = build_param_groups(model, args.weight_decay)
+    params = [p for g in groups for p in g["params"]]
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=tuple(args.betas), eps=args.eps, fused=cuda)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(lr=args.lr, min_lr=args.min_lr,
+                                                             warmup_steps=args.warmup, max_steps=args.steps))
+    batches = train_batches(data_dir, args.seq, args.micro_batch)
+    rec: Dict[str, Any] = {"train_loss": [], "lr": [], "grad_norm": [], "batch_hash": [], "first_tokens": [],
+                           "val": [], "param_groups": [{"weight_decay": g["weight_decay"], "tensors": len(g["params"]),
+                                                        "numel": sum(p.numel() for p in g["params"])} for g in groups]}
+    max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
+    t0 = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        ids = next(batches)["input_ids"]
+        rec["batch_hash"].append(batch_hash(ids))
+        rec["first_tokens"].append(ids[0, :4].tolist())
+        rec["lr"].append(opt.param_groups[0]["lr"])
+        loss = lm_loss(model, ids.to(device, non_blocking=True), device, bf16)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        rec["train_loss"].append(loss.item())
+        rec["grad_norm"].append(norm.item())
+        if not math.isfinite(rec["train_loss"][-1]):
+            rec["diverged_at"] = step
+            print(f"  {label}: non-finite loss at step {step}; stopping this run", flush=True)
+            break
+        if step % args.val_interval == 0 or step == args.steps:
+            rec["val"].append({"step": step, "loss": evaluate(model, val, device, bf16)})
+        if step % args.log_interval == 0 or step == args.steps:
+            v = f"  val {rec['val'][-1]['loss']:.4f}" if rec["val"] and rec["val"][-1]["step"] == step else ""
+            print(f"  {label} step {step:5d}  loss {rec['train_loss'][-1]:.4f}  lr {rec['lr'][-1]:.3e}  "
+                  f"gnorm {rec['grad_norm'][-1]:.3f}{v}", flush=True)
+    if cuda:
+        torch.cuda.synchronize(device)
+    rec["wall_s"] = time.perf_counter() - t0
+    rec["final_val_loss"] = rec["val"][-1]["loss"] if rec["val"] and "diverged_at" not in rec else None
+    del opt, sched
+    return rec
+
+
+# ---------------------------------------------------------------------------------------- report
+
+def running_mean(xs: Sequence[float], k: int = SMOOTH) -> List[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= k:
+            acc -= xs[i - k]
+        out.append(acc / min(i + 1, k))
+    return out
+
+
+def summarize(report: Dict[str, Any]) -> None:
+    """Headline numbers and the same-batches / same-lr checks, from the runs done so far."""
+    runs = report["runs"]
+    variants = list(dict.fromkeys(r["init"] for r in runs if r["role"] == "ours"))
+    ours = [r for r in runs if r["role"] == "ours" and r["init"] == variants[0]] if variants else []
+    peers = [r for r in runs if r["role"] == "peer"]
+
+    def vals(rs):
+        return [r["final_val_loss"] for r in rs if r.get("final_val_loss") is not None]
+
+    ov, pv = vals(ours), vals(peers)
+    s: Dict[str, Any] = {
+        "ours_val_loss": statistics.fmean(ov) if ov else None,
+        "peer_val_loss": statistics.fmean(pv) if pv else None,
+        "ours_val_losses": ov, "peer_val_losses": pv,
+        "peer_seeds": [r["seed"] for r in peers], "ours_seeds": [r["seed"] for r in ours],
+        "peer_spread": (max(pv) - min(pv)) if len(pv) > 1 else None,
+        "peer_std": statistics.stdev(pv) if len(pv) > 1 else None,
+        "ours_spread": (max(ov) - min(ov)) if len(ov) > 1 else None,
+        "ours_step1_grad_norm": ours[0]["grad_norm"][0] if ours and ours[0]["grad_norm"] else None,
+        "peer_step1_grad_norm": peers[0]["grad_norm"][0] if peers and peers[0]["grad_norm"] else None,
+    }
+    if s["ours_val_loss"] is not None and s["peer_val_loss"] is not None:
+        s["gap"] = s["ours_val_loss"] - s["peer_val_loss"]
+        if s["peer_spread"]:
+            s["gap_over_peer_spread"] = s["gap"] / s["peer_spread"]
+    s["ablation"] = []  # one row per init variant of ours (the first is the headline "ours")
+    for v in variants:
+        rs = [r for r in runs if r["role"] == "ours" and r["init"] == v]
+        vl = vals(rs)
+        row = {"init": v, "legacy_parts": rs[0]["legacy_parts"], "val_losses": vl,
+               "val_loss": statistics.fmean(vl) if vl else None, "step1_grad_norm": rs[0]["grad_norm"][0]
+               if rs[0]["grad_norm"] else None}
+        if row["val_loss"] is not None and s["peer_val_loss"] is not None:
+            row["gap_to_peer"] = row["val_loss"] - s["peer_val_loss"]
+        s["ablation"].append(row)
+    for key, first in (("ours", ours), ("peer", peers)):  # per-step curves of the first run of each side
+        if first:
+            for field, plural in (("train_loss", "train_losses"), ("lr", "lrs"), ("grad_norm", "grad_norms")):
+                s[f"{key}_{plural}"] = first[0][field]
+    report.update(s)
+    if runs:
+        n = min(len(r["batch_hash"]) for r in runs)
+        report["checks"] = {
+            "compared_steps": n,
+            "same_batches": all(r["batch_hash"][:n] == runs[0]["batch_hash"][:n] for r in runs),
+            "same_first_tokens": all(r["first_tokens"][:n] == runs[0]["first_tokens"][:n] for r in runs),
+            "same_lrs": all(r["lr"][:n] == runs[0]["lr"][:n] for r in runs),
+            "same_param_counts": len({r["params"] for r in runs}) == 1,
+            "same_param_groups": len({str([(g["weight_decay"], g["numel"]) for g in r["param_groups"]])
+                                      for r in runs}) == 1,
+        }
+
+
+def plot(report: Dict[str, Any], png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    peer_colors = ["#c9a227", "#e07a1f", "#9c6644", "#b5838d"]
+    ours_colors = ["#2a6f97", "#468faf", "#61a5c2", "#89c2d9"]
+    n_ours = n_peer = 0
+    for r in report["runs"]:
+        if r["role"] == "ours":
+            color, ls = ours_colors[n_ours % len(ours_colors)], "-"
+            n_ours += 1
+        else:
+            color, ls = peer_colors[n_peer % len(peer_colors)], "--"
+            n_peer += 1
+        label = f"{r['name']} (seed {r['seed']})"
+        steps = list(range(1, len(r["train_loss"]) + 1))
+        axes[0].plot(steps, running_mean(r["train_loss"]), ls, color=color, label=label, lw=1.3)
+        if r["val"]:
+            axes[1].plot([v["step"] for v in r["val"]], [v["loss"] for v in r["val"]], ls, marker="o", ms=3,
+                         color=color, label=label, lw=1.3)
+        axes[2].plot(steps, r["grad_norm"], ls, color=color, label=label, lw=0.8)
+    axes[0].set_title(f"train loss ({SMOOTH}-step mean)", fontsize=9)
+    axes[1].set_title("validation loss", fontsize=9)
+    axes[2].set_title("grad norm (before clipping)", fontsize=9)
+    axes[2].set_yscale("log")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Loss parity, {report['family']}: {report['ours_params'] / 1e6:.1f}M params, "
+                 f"mb {report['micro_batch']} x seq {report['seq_len']}, {report['steps']} steps, "
+                 f"{report['precision']} on {report.get('gpu') or 'cpu'}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def write(report: Dict[str, Any], out: Path, chart: bool = True) -> None:
+    summarize(report)
+    write_report(report, out / "loss_parity.json")
+    if chart:
+        plot(report, out / "loss_parity.png")
+
+
+def replot(out: Path) -> None:
+    """Redraw ``out/loss_parity.png`` from ``out/loss_parity.json`` (e.g. of a run cut off before the end)."""
+    import json
+    plot(json.loads((out / "loss_parity.json").read_text()), out / "loss_parity.png")
+
+
+# ---------------------------------------------------------------------------------------- driver
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hybridlm.bench.loss_parity", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=FAMILIES, help="required unless --replot")
+    p.add_argument("--out", required=True, help="directory for loss_parity.json and loss_parity.png")
+    p.add_argument("--replot", action="store_true", help="only redraw --out's chart from its JSON, run nothing")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--config", default=None, help="model YAML name in configs/models or a path "
+                   "(default: gdn_300m / kda_300m / mamba2_300m)")
+    p.add_argument("--model-override", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="model keys, e.g. hidden_size=64 gdn.num_heads=2 hybrid_override_pattern=M-M-")
+    p.add_argument("--keep-pattern", action="store_true",
+                   help="mamba2: keep the config's MLP sublayers (only against --peer ours)")
+    p.add_argument("--peer", choices=PEERS, default="fla")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="peer seeds (model init); several "
+                   "measure the peer's seed-to-seed spread")
+    p.add_argument("--ours-seeds", type=int, nargs="*", default=None, help="our seeds (default: the first of --seeds)")
+    p.add_argument("--ours-init", nargs="+", default=["fla"], metavar="VARIANT",
+                   help="init variants of ours, one run each: fla, legacy, legacy:PART+PART (parts conv, "
+                        "conv_bias, mamba2_out_proj); the first is the headline")
+    p.add_argument("--peer-init", default="fla", metavar="VARIANT", help="--peer ours: its init variant")
+    p.add_argument("--peer-chunk-size", type=int, default=64,
+                   help="mamba2 peers: chunk length of their naive torch SSD (memory grows with it)")
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--min-lr", type=float, default=6e-5)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.95])
+    p.add_argument("--eps", type=float, default=1e-8)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global norm; 0: none")
+    p.add_argument("--val-interval", type=int, default=50)
+    p.add_argument("--val-batches", type=int, default=8)
+    p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--precision", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--data", default=None,
+                   help=f"prepared packed shards (default {DEFAULT_DATA}, prepared from Jane Austen when absent)")
+    p.add_argument("--allow-param-mismatch", action="store_true", help="train even if the counts differ")
+    args = p.parse_args(argv)
+    if args.replot:
+        return args
+    if args.family is None:
+        p.error("--family is required")
+    try:
+        for v in [*args.ours_init, args.peer_init]:
+            parse_variant(v)
+    except ValueError as e:
+        p.error(str(e))
+    if args.steps < 1 or args.val_interval < 1 or args.val_batches < 1 or args.micro_batch < 1:
+        p.error("--steps, --val-interval, --val-batches and --micro-batch must be >= 1")
+    if args.keep_pattern and args.peer != "ours":
+        p.error("--keep-pattern: fla's / transformers' Mamba2 blocks have no MLP; use it with --peer ours")
+    if args.peer == "hf" and args.family != "mamba2":
+        p.error("--peer hf is transformers' Mamba2ForCausalLM (--family mamba2)")
+    args.config = args.config or DEFAULT_CONFIG[args.family]
+    args.ours_seeds = args.ours_seeds if args.ours_seeds else args.seeds[:1]
+    return args
+
+
+def main(argv=None) -> Dict[str, Any]:
+    from hybridlm.data import DataConfig, ensure_prepared
+
+    args = parse_args(argv)
+    out = Path(args.out)
+    if args.replot:
+        replot(out)
+        return {}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    if args.peer == "fla" and not cuda:
+        raise SystemExit("--peer fla: fla's models run Triton kernels and need a CUDA device; on a CPU use "
+                         "--peer ours (or --peer hf for mamba2)")
+    args.precision = args.precision or ("bf16" if cuda else "fp32")
+    data_dir = Path(args.data or DEFAULT_DATA).expanduser()
+    if not data_dir.is_absolute():
+        data_dir = Path.cwd() / data_dir
+    sources = [] if (data_dir / "meta.json").is_file() or args.data else DEFAULT_SOURCES
+    ensure_prepared(DataConfig(path=str(data_dir), sources=sources, tokenizer=DEFAULT_TOKENIZER,
+                               seq_len=args.seq), progress=False)
+    config = resolve_config(args, data_dir)
+    val = val_batches(data_dir, args.seq, args.micro_batch, args.val_batches)
+
+    # parameter counts first, on fresh models (the counts do not depend on the seed)
+    probe, _ = build_ours(config, args.ours_seeds[0])
+    ours_params = count_params(probe)
+    del probe
+    peer_probe, peer_info = build_peer(args.peer, args.family, config, args.seeds[0], args)
+    peer_params = count_params(peer_probe)
+    del peer_probe
+    print(f"loss parity {args.family}: ours {ours_params:,} params ({config.hybrid_override_pattern}), "
+          f"peer {args.peer} ({peer_info['class']}) {peer_params:,} params", flush=True)
+    if ours_params != peer_params and not args.allow_param_mismatch:
+        raise SystemExit(f"parameter counts differ (ours {ours_params:,}, peer {peer_params:,}): the shapes do not "
+                         "match (--allow-param-mismatch trains anyway)")
+
+    report: Dict[str, Any] = {
+        "family": args.family, "steps": args.steps, "config": args.config, "model_override": args.model_override,
+        "pattern": config.hybrid_override_pattern, "ours_config": config.to_diff_dict(),
+        "peer": args.peer, "peer_class": peer_info["class"], "ours_params": ours_params, "peer_params": peer_params,
+        "seeds": args.seeds, "ours_seeds_requested": args.ours_seeds, "ours_init": args.ours_init,
+        "micro_batch": args.micro_batch, "seq_len": args.seq, "precision": args.precision,
+        "optim": {"lr": args.lr, "min_lr": args.min_lr, "warmup_steps": args.warmup, "max_steps": args.steps,
+                  "schedule": "linear warmup + cosine (hybridlm.engine.schedule)", "weight_decay": args.weight_decay,
+                  "betas": args.betas, "eps": args.eps, "grad_clip": args.grad_clip,
+                  "param_groups": "hybridlm.engine.build_param_groups (1-D and _no_weight_decay: no decay)",
+                  "optimizer": f"torch.optim.AdamW{' (fused)' if cuda else ''}"},
+        "val_interval": args.val_interval, "val_batches": len(val),
+        "val_batch_hashes": [batch_hash(b["input_ids"]) for b in val],
+        "data": str(data_dir), "device": str(device), "gpu": torch.cuda.get_device_name(device) if cuda else None,
+        **versions(), "command": " ".join(sys.argv), "started": datetime.now(timezone.utc).isoformat(),
+        "runs": [],
+    }
+    if args.peer == "ours":
+        report["peer_init"] = args.peer_init
+    plan = [("ours", v, s) for v in args.ours_init for s in args.ours_seeds] + [("peer", None, s) for s in args.seeds]
+    for role, variant, seed in plan:
+        if role == "ours":
+            model, info = build_ours(config, seed, variant)
+            name = "ours" + (f" {variant} init" if variant != "fla" else "")
+        else:
+            model, info = build_peer(args.peer, args.family, config, seed, args)
+            name = f"peer {args.peer}" + (f" {args.peer_init} init" if args.peer == "ours" else "")
+        label = f"{name} seed {seed}"
+        print(f"[{label}] {info.get('class', 'HybridForCausalLM')} {count_params(model):,} params", flush=True)
+        rec = train_run(model, args, data_dir, device, val, label)
+        report["runs"].append({"role": role, "name": name, "seed": seed, "params": count_params(model),
+                               **{k: v for k, v in info.items() if k != "config"}, **rec})
+        del model
+        free_memory()
+        write(report, out, chart=False)  # the JSON after every run; --replot draws a cut-off run's chart
+    report["finished"] = datetime.now(timezone.utc).isoformat()
+    write(report, out)
+    peer = f"{report['peer_val_loss']:.4f}" if report.get("peer_val_loss") is not None else "n/a"
+    ours = f"{report['ours_val_loss']:.4f}" if report.get("ours_val_loss") is not None else "n/a"
+    spread = f", peer spread {report['peer_spread']:.4f}" if report.get("peer_spread") is not None else ""
+    print(f"val loss after {args.steps} steps: ours {ours}, peer {peer}{spread}; checks {report['checks']}")
+    print(f"wrote {out / 'loss_parity.json'} and {out / 'loss_parity.png'}", flush=True)
+    c = report["checks"]
+    if not (c["same_batches"] and c["same_first_tokens"] and c["same_lrs"]):
+        raise SystemExit(2)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Loss parity against flash-linear-attention's models (python -m hybridlm.bench.loss_parity) at the 300M shapes:
+# GDN-300M vs fla GatedDeltaNetForCausalLM, KDA-300M vs fla KDAForCausalLM, Mamba2 (the Mamba2-300M dims, one
+# Mamba2 mixer per sublayer: fla's Mamba2 blocks have no MLP) vs fla Mamba2ForCausalLM; micro-batch 8, seq 2048,
+# 300 steps, lr 6e-4 -> 6e-5 (warmup 30, cosine), bf16 autocast over fp32 weights, the Llama-3.2-tokenized
+# Jane Austen shards from .xfer. Each family is one process on its own GPU lane, so a family cut off by its
+# time limit leaves the others' reports (the JSON is rewritten after every run; a missing chart is redrawn
+# here with `python -m hybridlm.bench.loss_parity --replot --out DIR`).
+# Settings:
+#   FAMILIES="gdn kda mamba2"   which families
+#   GPUS="0 1"                  lanes: family i runs on GPU GPUS[i % n], the families of one lane in turn
+#   SEEDS="0 1"                 peer seeds (their spread is the yardstick); ours runs with the first
+#   ABLATION=1                  also ours with the previous init, whole and part by part (the ablation table):
+#                               gdn / kda: legacy (= the conv weights); mamba2: legacy, legacy:conv,
+#                               legacy:conv_bias, legacy:mamba2_out_proj
+#   OURS_INIT="fla legacy:conv" explicit variants instead (overrides ABLATION)
+#   STEPS=300 MB=8 SEQ=2048 VAL_INTERVAL=25 VAL_BATCHES=8 MAMBA2_CHUNK=64 (the peers' naive torch SSD without
+#   mamba_ssm: its transient [b, T, chunk, heads, d_state] fp32 products are ~8.6 GB at chunk 64, mb 8)
+#   DEADLINE=<seconds> (default 560): when the logs must be packed
+# Needs .device (the bundle) and .xfer (scripts/device/pack_data.sh). Reports: $LOGS/parity_<family>/.
+# Unrun so far. Budget guesses (unmeasured): a 300-step 300M run of ours or an fla GDN / KDA peer at 16k tokens
+# per step is ~0.5-1 min after fla's autotuning (minutes per mixer when cold); the Mamba2 peers' naive SSD is
+# much slower (~1 s a step?). So one 2-GPU call fits gdn + kda with two peer seeds; give mamba2, and any
+# ABLATION=1 run, a call of its own (FAMILIES=mamba2 GPUS=0 SEEDS=0, or one family per GPU).
+set -u
+cd "$(dirname "$0")/../.."
+source .device/activate.sh
+export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
+source scripts/device/common.sh
+export DEADLINE_AT=$(( EPOCHSECONDS + ${DEADLINE:-560} ))
+declare -A CONFIG=([gdn]=gdn_300m [kda]=kda_300m [mamba2]=mamba2_300m)
+declare -A ABLATE=([gdn]="fla legacy" [kda]="fla legacy"
+                   [mamba2]="fla legacy legacy:conv legacy:conv_bias legacy:mamba2_out_proj")
+
+run_family() {  # family gpu
+  local fam=$1 gpu=$2 left=$(( DEADLINE_AT - EPOCHSECONDS - 15 ))
+  [ "$left" -lt 30 ] && { echo "loss_parity: no time left for $fam"; return; }
+  local init=${OURS_INIT:-fla}
+  [ -z "${OURS_INIT:-}" ] && [ "${ABLATION:-0}" = 1 ] && init=${ABLATE[$fam]}
+  echo "[$(date +%T)] loss_parity $fam on GPU $gpu (${left}s left; ours init: $init)"
+  CUDA_VISIBLE_DEVICES=$gpu timeout "$left" python3 -m hybridlm.bench.loss_parity --family "$fam" \
+    --config "${CONFIG[$fam]}" --out "$LOGS/parity_$fam" --data data_cache/janeausten-llama3.2 \
+    --steps "${STEPS:-300}" --micro-batch "${MB:-8}" --seq "${SEQ:-2048}" --lr 6e-4 --min-lr 6e-5 --warmup 30 \
+    --val-interval "${VAL_INTERVAL:-25}" --val-batches "${VAL_BATCHES:-8}" --log-interval 25 \
+    --peer fla --seeds ${SEEDS:-0 1} --ours-init $init --peer-chunk-size "${MAMBA2_CHUNK:-64}" \
+    > "$LOGS/parity_$fam.log" 2>&1
+  echo "[$(date +%T)] loss_parity $fam: exit $?"
+  [ -f "$LOGS/parity_$fam/loss_parity.png" ] || python3 -m hybridlm.bench.loss_parity --replot \
+    --out "$LOGS/parity_$fam" > /dev/null 2>&1
+  grep -E "params|val loss after|Error|error" "$LOGS/parity_$fam.log" | tail -n 6
+}
+
+read -r -a gpus <<< "${GPUS:-0 1}"
+read -r -a fams <<< "${FAMILIES:-gdn kda mamba2}"
+for lane in "${!gpus[@]}"; do
+  (
+    for i in "${!fams[@]}"; do
+      [ $(( i % ${#gpus[@]} )) -eq "$lane" ] && run_family "${fams[$i]}" "${gpus[$lane]}"
+    done
+  ) &
+done
+wait
+finish_device_run

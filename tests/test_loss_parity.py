@@ -1,0 +1,120 @@
+"""The loss-parity benchmark on a CPU: our model against a CPU peer (our model again, other seeds and the old
+init) on the real packed data, both fed the same batches with the same learning rate at every step."""
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import assert_chart
+
+TINY = ["hidden_size=64", "intermediate_size=128", "hybrid_override_pattern=M-M-", "gdn.num_heads=2",
+        "gdn.head_dim=16", "gdn.num_v_heads=4", "gdn.head_v_dim=16"]
+
+
+def test_cpu_run_same_batches_same_lrs(tmp_path, austen_data):
+    from hybridlm.bench import loss_parity as LP
+    from hybridlm.data import DataConfig, PackedBatches, PackedTokens
+    from hybridlm.engine.schedule import lr_at
+
+    steps, out = 4, tmp_path / "parity"
+    report = LP.main(["--family", "gdn", "--steps", str(steps), "--out", str(out), "--data", str(austen_data),
+                      "--peer", "ours", "--peer-init", "legacy", "--seeds", "1", "--ours-seeds", "0",
+                      "--micro-batch", "2", "--seq", "32", "--warmup", "2", "--lr", "1e-3", "--min-lr", "1e-4",
+                      "--val-interval", "2", "--val-batches", "1", "--model-override", *TINY])
+    saved = json.loads((out / "loss_parity.json").read_text())
+    assert_chart(out / "loss_parity.png")
+    assert saved["family"] == "gdn" and saved["steps"] == steps and saved["precision"] == "fp32"
+    runs = saved["runs"]
+    assert [(r["role"], r["seed"], r["init"]) for r in runs] == [("ours", 0, "fla"), ("peer", 1, "legacy")]
+    # the batches are the training loader's, in its order, for every run
+    loader = PackedBatches(PackedTokens(austen_data, "train"), 32, 2, 0, 1, DataConfig.seed)
+    expected = [next(loader)["input_ids"] for _ in range(steps)]
+    hashes = [LP.batch_hash(ids) for ids in expected]
+    lrs = [lr_at(s, lr=1e-3, min_lr=1e-4, warmup_steps=2, max_steps=steps) for s in range(steps)]
+    for r in runs:
+        assert r["batch_hash"] == hashes and r["first_tokens"] == [ids[0, :4].tolist() for ids in expected]
+        assert r["lr"] == pytest.approx(lrs, rel=1e-12)
+        assert len(r["train_loss"]) == len(r["grad_norm"]) == steps
+        assert all(math.isfinite(x) for x in r["train_loss"] + r["grad_norm"])
+        assert [v["step"] for v in r["val"]] == [2, 4] and r["params"] == saved["ours_params"]
+    assert len(set(hashes)) == steps  # distinct batches, not one repeated
+    assert saved["checks"] == {"compared_steps": steps, "same_batches": True, "same_first_tokens": True,
+                               "same_lrs": True, "same_param_counts": True, "same_param_groups": True}
+    # two decay groups, the same for every run: 1-D parameters (norms, A_log, dt_bias) not decayed
+    groups = runs[0]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.01, 0.0] and sum(g["numel"] for g in groups) == saved["ours_params"]
+    assert saved["ours_val_loss"] == runs[0]["final_val_loss"] == runs[0]["val"][-1]["loss"]
+    assert saved["peer_val_loss"] == runs[1]["final_val_loss"] and saved["peer_spread"] is None  # one peer seed
+    assert saved["gap"] == pytest.approx(saved["ours_val_loss"] - saved["peer_val_loss"])
+    assert saved["ours_train_losses"] == runs[0]["train_loss"] and saved["peer_lrs"] == runs[1]["lr"]
+    assert saved["ours_step1_grad_norm"] == runs[0]["grad_norm"][0]
+    assert report["checks"]["same_batches"]
+    (out / "loss_parity.png").unlink()  # --replot redraws the chart of a (cut-off) run from its JSON
+    LP.main(["--replot", "--out", str(out)])
+    assert_chart(out / "loss_parity.png")
+    # the old init's conv weights (std ~0.29 instead of 0.02) give a larger first gradient
+    assert runs[1]["grad_norm"][0] > runs[0]["grad_norm"][0]
+
+
+def _run(role, hashes, lrs, val=None, seed=0, init="fla"):
+    return {"role": role, "seed": seed, "init": init, "legacy_parts": [], "params": 10, "batch_hash": hashes,
+            "first_tokens": [[1]] * len(hashes), "lr": lrs, "train_loss": [1.0] * len(hashes),
+            "grad_norm": [2.0] * len(hashes), "val": [], "final_val_loss": val,
+            "param_groups": [{"weight_decay": 0.1, "numel": 10}]}
+
+
+def test_summary_peer_spread_and_ablation_rows():
+    from hybridlm.bench.loss_parity import summarize
+    h, lr = ["a", "b"], [1.0, 2.0]
+    report = {"runs": [_run("ours", h, lr, 4.60), _run("ours", h, lr, 4.70, init="legacy"),
+                       _run("peer", h, lr, 4.50, seed=0), _run("peer", h, lr, 4.54, seed=1)]}
+    summarize(report)
+    assert report["ours_val_loss"] == 4.60 and report["peer_val_loss"] == pytest.approx(4.52)
+    assert report["peer_spread"] == pytest.approx(0.04) and report["peer_seeds"] == [0, 1]
+    assert report["gap"] == pytest.approx(0.08) and report["gap_over_peer_spread"] == pytest.approx(2.0)
+    assert [(r["init"], r["val_loss"]) for r in report["ablation"]] == [("fla", 4.60), ("legacy", 4.70)]
+    assert report["ablation"][1]["gap_to_peer"] == pytest.approx(0.18)
+
+
+def test_checks_catch_different_batches_or_lrs():
+    from hybridlm.bench.loss_parity import summarize
+    run = _run
+
+    report = {"runs": [run("ours", ["a", "b"], [1.0, 2.0]), run("peer", ["a", "c"], [1.0, 2.0])]}
+    summarize(report)
+    assert not report["checks"]["same_batches"] and report["checks"]["same_lrs"]
+    report = {"runs": [run("ours", ["a", "b"], [1.0, 2.0]), run("peer", ["a", "b"], [1.0, 3.0])]}
+    summarize(report)
+    assert report["checks"]["same_batches"] and not report["checks"]["same_lrs"]
+
+
+@pytest.mark.parametrize("family,peer,overrides", [
+    ("gdn", "fla", TINY),
+    ("kda", "fla", ["hidden_size=64", "intermediate_size=128", "hybrid_override_pattern=M-M-", "kda.num_heads=2",
+                    "kda.head_dim=16", "kda.num_v_heads=2", "kda.head_v_dim=32"]),
+    ("mamba2", "fla", ["hidden_size=64", "hybrid_override_pattern=M-M-", "mamba2.d_state=16", "mamba2.head_dim=16",
+                       "mamba2.n_groups=2"]),
+    ("mamba2", "hf", ["hidden_size=64", "hybrid_override_pattern=M-M-", "mamba2.d_state=16", "mamba2.head_dim=16",
+                      "mamba2.n_groups=2"]),
+])
+def test_peers_have_our_parameter_count(family, peer, overrides, austen_data):
+    """The peers built for the GPU runs (fla's need CUDA only to run) have exactly our parameter count; for
+    mamba2 the pattern becomes one mixer per sublayer (the peers' blocks have no MLP)."""
+    pytest.importorskip("fla.models")
+    from hybridlm.bench import loss_parity as LP
+
+    args = LP.parse_args(["--family", family, "--out", "unused", "--peer", peer, "--seq", "32",
+                          "--model-override", *overrides])
+    config = LP.resolve_config(args, austen_data)
+    if family == "mamba2":
+        assert config.layer_plan == ["mamba2"] * 4
+    ours, _ = LP.build_ours(config, 0)
+    model, info = LP.build_peer(peer, family, config, 0, args)
+    assert LP.count_params(model) == LP.count_params(ours) > 0
+    assert info["init"].startswith("its own")
+    with pytest.raises(SystemExit, match="CUDA"):
+        if not torch.cuda.is_available() and peer == "fla":
+            LP.main(["--family", family, "--out", "unused", "--model-override", *overrides])
+        else:
+            raise SystemExit("CUDA")
