@@ -46,8 +46,10 @@ def training_plan(kind: str, sections: Dict[str, Any]) -> Dict[str, Any]:
         from hybridlm.data import DataConfig
         length = build_dataclass(DataConfig, data, "ild.data").seq_len
     elif kind == "kd":
-        from hybridlm.data.sft import SFTDataConfig
-        length = build_dataclass(SFTDataConfig, data, "kd.data").max_length
+        from distill.kd import kd_data
+        data_class, _, data = kd_data(data)
+        built = build_dataclass(data_class, data, "kd.data")
+        length = getattr(built, "max_length", None) or built.seq_len  # chat records or packed windows
     else:
         from distill.dpo_stage import PreferenceDataConfig
         length = 2 * build_dataclass(PreferenceDataConfig, data, "dpo.data").max_length

@@ -163,14 +163,16 @@ def plot_report(report: Dict[str, Any], png: Path) -> Path:
         hybrid = [r for r in rows if r["model"] != "teacher"]
         xs = [max(r["tokens_trained"], 1) / 1e6 for r in hybrid]
         ax.plot(xs, [r[field] for r in hybrid], "o-", color="#1f77b4", label="hybrid")
-        for x, r in zip(xs, hybrid):
+        for n, (x, r) in enumerate(zip(xs, hybrid)):  # alternate sides: DPO's point sits on KD's
             ax.annotate(f"{r['model'].replace('hybrid, ', '').replace('hybrid ', '')}\n{r[field]:.3g}", (x, r[field]),
-                        textcoords="offset points", xytext=(4, 6), fontsize=7)
+                        textcoords="offset points", xytext=(4 if n % 2 == 0 else -60, 6 if n % 2 == 0 else -22),
+                        fontsize=7)
         ax.axhline(teacher, color="#444444", lw=1.5, label=f"teacher {teacher:.3g}")
         for ratio, style in zip(report["targets"]["ppl_ratio"], ("--", ":")):
             ax.axhline(teacher * ratio, color="#d62728", ls=style, lw=1, label=f"target {ratio:g}x teacher")
         ax.set_yscale("log")
         ax.set_xscale("symlog", linthresh=1.0)
+        ax.set_xlim(left=0)
         ax.set_xlabel("tokens trained (millions; init at 0)")
         ax.set_ylabel("perplexity (log scale)")
         h = report["heldout"][key]
