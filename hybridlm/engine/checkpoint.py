@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from hybridlm.config.errors import ConfigError
-from hybridlm.utils.atomic import TMP_PREFIX, atomic_write_text, write_json  # noqa: F401  (re-exported)
+from hybridlm.utils.atomic import TMP_PREFIX, atomic_write_text, fsync_dir, write_json  # noqa: F401  (re-exported)
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -52,20 +52,6 @@ def fsync_file(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str) -> None:
-    """Persist a directory's entries (renames, creations).  Not every platform allows it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
     finally:
         os.close(fd)
 

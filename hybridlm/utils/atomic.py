@@ -39,7 +39,8 @@ def atomic_directory(final: Path, overwrite: bool = False):
         raise
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Persist a directory's entries (renames, creations).  Not every platform allows it."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
@@ -67,7 +68,7 @@ def atomic_write_text(path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def finite_or_none(obj: Any) -> Any:
