@@ -14,7 +14,6 @@ the mixer outputs, sum ||a_s - a_t||^2 / sum ||a_t||^2 (1.0 = a silent mixer), a
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from distill.ild import teacher_trace
 from hybridlm.data.assets import corpus_path
 from hybridlm.eval.perplexity import token_windows
 from hybridlm.model import HybridForCausalLM
-from hybridlm.utils.atomic import write_json
+from hybridlm.utils.atomic import json_text, write_json
 from upcycle.calibrate import calibrate_student
 from upcycle.init_mamba import init_student_from_teacher
 from upcycle.init_variants import published_mamba2
@@ -75,7 +74,7 @@ def run_variant(teacher, train_ids, held_trace, calib_ids, init, lr, layers, ste
             _, rel = layer_losses(student, held_trace, layers)
         curve.append({"step": step, "tokens": step * batch * train_ids.shape[1], "rel_err": sum(rel) / len(rel),
                       "per_layer": rel})
-        print(json.dumps({"init": init, "lr": lr, **curve[-1]}), flush=True)
+        print(json_text({"init": init, "lr": lr, **curve[-1]}), flush=True)
 
     evaluate(0)
     g = torch.Generator().manual_seed(0)

@@ -13,7 +13,6 @@ text and held-out text are different books of Jane Austen; the MLA layers are SM
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 from hybridlm.data.assets import corpus_path
 from hybridlm.eval.perplexity import perplexity, token_windows
 from hybridlm.model import HybridForCausalLM
-from hybridlm.utils.atomic import write_json
+from hybridlm.utils.atomic import json_text, write_json
 from upcycle.calibrate import calibrate_student
 from upcycle.init_mamba import init_student_from_teacher
 from upcycle.student import student_config
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
     L = teacher.config.num_hidden_layers
     kinds = ["mamba2" if args.all_mamba2 or i not in ROUTE_MLA_LAYERS else "mla" for i in range(L)]
     rows = [{"variant": "teacher", **perplexity(teacher, held_out)}]
-    print(json.dumps(rows[-1]), flush=True)
+    print(json_text(rows[-1]), flush=True)
     for variant in args.variants:
         t0 = time.perf_counter()
         pieces = {"ours": {"identity_conv", "constant_gate", "calibrated"}}.get(variant, set(variant.split("+")))
@@ -97,7 +96,7 @@ def main(argv=None) -> int:
             p.error(f"--variants: unknown piece {sorted(unknown)[0]!r}; expected published, ours or +-joined {PIECES}")
         student = build_variant(teacher, kinds, pieces, calib)
         rows.append({"variant": variant, **perplexity(student, held_out), "seconds": round(time.perf_counter() - t0)})
-        print(json.dumps(rows[-1]), flush=True)
+        print(json_text(rows[-1]), flush=True)
     write_json(Path(args.out), {"mla_layers": [i for i, k in enumerate(kinds) if k == "mla"],
                                 "calibration": f"{books[0].name}[100000:160000]",
                                 "held_out": f"{books[1].name}[200000:300000]", "rows": rows})

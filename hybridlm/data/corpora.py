@@ -39,6 +39,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from hybridlm.config.errors import last_line
 from hybridlm.data.assets import AssetError, _atomic_build, _run, cache_dir
+from hybridlm.utils.atomic import json_text, write_json
 
 MANIFEST = ".asset.json"  # hidden: a prepare source walking the directory skips it
 
@@ -190,7 +191,7 @@ def corpus_dir(name: str, fetch: bool = True) -> Path:
             raise AssetError(f"{name} fetch: {corpus.source} gave {n_docs} document(s)")
         shutil.rmtree(work)
         info = dict(_manifest(corpus), documents=n_docs)
-        (out / MANIFEST).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        write_json(out / MANIFEST, info)
 
     if not final.exists():
         return _atomic_build(final, build)
@@ -694,7 +695,7 @@ def print_stats(names: Iterable[str], tokenizer: str, as_json: bool = False) -> 
         row = corpus_stats(name, tok_file)
         rows.append(row)
         if as_json:
-            print(json.dumps(row), flush=True)
+            print(json_text(row), flush=True)
         else:
             tag = " (held out)" if row["held_out"] else ""
             print(f"| `{row['asset']}`{tag} | {row['source']} | {row['license']} | {row['documents']:,} | "

@@ -4,7 +4,6 @@ SmolLM2-135M teacher (same shapes, so the same work per token): sizes each stage
     python3 scripts/device/route_speed.py --seq 1024 --micro 16 32 --steps 6 --out $OUT/route_speed.json
 """
 import argparse
-import json
 import time
 
 import torch
@@ -14,6 +13,7 @@ from distill.ild import ild_loss
 from distill.kd import kd_loss
 from hybridlm.engine import Engine, OptimConfig, init_distributed
 from hybridlm.model import HybridForCausalLM
+from hybridlm.utils.atomic import json_text, write_json
 from upcycle.student import student_config
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -38,7 +38,7 @@ def time_stage(name, student, loss_fn, trainable, micro, seq, steps, warmup):
     dt = (time.perf_counter() - t0) / steps
     out = {"stage": name, "micro": micro, "seq": seq, "s_per_step": dt, "tokens_per_s": micro * seq / dt,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(r.loss)}
-    print(json.dumps(out), flush=True)
+    print(json_text(out), flush=True)
     del engine
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -67,8 +67,7 @@ def main():
         student = HybridForCausalLM(student_config(teacher.config, kinds, kv_lora_rank=128, rope_dim=16))
         rows.append(time_stage("kd", student, lambda s, b: kd_loss(s, teacher, b), lambda s: s.parameters(),
                                micro, args.seq, args.steps, args.warmup))
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+    write_json(args.out, {"device": torch.cuda.get_device_name(), "rows": rows})
 
 
 if __name__ == "__main__":
