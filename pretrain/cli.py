@@ -7,6 +7,7 @@ from typing import List, Optional
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.engine.engine import NonFiniteLossError
+from hybridlm.training.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted
 from hybridlm.config.loader import load_config
 from hybridlm.utils.atomic import json_text
 
@@ -56,4 +57,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except NonFiniteLossError as e:  # the run stopped itself, its checkpoint saved: a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except Preempted as e:  # a scheduler's signal: the checkpoint is saved, the next run resumes
+        print(f"stopped: {e}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     return 0

@@ -169,28 +169,17 @@ def test_lm_eval_local_task_on_tiny_hybrid(models, austen_tasks, tmp_path, capsy
     assert json.loads(out_file.read_text()) == res
     metrics = res["tasks"]["austen_cloze"]
     assert res["n_samples"]["austen_cloze"] == {"original": 500, "effective": 6}
-    # the same 6 items scored here without the harness: log-likelihood of " " + choice after the context
-    # (continuation tokens = tokens of context + continuation past those of the context, no BOS), argmax
-    # for acc, argmax of log-likelihood per character of the choice for acc_norm (lm_eval/api/task.py)
+    # the same 6 items scored without the harness (hybridlm.eval.multiple_choice, which the route's report uses
+    # where lm_eval is not installed): the same acc and acc_norm
     from transformers import AutoTokenizer
+    from hybridlm.eval.multiple_choice import multiple_choice_accuracy
     from hybridlm.model import HybridForCausalLM
     model = HybridForCausalLM.from_pretrained(models["hybrid"]).eval()
     tok = AutoTokenizer.from_pretrained(models["hybrid"])
     items = [json.loads(l) for l in (austen_tasks / "austen_cloze" / "austen_cloze.jsonl").read_text().splitlines()][:6]
-    hits = {"acc": 0, "acc_norm": 0}
-    for item in items:
-        scores = []
-        for choice in item["choices"]:
-            ctx = tok(item["context"], add_special_tokens=False)["input_ids"]
-            whole = tok(item["context"] + " " + choice, add_special_tokens=False)["input_ids"]
-            cont = whole[len(ctx):]
-            with torch.no_grad():
-                logp = model(input_ids=torch.tensor([whole[:-1]])).logits[0].log_softmax(-1)
-            scores.append(sum(logp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont)))
-        hits["acc"] += max(range(4), key=lambda i: scores[i]) == item["label"]
-        hits["acc_norm"] += max(range(4), key=lambda i: scores[i] / len(item["choices"][i])) == item["label"]
+    ours = multiple_choice_accuracy(model, tok, items, batch_size=5)  # batches that split items: padding is inert
     for name in ("acc", "acc_norm"):
-        assert metrics[name] == pytest.approx(hits[name] / 6), (name, metrics, hits)
+        assert metrics[name] == pytest.approx(ours[name]), (name, metrics, ours)
     assert res["model_type"] == "hybrid"
 
 
@@ -234,3 +223,31 @@ def test_ppl_packed_validation_split_equals_its_text(models, austen_files, tmp_p
         assert rc == 0, err
         per_file.append(json.loads(out)["ppl"])
     assert any(p == pytest.approx(packed["ppl"], rel=1e-6) for p in per_file), (packed["ppl"], per_file)
+
+
+def test_multiple_choice_log_likelihoods_match_one_forward_per_pair(models):
+    """Batched, right-padded scoring equals one unpadded forward per pair; a context's trailing space moves into
+    the continuation, as the harness encodes a pair."""
+    from transformers import AutoTokenizer
+    from hybridlm.eval.multiple_choice import continuation_logprobs, encode_pair, multiple_choice_accuracy
+    from hybridlm.model import HybridForCausalLM
+    model = HybridForCausalLM.from_pretrained(models["hybrid"]).eval()
+    tok = AutoTokenizer.from_pretrained(models["hybrid"])
+    ctx, cont = encode_pair(tok, "It is a truth universally ", "acknowledged")
+    assert tok.decode(cont) == " acknowledged" and tok.decode(ctx) == "It is a truth universally"
+    pairs = [encode_pair(tok, c, " " + w) for c, w in (("She was the youngest of the two daughters", "of"),
+                                                        ("Emma Woodhouse, handsome, clever, and", "rich"),
+                                                        ("A short one", "extraordinarily"))]
+    batched = continuation_logprobs(model, pairs, batch_size=3)
+    for (c, t), got in zip(pairs, batched):
+        with torch.no_grad():
+            logp = model(input_ids=torch.tensor([c + t])).logits[0].float().log_softmax(-1)
+        want = sum(logp[len(c) - 1 + i, tok_id].item() for i, tok_id in enumerate(t))
+        assert got == pytest.approx(want, abs=1e-4)
+    context, choices = "She was the youngest of the two daughters", ["of", "rich", "extraordinarily"]
+    lls = continuation_logprobs(model, [encode_pair(tok, context, " " + w) for w in choices])
+    best = max(range(3), key=lambda i: lls[i])
+    best_norm = max(range(3), key=lambda i: lls[i] / len(choices[i]))
+    for label in range(3):
+        res = multiple_choice_accuracy(model, tok, [{"context": context, "choices": choices, "label": label}])
+        assert res == {"acc": float(label == best), "acc_norm": float(label == best_norm), "items": 1}

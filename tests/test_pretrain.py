@@ -109,6 +109,18 @@ def test_sigkill_then_resume_logs_the_same_losses_bitwise(tmp_path, austen_data,
     assert losses(tmp_path / "killed") == losses(straight[0])  # exact float equality, every step
 
 
+def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes_bitwise(tmp_path, austen_data, straight):
+    out = tmp_path / "preempted"
+    stopped = run_pretrain(out, austen_data, env={"HYBRIDLM_FAULT_TERM_AT_STEP": "4"}, check=False)
+    assert stopped.returncode == 143 and "Traceback" not in stopped.stderr
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last.startswith("stopped: stopped by SIGTERM at step 4 of 8") and "rerun to resume" in last
+    assert (out / "checkpoints" / "step_4").is_dir() and not (out / "final").exists()  # saved, not exported
+    resumed = run_pretrain(out, austen_data)
+    assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
+    assert losses(out) == losses(straight[0])  # exact float equality, every step
+
+
 def test_nan_steps_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path, austen_data):
     out = tmp_path / "nan"
     run_pretrain(out, austen_data, "optim.max_steps=4", env={"HYBRIDLM_FAULT_NAN_AT_STEPS": "2"})

@@ -67,9 +67,21 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
     assert again.stdout.count("already finished") == 4  # ild x2, kd, dpo skipped; init/smart/compose reused
     (out / "report.json").unlink()
     alone = subprocess.run([sys.executable, "-m", "upcycle.cli", "report", "--route-dir", str(out), "--seq-len", "32",
-                            "--tokens", "256"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                            "--tokens", "256", "--cloze-items", "3"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=300)
     assert alone.returncode == 0, alone.stderr[-2000:]
-    assert json.loads((out / "report.json").read_text())["perplexity"] == report["perplexity"]
+    rescored = json.loads((out / "report.json").read_text())
+    cloze = {r["model"]: (r.pop("cloze_acc"), r.pop("cloze_acc_norm")) for r in rescored["perplexity"]}
+    assert rescored["perplexity"] == report["perplexity"] and rescored["cloze"] == {"task": "austen_cloze", "items": 3}
+    # the teacher's cloze accuracy as the harness-equivalent scorer gives it on the same items
+    from hybridlm.data.assets import corpus_path
+    from hybridlm.eval.build_tasks import austen_cloze_items
+    from hybridlm.eval.multiple_choice import multiple_choice_accuracy
+    from upcycle.teacher import load_teacher_tokenizer
+    direct = multiple_choice_accuracy(load_teacher(teacher).float().eval(), load_teacher_tokenizer(str(teacher)),
+                                      austen_cloze_items(corpus_path(), 3))
+    assert cloze["teacher"] == (direct["acc"], direct["acc_norm"]) and len(cloze) == 5
+    assert "| cloze acc |" in (out / "report.md").read_text()
     missing = subprocess.run([sys.executable, "-m", "upcycle.cli", "report", "--route-dir", str(tmp_path / "nope")],
                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "route_config.json: missing" in missing.stderr

@@ -15,6 +15,7 @@ from typing import List, Optional
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.engine.engine import NonFiniteLossError
+from hybridlm.training.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted
 from hybridlm.utils.atomic import write_json
 
 
@@ -144,7 +145,9 @@ def cmd_report(args) -> dict:
     cfg_file = Path(args.route_dir) / "route_config.json"
     saved = (json.loads(cfg_file.read_text()).get("report") or {}) if cfg_file.is_file() else {}
     sources = args.heldout_sources if args.heldout_sources is not None else saved.get("heldout_sources", ())
-    return route_report(args.route_dir, data, seq_len=args.seq_len, max_tokens=args.tokens, heldout_sources=sources)
+    cloze = args.cloze_items if args.cloze_items is not None else saved.get("cloze_items", 0)
+    return route_report(args.route_dir, data, seq_len=args.seq_len, max_tokens=args.tokens, heldout_sources=sources,
+                        cloze_items=cloze)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--heldout-sources", nargs="+", default=None,
                     help="held-out text (b) that no stage trains on (default: the route config's report.heldout_sources)")
     rp.add_argument("--tokens", type=int, default=65536, help="held-out tokens to score")
+    rp.add_argument("--cloze-items", type=int, default=None,
+                    help="austen_cloze items to score each model on; 0: none (default: the route config's report.cloze_items)")
     rp.set_defaults(fn=cmd_report)
     k = sub.add_parser("kv-report", help="KV-cache size of a hybrid against its Llama teacher, without weights")
     k.add_argument("--teacher", required=True, help="config.json, model directory, or asset:smollm2")
@@ -209,6 +214,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except NonFiniteLossError as e:  # a training stage stopped itself, its checkpoint saved
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except Preempted as e:  # a scheduler's signal: the checkpoint is saved, the next run resumes
+        print(f"stopped: {e}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     return 0
 
 

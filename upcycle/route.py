@@ -78,7 +78,7 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     init_opts = dict(cfg.get("init") or {})
     linear = init_opts.get("linear_mixer", "mamba2")
     report_opts = dict(cfg.get("report") or {})
-    check_known_keys("report", report_opts, ("seq_len", "max_tokens", "heldout_sources", "targets"))
+    check_known_keys("report", report_opts, ("seq_len", "max_tokens", "heldout_sources", "targets", "cloze_items"))
     ild = cfg.get("ild") or {}
     hybrid = out / "hybrid"
     stages = {

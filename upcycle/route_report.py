@@ -1,6 +1,7 @@
 """The route's result table (``report.json``, ``report.md``, ``report.png``): for the teacher and the hybrid after
 each stage (init only, ILD, KD, DPO), perplexity and per-token KL(teacher || model) on two held-out texts, DPO's
-held-out reward accuracy, and the tokens and minutes each stage used.
+held-out reward accuracy, the ``austen_cloze`` accuracy of each model (``report.cloze_items``), and the tokens and
+minutes each stage used.
 
     upcycle report --route-dir runs/smollm2_route [--data data_cache/mix-smollm2] [--tokens 65536]
 
@@ -21,7 +22,10 @@ import numpy as np
 import torch
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.data.assets import corpus_path
 from hybridlm.data.packed import PackedTokens
+from hybridlm.eval.build_tasks import austen_cloze_items
+from hybridlm.eval.multiple_choice import multiple_choice_accuracy
 from hybridlm.eval.perplexity import perplexity
 from hybridlm.utils.atomic import atomic_write_text, json_text, write_json
 
@@ -82,8 +86,10 @@ def score(model, teacher, windows: List[torch.Tensor], batch_size: int = 4) -> D
 
 @torch.no_grad()
 def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 65536,
-                 device: Optional[torch.device] = None, heldout_sources=(), targets=(1.25, 1.10)) -> Dict[str, Any]:
-    """Measure every model the route has written so far; write ``report.json``, ``report.md`` and ``report.png``."""
+                 device: Optional[torch.device] = None, heldout_sources=(), targets=(1.25, 1.10),
+                 cloze_items: int = 0) -> Dict[str, Any]:
+    """Measure every model the route has written so far; write ``report.json``, ``report.md`` and ``report.png``.
+    ``cloze_items`` > 0 adds the ``austen_cloze`` accuracy (that many items) of every model."""
     from hybridlm.model import HybridForCausalLM
     from upcycle.compose import compose_from_dirs
     from upcycle.smart_stage import layers_from_report
@@ -102,6 +108,8 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
             heldout_sources = [heldout_sources]
         texts["b"] = {"name": ", ".join(heldout_sources),
                       "windows": text_windows(load_teacher_tokenizer(teacher_spec), heldout_sources, seq_len, max_tokens)}
+    cloze = austen_cloze_items(corpus_path(), cloze_items) if cloze_items else []
+    tokenizer = load_teacher_tokenizer(teacher_spec) if cloze else None
     linear = (cfg.get("init") or {}).get("linear_mixer", "mamba2")
     teacher = load_teacher(teacher_spec).to(device=device, dtype=torch.float32).eval()
 
@@ -131,6 +139,9 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
             r = score(model, teacher, text["windows"])
             suffix = "" if key == "a" else f"_{key}"
             row.update({f"ppl{suffix}": r["ppl"], f"nll{suffix}": r["nll"], f"kl{suffix}": r["kl"]})
+        if cloze:
+            mc = multiple_choice_accuracy(model, tokenizer, cloze)
+            row.update({"cloze_acc": mc["acc"], "cloze_acc_norm": mc["acc_norm"]})
         rows.append(row)
         print(json_text(rows[-1]), flush=True)
         if model is not teacher:
@@ -140,6 +151,8 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
     report = {"heldout": {key: {"text": t["name"], "seq_len": seq_len, "tokens": sum(w.numel() - 1 for w in t["windows"])}
                           for key, t in texts.items()},
               "targets": {"ppl_ratio": list(targets)}, "perplexity": rows, "stages": stages}
+    if cloze:
+        report["cloze"] = {"task": "austen_cloze", "items": len(cloze)}
     write_json(out / "report.json", report)
     atomic_write_text(str(out / "report.md"), report_markdown(report))
     plot_report(report, out / "report.png")
@@ -192,11 +205,16 @@ def report_markdown(report: Dict[str, Any]) -> str:
     keys = [k for k in ("a", "b") if k in held]
     lines = [f"Held-out ({k}): {held[k]['tokens']:,} tokens of {held[k]['text']}, windows of {held[k]['seq_len']}."
              for k in keys]
-    cols = " | ".join(f"perplexity ({k}) | KL ({k}), nats/token" for k in keys)
-    lines += ["", f"| model | tokens trained | {cols} |", "|---|---|" + "---|---|" * len(keys)]
+    cloze = report.get("cloze")
+    if cloze:
+        lines.append(f"Cloze: {cloze['task']}, {cloze['items']} items, accuracy (length-normalised in brackets).")
+    cols = " | ".join(f"perplexity ({k}) | KL ({k}), nats/token" for k in keys) + (" | cloze acc" if cloze else "")
+    lines += ["", f"| model | tokens trained | {cols} |", "|---|---|" + "---|---|" * len(keys) + ("---|" if cloze else "")]
     for r in report["perplexity"]:
         cells = " | ".join(f"{r['ppl' if k == 'a' else 'ppl_' + k]:.2f} | {r['kl' if k == 'a' else 'kl_' + k]:.4f}"
                            for k in keys)
+        if cloze:
+            cells += f" | {r['cloze_acc']:.3f} ({r['cloze_acc_norm']:.3f})"
         lines.append(f"| {r['model']} | {r['tokens_trained']:,} | {cells} |")
     lines += ["", "| stage | steps | tokens | minutes | held-out DPO reward accuracy |", "|---|---|---|---|---|"]
     for s in report["stages"]:

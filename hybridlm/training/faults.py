@@ -1,6 +1,8 @@
 """Fault injection for reliability tests: real failures at chosen steps, driven by environment variables.
 
 ``HYBRIDLM_FAULT_KILL_AT_STEP=k``      the process SIGKILLs itself right after optimizer step k
+``HYBRIDLM_FAULT_TERM_AT_STEP=k``      the process SIGTERMs itself right after optimizer step k (a scheduler's
+                                       pre-emption notice)
 ``HYBRIDLM_FAULT_NAN_AT_STEPS=a,b,c``  the loss of steps a, b, c (1-based) becomes NaN
 Unset (the normal case) they cost nothing.
 """
@@ -11,9 +13,10 @@ import signal
 
 
 def kill_if_requested(step: int) -> None:
-    target = os.environ.get("HYBRIDLM_FAULT_KILL_AT_STEP")
-    if target and int(target) == step:
-        os.kill(os.getpid(), signal.SIGKILL)
+    for variable, sig in (("HYBRIDLM_FAULT_KILL_AT_STEP", signal.SIGKILL), ("HYBRIDLM_FAULT_TERM_AT_STEP", signal.SIGTERM)):
+        target = os.environ.get(variable)
+        if target and int(target) == step:
+            os.kill(os.getpid(), sig)
 
 
 def nan_steps() -> set:

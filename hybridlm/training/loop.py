@@ -4,12 +4,14 @@ A stage supplies the :class:`~hybridlm.engine.Engine` (model + loss), a resumabl
 (``next()``, ``state_dict()``, ``load_state_dict()``) and optional validation batches; the loop does
 the rest: a progress bar with tokens/s and ETA, JSONL + TensorBoard logs, periodic validation
 (loss and perplexity), atomic checkpoints every ``save_interval`` steps and at the end, resume from
-the latest checkpoint, and a saved checkpoint before stopping on repeated non-finite losses.
+the latest checkpoint, and a saved checkpoint before stopping on repeated non-finite losses or on a
+pre-emption signal (SIGTERM / SIGUSR1: hybridlm/training/preempt.py).
 """
 from __future__ import annotations
 
 import math
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -17,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from hybridlm.config.errors import ConfigError
 from hybridlm.engine import Engine, NonFiniteLossError, StepResult, all_reduce_sum, barrier, is_main
 from hybridlm.training.faults import kill_if_requested
+from hybridlm.training.preempt import Preempted, PreemptionFlag, preemption_flag
 from hybridlm.utils.metrics import MetricsLogger, plot_curves, read_jsonl
 
 
@@ -87,10 +90,12 @@ def _progress(enabled: bool, total: int, initial: int):
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=1.0, desc="train")
 
 
-def _out_of_time(t_start: float, max_minutes: float) -> bool:
-    """Whether the time budget is spent, decided by rank 0's clock so that every rank stops at the same step."""
-    spent = float(is_main() and time.perf_counter() - t_start >= 60.0 * max_minutes)
-    return all_reduce_sum([spent])[0] > 0
+def _should_stop(t_start: float, max_minutes: float, flag: PreemptionFlag):
+    """(time budget spent, pre-emption signal received), agreed by all ranks in one collective: the budget
+    by rank 0's clock, the signal if any rank got one, so that every rank stops at the same step."""
+    spent = float(bool(max_minutes) and is_main() and time.perf_counter() - t_start >= 60.0 * max_minutes)
+    spent, signalled = all_reduce_sum([spent, float(bool(flag.signal_name))])
+    return spent > 0, signalled > 0
 
 
 def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Sequence[Dict[str, Any]] = (),
@@ -129,6 +134,8 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
     window_tokens, window_t0 = 0, time.perf_counter()
     last: Dict[str, Any] = {}
     val: Dict[str, float] = {}
+    signals = ExitStack()
+    flag = signals.enter_context(preemption_flag())
     try:
         while engine.global_step < max_steps:
             micro = [next(train_batches) for _ in range(gas)]
@@ -170,7 +177,13 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
             kill_if_requested(step)
             if on_step is not None:
                 on_step(res)
-            if run.max_minutes and _out_of_time(t_start, run.max_minutes):
+            out_of_time, preempted = _should_stop(t_start, run.max_minutes, flag)
+            if preempted:
+                if step < max_steps:  # else the loop ends here anyway and exports as usual
+                    save()
+                    raise Preempted(f"stopped by {flag.signal_name or 'a signal on another rank'} at step {step} "
+                                    f"of {max_steps}; checkpoint saved in {run.checkpoint_dir}, rerun to resume")
+            elif out_of_time:
                 if main:
                     print(f"run.max_minutes={run.max_minutes} reached at step {step} of {max_steps}", flush=True)
                 break
@@ -179,6 +192,7 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
             logger.log(engine.global_step, val)
         save()
     finally:
+        signals.close()
         if bar is not None:
             bar.close()
         logger.close()

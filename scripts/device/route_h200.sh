@@ -49,7 +49,9 @@ PYEOF
 fi
 echo "overrides: $(cat /tmp/route_overrides.txt)"
 ROUTE=/tmp/runs/smollm2_route
-timeout $((${DEADLINE:-520} - (SECONDS - START))) python3 -m upcycle.cli run --config configs/upcycle/smollm2_route_h200.yaml \
+# SIGTERM at the deadline: the training loop finishes its step, saves a checkpoint and exits 143
+# (hybridlm/training/preempt.py), so the next call loses no steps; SIGKILL 40 s later if it is elsewhere
+timeout -s TERM -k 40 $((${DEADLINE:-520} - 40 - (SECONDS - START))) python3 -m upcycle.cli run --config configs/upcycle/smollm2_route_h200.yaml \
   output_dir=$ROUTE dpo.data.path=data_cache/shared/dpo_en_demo.json "ild.data.sources=[]" $(cat /tmp/route_overrides.txt) 2>&1 \
   | tr '\r' '\n' | grep -v "it/s\]$\|step/s\]$\|Loading weights\|Warning" | tee -a "$LOGS/route.log" | grep -v "^train:" | tail -n 40
 echo "[$((SECONDS - START))s] route exit ${PIPESTATUS[0]}"
