@@ -45,3 +45,13 @@ def test_minutes_and_training_plan():
     dpo = training_plan("dpo", {"data": {"path": "x", "max_length": 512, "max_prompt_length": 256}, "optim": {
         "micro_batch_size": 2, "global_batch_size": 4, "max_steps": 10, "lr": 1e-6}, "run": {"output_dir": "o"}})
     assert dpo["tokens_per_step"] == 4 * 2 * 512
+
+
+def test_eta_leaves_out_the_first_steps_autotuning(tmp_path):
+    """A cold machine's first step autotunes for minutes (150 s for the Mamba2 student on an H200): the stage's
+    steady seconds per step, when it reports one, is what the estimate scales, not its mean."""
+    p = make_progress(tmp_path, lambda: 0.0)
+    p.finished("ild_mla", {"steps": 40, "seconds": 150.0 + 39 * 0.5, "seconds_per_step": 0.5})
+    assert "ETA ~40s for 40+20+10 training steps left" in p.line("ild_mamba2")  # 40 x 0.5 + 20 x 0.5 + 10 x 1.0
+    p.finished("ild_mamba2", {"steps": 1, "seconds": 150.0, "seconds_per_step": None})  # one step: nothing steady
+    assert "ETA ~1h40m" in p.line("kd")  # only then the mean stands: 20 x 150 + 10 x 300 s

@@ -3,7 +3,7 @@ the training time left.
 
 The estimate counts the training stages (ILD of both students, KD, DPO) that are not finished: their
 configured ``optim.max_steps`` (less the steps a resume checkpoint already holds) times seconds per step
-*measured* on finished stages: a stage's own kind when one ran (the second ILD from the first), otherwise the
+*measured* on finished stages (after their first step, which carries compilation and autotuning): a stage's own kind when one ran (the second ILD from the first), otherwise the
 measured seconds per token scaled by the tokens a step of that stage holds at most (KD and DPO batches are
 padded to their longest example, so this errs high). Until a training stage has finished there is nothing to
 measure and the line says so. Teacher loading, SMART, compose and the report are not in the estimate.
@@ -69,7 +69,10 @@ class RouteProgress:
     def finished(self, name: str, result: Optional[Dict[str, Any]]) -> None:
         """A training stage is done; ``result`` (its stage.json) holds its steps and training seconds."""
         steps, seconds = (result or {}).get("steps"), (result or {}).get("seconds")
-        if self.plan.get(name) and steps and seconds:
+        steady = (result or {}).get("seconds_per_step")  # without the first step's compile and autotune
+        if self.plan.get(name) and steady:
+            self.seconds_per_step[name] = float(steady)
+        elif self.plan.get(name) and steps and seconds:
             self.seconds_per_step[name] = float(seconds) / float(steps)
 
     def _rate(self, name: str) -> Optional[float]:

@@ -49,7 +49,7 @@ def _stage_row(out: Path, name: str, label: str) -> Optional[Dict[str, Any]]:
     if not done.is_file():
         return None
     s = json.loads(done.read_text())
-    row = {"stage": label, "steps": s.get("steps"), "tokens": s.get("tokens"),
+    row = {"stage": label, "steps": s.get("steps"), "max_steps": s.get("max_steps"), "tokens": s.get("tokens"),
            "minutes": round(s["seconds"] / 60.0, 2) if s.get("seconds") is not None else None}
     if s.get("eval"):
         row["dpo_heldout"] = s["eval"]
@@ -219,6 +219,7 @@ def report_markdown(report: Dict[str, Any]) -> str:
     lines += ["", "| stage | steps | tokens | minutes | held-out DPO reward accuracy |", "|---|---|---|---|---|"]
     for s in report["stages"]:
         acc = s.get("dpo_heldout", {}).get("rewards/accuracies")
-        lines.append(f"| {s['stage']} | {s['steps']} | {s['tokens']:,} | {s['minutes']} | "
+        steps = s["steps"] if s.get("max_steps") in (None, s["steps"]) else f"{s['steps']} of {s['max_steps']} (stopped early)"
+        lines.append(f"| {s['stage']} | {steps} | {s['tokens']:,} | {s['minutes']} | "
                      f"{'' if acc is None else f'{acc:.3f}'} |")
     return "\n".join(lines) + "\n"

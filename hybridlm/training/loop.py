@@ -41,7 +41,8 @@ class RunConfig:
     sample_top_k: int = 50            # 0: the whole vocabulary
     sample_seed: int = 0
     sample_no_repeat_ngram: int = 3   # no n-gram of this size twice in the sample; 0: no guard
-    max_minutes: float = 0.0      # stop (evaluate, save, export) after this much training time; 0: no limit
+    max_minutes: float = 0.0      # stop (evaluate, save, export) after this much training time, counted from the
+                                  # end of the first step (compilation, autotuning); 0: no limit
 
     def validate(self, where: str = "run") -> None:
         if not isinstance(self.output_dir, str) or not self.output_dir.strip():
@@ -68,6 +69,9 @@ class TrainingOutcome:
     skipped_steps: int
     max_loss_increase: float
     seconds: float
+    # training seconds per step after this process's first step (which carries compilation and Triton
+    # autotuning); None when fewer than two steps ran here
+    seconds_per_step: Optional[float] = None
     history: List[Dict[str, Any]] = field(default_factory=list)
 
 
@@ -90,10 +94,13 @@ def _progress(enabled: bool, total: int, initial: int):
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=1.0, desc="train")
 
 
-def _should_stop(t_start: float, max_minutes: float, flag: PreemptionFlag):
+def _should_stop(t_steady: Optional[float], max_minutes: float, flag: PreemptionFlag):
     """(time budget spent, pre-emption signal received), agreed by all ranks in one collective: the budget
-    by rank 0's clock, the signal if any rank got one, so that every rank stops at the same step."""
-    spent = float(bool(max_minutes) and is_main() and time.perf_counter() - t_start >= 60.0 * max_minutes)
+    by rank 0's clock, the signal if any rank got one, so that every rank stops at the same step. The budget
+    counts from the end of the first step: a cold machine's compilation and autotuning (minutes for a new
+    shape) must not eat a stage's steps."""
+    spent = float(bool(max_minutes) and t_steady is not None and is_main()
+                  and time.perf_counter() - t_steady >= 60.0 * max_minutes)
     spent, signalled = all_reduce_sum([spent, float(bool(flag.signal_name))])
     return spent > 0, signalled > 0
 
@@ -112,7 +119,8 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
     gas = engine.gradient_accumulation_steps
     main = is_main()
     out = Path(run.output_dir)
-    state = {"tokens": 0, "max_loss_increase": 0.0, "prev_loss": None}
+    # "seconds": training time summed over every process of the run (resumes included), kept in the checkpoint
+    state = {"tokens": 0, "max_loss_increase": 0.0, "prev_loss": None, "seconds": 0.0}
     resumed = (engine.load_checkpoint(str(run.checkpoint_dir))
                if checkpoints and run.resume and run.checkpoint_dir.exists() else None)
     if resumed:
@@ -131,6 +139,7 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
 
     bar = _progress(run.progress and main, max_steps, engine.global_step)
     t_start = time.perf_counter()
+    t_steady, steady_steps = None, 0  # the clock after this process's first step, and the steps since
     window_tokens, window_t0 = 0, time.perf_counter()
     last: Dict[str, Any] = {}
     val: Dict[str, float] = {}
@@ -177,7 +186,13 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
             kill_if_requested(step)
             if on_step is not None:
                 on_step(res)
-            out_of_time, preempted = _should_stop(t_start, run.max_minutes, flag)
+            t_prev, t_last = (t_last if t_steady is not None else t_start), time.perf_counter()
+            state["seconds"] += t_last - t_prev
+            if t_steady is None:
+                t_steady = t_last
+            else:
+                steady_steps += 1
+            out_of_time, preempted = _should_stop(t_steady, run.max_minutes, flag)
             if preempted:
                 if step < max_steps:  # else the loop ends here anyway and exports as usual
                     save()
@@ -205,4 +220,5 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
     return TrainingOutcome(
         steps=engine.global_step, tokens=state["tokens"], final_loss=last.get("loss"),
         val_loss=val.get("val_loss"), skipped_steps=engine.skipped_steps,
-        max_loss_increase=state["max_loss_increase"], seconds=time.perf_counter() - t_start, history=history)
+        max_loss_increase=state["max_loss_increase"], seconds=state["seconds"], history=history,
+        seconds_per_step=(t_last - t_steady) / steady_steps if steady_steps else None)
