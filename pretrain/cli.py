@@ -2,12 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import List, Optional
 
-from hybridlm.config.errors import ConfigError
-from hybridlm.engine.engine import NonFiniteLossError
-from hybridlm.training.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted
+from hybridlm.training.exits import run_cli
 from hybridlm.config.loader import load_config
 from hybridlm.utils.atomic import json_text
 
@@ -44,20 +41,13 @@ def dry_run(sections) -> dict:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    try:
+
+    def run() -> None:
         sections = load_config(args.config, args.overrides)
         if args.dry_run:
             print(json_text(dry_run(sections)))
-            return 0
+            return
         from pretrain.train import run_pretraining
         run_pretraining(sections, config_path=args.config)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except NonFiniteLossError as e:  # the run stopped itself, its checkpoint saved: a message, not a traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 3
-    except Preempted as e:  # a scheduler's signal: the checkpoint is saved, the next run resumes
-        print(f"stopped: {e}", file=sys.stderr)
-        return PREEMPTED_EXIT_CODE
-    return 0
+
+    return run_cli(run)

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import List, Optional
 
 from hybridlm.config.errors import ConfigError
-from hybridlm.engine.engine import NonFiniteLossError
-from hybridlm.training.preempt import EXIT_CODE as PREEMPTED_EXIT_CODE, Preempted
+from hybridlm.training.exits import run_cli
 from hybridlm.utils.atomic import write_json
 
 
@@ -206,18 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        args.fn(args)
-    except (ConfigError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except NonFiniteLossError as e:  # a training stage stopped itself, its checkpoint saved
-        print(f"error: {e}", file=sys.stderr)
-        return 3
-    except Preempted as e:  # a scheduler's signal: the checkpoint is saved, the next run resumes
-        print(f"stopped: {e}", file=sys.stderr)
-        return PREEMPTED_EXIT_CODE
-    return 0
+    return run_cli(lambda: args.fn(args), user_errors=(ConfigError, FileExistsError))
 
 
 if __name__ == "__main__":
