@@ -3,8 +3,8 @@ the training time left.
 
 The estimate counts the training stages (ILD of both students, KD, DPO) that are not finished: their
 configured ``optim.max_steps`` (less the steps a resume checkpoint already holds) times seconds per step
-*measured* on finished stages (after their first step, which carries compilation and autotuning): a stage's own kind when one ran (the second ILD from the first), otherwise the
-measured seconds per token scaled by the tokens a step of that stage holds at most (KD and DPO batches are
+*measured* on finished stages (after their first step, which carries compilation and autotuning): a stage's
+own kind when one ran (the second ILD from the first), otherwise the measured seconds per token scaled by the tokens a step of that stage holds at most (KD and DPO batches are
 padded to their longest example, so this errs high). Until a training stage has finished there is nothing to
 measure and the line says so. Teacher loading, SMART, compose and the report are not in the estimate.
 """

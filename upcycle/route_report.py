@@ -49,7 +49,7 @@ def _stage_row(out: Path, name: str, label: str) -> Optional[Dict[str, Any]]:
     if not done.is_file():
         return None
     s = json.loads(done.read_text())
-    row = {"stage": label, "steps": s.get("steps"), "max_steps": s.get("max_steps"), "tokens": s.get("tokens"),
+    row = {"stage": label, "steps": s.get("steps"), "max_steps": ((s.get("config") or {}).get("optim") or {}).get("max_steps"), "tokens": s.get("tokens"),
            "minutes": round(s["seconds"] / 60.0, 2) if s.get("seconds") is not None else None}
     if s.get("eval"):
         row["dpo_heldout"] = s["eval"]
@@ -103,13 +103,13 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     teacher_spec = cfg.get("teacher") or "asset:smollm2"
     texts = {"a": {"name": f"{data_path} (validation split)", "windows": heldout_windows(data_path, seq_len, max_tokens)}}
+    tokenizer = load_teacher_tokenizer(teacher_spec) if heldout_sources or cloze_items else None
     if heldout_sources:
         if isinstance(heldout_sources, str):
             heldout_sources = [heldout_sources]
         texts["b"] = {"name": ", ".join(heldout_sources),
-                      "windows": text_windows(load_teacher_tokenizer(teacher_spec), heldout_sources, seq_len, max_tokens)}
+                      "windows": text_windows(tokenizer, heldout_sources, seq_len, max_tokens)}
     cloze = austen_cloze_items(corpus_path(), cloze_items) if cloze_items else []
-    tokenizer = load_teacher_tokenizer(teacher_spec) if cloze else None
     linear = (cfg.get("init") or {}).get("linear_mixer", "mamba2")
     teacher = load_teacher(teacher_spec).to(device=device, dtype=torch.float32).eval()
 

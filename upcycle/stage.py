@@ -105,7 +105,7 @@ def run_stage(name: str, sections: Dict[str, Any],
     result = {"stage": name, "student": str(student_dir), "teacher": teacher_cfg.path, "steps": outcome.steps,
               "tokens": outcome.tokens, "final_loss": outcome.final_loss, "val_loss": outcome.val_loss,
               "seconds": round(outcome.seconds, 3), "seconds_per_step": outcome.seconds_per_step,
-              "max_steps": optim.max_steps, "config": {"data": to_dict(data_cfg), "optim": to_dict(optim)}}
+              "config": {"data": to_dict(data_cfg), "optim": to_dict(optim)}}
     if dist.rank == 0:
         with atomic_directory(done.parent, overwrite=True) as tmp:
             engine.module.save_pretrained(tmp)

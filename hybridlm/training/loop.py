@@ -139,7 +139,8 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
 
     bar = _progress(run.progress and main, max_steps, engine.global_step)
     t_start = time.perf_counter()
-    t_steady, steady_steps = None, 0  # the clock after this process's first step, and the steps since
+    t_mark = t_start                  # the end of the last step (training time is summed step by step)
+    t_steady, steady_steps = None, 0  # the end of this process's first step, and the steps since
     window_tokens, window_t0 = 0, time.perf_counter()
     last: Dict[str, Any] = {}
     val: Dict[str, float] = {}
@@ -186,10 +187,11 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
             kill_if_requested(step)
             if on_step is not None:
                 on_step(res)
-            t_prev, t_last = (t_last if t_steady is not None else t_start), time.perf_counter()
-            state["seconds"] += t_last - t_prev
+            now = time.perf_counter()
+            state["seconds"] += now - t_mark
+            t_mark = now
             if t_steady is None:
-                t_steady = t_last
+                t_steady = now
             else:
                 steady_steps += 1
             out_of_time, preempted = _should_stop(t_steady, run.max_minutes, flag)
@@ -221,4 +223,4 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
         steps=engine.global_step, tokens=state["tokens"], final_loss=last.get("loss"),
         val_loss=val.get("val_loss"), skipped_steps=engine.skipped_steps,
         max_loss_increase=state["max_loss_increase"], seconds=state["seconds"], history=history,
-        seconds_per_step=(t_last - t_steady) / steady_steps if steady_steps else None)
+        seconds_per_step=(t_mark - t_steady) / steady_steps if steady_steps else None)
