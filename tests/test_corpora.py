@@ -31,6 +31,8 @@ EXPECTED = {
     "gcide": (26, "a.txt", None),
     "fortunes": (None, "wisdom.txt", None),
     "chatterbot": (21, "ai.txt", "What is AI?\nArtificial Intelligence is the branch of engineering"),
+    "mobydick": (138, "chapter_1.txt", "CHAPTER 1. Loomings.\n\nCall me Ishmael."),
+    "emails": (None, "easy-ham-1/00003.txt", "Man Threatens Explosion In Moscow"),
     "sotu": (233, "1790_george_washington_n.txt", "Fellow-Citizens of the Senate and House of Representatives"),
 }
 NEW = sorted(EXPECTED)
@@ -88,6 +90,19 @@ def test_corpus_fetches_and_tokenizes(name, teacher_tok, tmp_path):
     paragraphs = {p.strip() for d in docs for p in re.split(r"\n[ \t]*\n" if split == "paragraphs" else r"\Z",
                                                              d.read_text(encoding="utf-8"))}
     assert first and tok.decode(first).strip() in paragraphs
+
+
+def test_email_body_keeps_the_authors_words_only():
+    """A mail's own text: the text/plain part without quoted lines, the attribution line, the signature or a
+    list footer; an HTML alternative and attachments are not text/plain and go."""
+    raw = (b"From: a@example.org\nSubject: re: boats\nMIME-Version: 1.0\n"
+           b"Content-Type: multipart/alternative; boundary=XX\n\n--XX\nContent-Type: text/plain; charset=utf-8\n\n"
+           b"I agree with the plan.\nOn Tue, Bob Smith wrote:\n> the old text\n  > more of it\nSee you at the dock.\n"
+           b"-- \nAlice\n_______________________________________________\nlist footer\n"
+           b"--XX\nContent-Type: text/html\n\n<p>I agree with the plan.</p>\n--XX--\n")
+    assert corpora.email_body(raw).split() == "I agree with the plan. See you at the dock.".split()
+    footer = b"Subject: x\n\nNews of the day.\n\n------------------------ Yahoo! Groups Sponsor ----\nads\n"
+    assert corpora.email_body(footer).strip() == "News of the day."
 
 
 # ------------------------------------------------------------------------------------- hash checks

