@@ -286,6 +286,7 @@ def test_kd_stage_trains_logs_kl_and_skips_when_done(stages):
     assert rows[-1]["loss"] < rows[0]["loss"]
     val = [r for r in _rows(tmp / "kd" / "metrics.jsonl") if "val_loss" in r]
     assert [r["step"] for r in val] == [2, 4]
+    assert not any("val_ppl" in r for r in val)  # exp(KL) is no perplexity
     student = HybridForCausalLM.from_pretrained(tmp / "kd" / "final")
     before = HybridForCausalLM.from_pretrained(tmp / "init" / "mamba2_student")
     assert not torch.equal(student.model.embed_tokens.weight, before.model.embed_tokens.weight)  # end to end

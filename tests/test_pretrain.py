@@ -4,6 +4,7 @@ Every run here is a subprocess of ``pretrain.py``; faults (SIGKILL, NaN losses) 
 through hybridlm.training.faults.
 """
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -74,6 +75,7 @@ def test_run_writes_logs_checkpoints_export_and_sample(straight, austen_data):
     # = 11.76 is where an untrained model starts)
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
     val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert [round(math.log(r["val_ppl"]), 6) for r in rows if "val_loss" in r] == [round(v, 6) for v in val]
     assert len(val) == 2 and val[1] < val[0] - 0.05 and result["val_loss"] == val[1] < train[1] - 0.1
     prompt = "It is a truth universally acknowledged"
     assert result["sample"].startswith(prompt) and len(result["sample"]) > len(prompt)  # new text after the prompt

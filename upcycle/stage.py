@@ -101,7 +101,8 @@ def run_stage(name: str, sections: Dict[str, Any],
     loss_fn = make_loss(teacher)
     engine = Engine(student, optim, lambda model, batch: loss_fn(model.module, batch),
                     trainable=list(trainable(student)))
-    outcome = train_loop(engine, train_batches, run, val_batches, title=f"{name}: {student_dir.name}")
+    outcome = train_loop(engine, train_batches, run, val_batches, title=f"{name}: {student_dir.name}",
+                         loss_is_nll=False)
     result = {"stage": name, "student": str(student_dir), "teacher": teacher_cfg.path, "steps": outcome.steps,
               "tokens": outcome.tokens, "final_loss": outcome.final_loss, "val_loss": outcome.val_loss,
               "seconds": round(outcome.seconds, 3), "seconds_per_step": outcome.seconds_per_step,

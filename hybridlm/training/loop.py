@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.engine import Engine, NonFiniteLossError, StepResult, all_reduce_sum, barrier, is_main
+from hybridlm.training.cold_start import first_step_done, first_step_notice
 from hybridlm.training.faults import kill_if_requested
 from hybridlm.training.preempt import Preempted, PreemptionFlag, preemption_flag
 from hybridlm.utils.metrics import MetricsLogger, plot_curves, read_jsonl
@@ -75,8 +76,9 @@ class TrainingOutcome:
     history: List[Dict[str, Any]] = field(default_factory=list)
 
 
-def evaluate(engine: Engine, batches: Sequence[Dict[str, Any]]) -> Dict[str, float]:
-    """Token-weighted mean validation loss over all ranks, and its perplexity."""
+def evaluate(engine: Engine, batches: Sequence[Dict[str, Any]], loss_is_nll: bool = True) -> Dict[str, float]:
+    """Token-weighted mean validation loss over all ranks, and its perplexity when the loss is a next-token
+    NLL (a distillation loss's exp means nothing: ILD's sum of norms gave 'val_ppl 5e21')."""
     loss_sum, tokens = 0.0, 0.0
     for batch in batches:
         r = engine.eval_step(batch)
@@ -84,7 +86,7 @@ def evaluate(engine: Engine, batches: Sequence[Dict[str, Any]]) -> Dict[str, flo
         tokens += r.tokens
     loss_sum, tokens = all_reduce_sum([loss_sum, tokens])
     loss = loss_sum / max(tokens, 1.0)
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))} if loss_is_nll else {"val_loss": loss}
 
 
 def _progress(enabled: bool, total: int, initial: int):
@@ -108,12 +110,13 @@ def _should_stop(t_steady: Optional[float], max_minutes: float, flag: Preemption
 def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Sequence[Dict[str, Any]] = (),
                client_state: Optional[Dict[str, Any]] = None, title: str = "",
                on_step: Optional[Callable[[StepResult], None]] = None,
-               checkpoints: bool = True) -> TrainingOutcome:
+               checkpoints: bool = True, loss_is_nll: bool = True) -> TrainingOutcome:
     """Train until ``engine.config.max_steps`` optimizer steps (resuming if a checkpoint exists).
 
     ``on_step(result)``, if given, is called at the very end of every step (after its logging,
     evaluation and checkpoint), e.g. to time steps. ``checkpoints=False`` neither resumes nor saves
-    (benchmarks: a ZeRO checkpoint of a 1B model is tens of GB).
+    (benchmarks: a ZeRO checkpoint of a 1B model is tens of GB). ``loss_is_nll=False`` (distillation and
+    preference losses) logs no validation perplexity.
     """
     max_steps = engine.config.max_steps
     gas = engine.gradient_accumulation_steps
@@ -146,6 +149,9 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
     val: Dict[str, float] = {}
     signals = ExitStack()
     flag = signals.enter_context(preemption_flag())
+    notice = first_step_notice(engine.device) if main and engine.global_step < max_steps else None
+    if notice:
+        (bar.write if bar is not None else print)(notice)
     try:
         while engine.global_step < max_steps:
             micro = [next(train_batches) for _ in range(gas)]
@@ -176,10 +182,11 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
                 bar.update(1)
                 bar.set_postfix(loss=f"{res.loss:.4f}", lr=f"{res.lr:.2e}", tok_s=f"{tok_s:,.0f}")
             if val_batches and run.eval_interval and step % run.eval_interval == 0 and step < max_steps:
-                val = evaluate(engine, val_batches)
+                val = evaluate(engine, val_batches, loss_is_nll)
                 logger.log(step, val)
                 if bar is not None:
-                    bar.write(f"step {step}: val_loss {val['val_loss']:.4f}  val_ppl {val['val_ppl']:.2f}")
+                    ppl = f"  val_ppl {val['val_ppl']:.2f}" if "val_ppl" in val else ""
+                    bar.write(f"step {step}: val_loss {val['val_loss']:.4f}{ppl}")
                 window_tokens, window_t0 = 0, time.perf_counter()  # tokens/s measures training only
             if run.save_interval and step % run.save_interval == 0 and step < max_steps:
                 save()
@@ -192,6 +199,9 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
             t_mark = now
             if t_steady is None:
                 t_steady = now
+                done = first_step_done(engine.device, now - t_start) if main else None
+                if done:
+                    (bar.write if bar is not None else print)(done)
             else:
                 steady_steps += 1
             out_of_time, preempted = _should_stop(t_steady, run.max_minutes, flag)
@@ -205,7 +215,7 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
                     print(f"run.max_minutes={run.max_minutes} reached at step {step} of {max_steps}", flush=True)
                 break
         if val_batches:
-            val = evaluate(engine, val_batches)
+            val = evaluate(engine, val_batches, loss_is_nll)
             logger.log(engine.global_step, val)
         save()
     finally:
