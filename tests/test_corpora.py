@@ -229,3 +229,13 @@ def test_mix_config():
     names = [s[len("asset:"):] for s, _ in source_entries(cfg.sources)]
     assert set(names) == set(corpora.TRAINING) and not set(names) & set(corpora.HELD_OUT)
     assert cfg.tokenizer == "teacher"
+
+
+def test_h200_route_trains_on_the_mix():
+    """The H200 route's ILD / KD data is the mix plus the alpaca instructions, with the mix's caps."""
+    mix = yaml.safe_load(MIX.read_text(encoding="utf-8"))
+    route = yaml.safe_load((REPO / "configs" / "upcycle" / "smollm2_route_h200.yaml").read_text(encoding="utf-8"))
+    sources = route["ild"]["data"]["sources"]
+    assert sources[:-1] == mix["sources"] and sources[-1].endswith("alpaca_en_demo.json")
+    assert route["kd"]["data"]["path"] == route["ild"]["data"]["path"]
+    assert "asset:sotu" in route["report"]["heldout_sources"]

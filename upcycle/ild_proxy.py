@@ -9,11 +9,14 @@ choices before GPU minutes are spent on them (BENCHMARKS.md, "Upcycling quality"
 A variant is ``init:lr``: ``ours`` (upcycle init: identity conv, constant gate, calibrated output scale),
 ``published`` (MambaInLlama's mapping as published), ``random`` (the same layers with the default
 from-scratch init, nothing copied from attention). Reported per evaluation: the held-out relative error of
-the mixer outputs, sum ||a_s - a_t||^2 / sum ||a_t||^2 (1.0 = a silent mixer), averaged over the layers.
+the mixer outputs, sum ||a_s - a_t||^2 / sum ||a_t||^2 (1.0 = a silent mixer), averaged over the layers, and
+the held-out perplexity of the teacher with those layers swapped for the student's (the end-to-end effect;
+the teacher's own perplexity is the floor). The JSON and PNG hold both curves.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -61,7 +64,30 @@ def layer_losses(student, trace, layers):
     return total, rel
 
 
-def run_variant(teacher, train_ids, held_trace, calib_ids, init, lr, layers, steps, batch, eval_every):
+@torch.no_grad()
+def swapped_perplexity(teacher, student, layers, ids) -> float:
+    """Perplexity of ``ids`` under the teacher with its decoder layers ``layers`` replaced by the student's
+    (Mamba2 mixer block + MLP block); with no layers, the teacher's own."""
+    def replace(i):
+        mixer_block, mlp_block = student.model.layers[2 * i], student.model.layers[2 * i + 1]
+
+        def hook(module, args, kwargs, output):
+            x = args[0] if args else kwargs["hidden_states"]
+            y = mlp_block(x + mixer_block.mixer(mixer_block.norm(x)))
+            return (y,) + tuple(output[1:]) if isinstance(output, tuple) else y
+        return hook
+
+    handles = [teacher.model.layers[i].register_forward_hook(replace(i), with_kwargs=True) for i in layers]
+    try:
+        loss = teacher(input_ids=ids, labels=ids, use_cache=False).loss
+    finally:
+        for h in handles:
+            h.remove()
+    return math.exp(loss.item())
+
+
+def run_variant(teacher, train_ids, held_trace, calib_ids, init, lr, layers, steps, batch, eval_every,
+                held_ids=None):
     student = build_student(teacher, init, calib_ids, layers)
     params = [p for i in layers for blk in (student.model.layers[2 * i], student.model.layers[2 * i + 1])
               for p in blk.parameters()]
@@ -72,8 +98,11 @@ def run_variant(teacher, train_ids, held_trace, calib_ids, init, lr, layers, ste
     def evaluate(step):
         with torch.no_grad():
             _, rel = layer_losses(student, held_trace, layers)
-        curve.append({"step": step, "tokens": step * batch * train_ids.shape[1], "rel_err": sum(rel) / len(rel),
-                      "per_layer": rel})
+        row = {"step": step, "tokens": step * batch * train_ids.shape[1], "rel_err": sum(rel) / len(rel),
+               "per_layer": rel}
+        if held_ids is not None:
+            row["ppl"] = swapped_perplexity(teacher, student, layers, held_ids)
+        curve.append(row)
         print(json_text({"init": init, "lr": lr, **curve[-1]}), flush=True)
 
     evaluate(0)
@@ -92,22 +121,31 @@ def run_variant(teacher, train_ids, held_trace, calib_ids, init, lr, layers, ste
     return curve
 
 
-def plot_curves(results, png: Path) -> Path:
-    """Held-out relative error of the mixer outputs against ILD tokens, one line per variant."""
+def plot_curves(results, png: Path, teacher_ppl: float = None) -> Path:
+    """Against ILD tokens, one line per variant: the held-out relative error of the mixer outputs (left) and,
+    when measured, the held-out perplexity of the teacher with the layers swapped (right)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in results:
-        ax.plot([c["tokens"] / 1e3 for c in r["curve"]], [c["rel_err"] for c in r["curve"]], "o-",
-                label=f"{r['init']} init, lr {r['lr']:g}")
-    ax.axhline(1.0, color="#444444", lw=1, ls="--", label="silent mixer")
-    ax.set_yscale("log")
-    ax.set_xlabel("ILD tokens (thousands)")
-    ax.set_ylabel("held-out relative error of the mixer output")
-    ax.set_title("CPU ILD proxy: Mamba2 layers teacher-forced", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    with_ppl = all("ppl" in c for r in results for c in r["curve"])
+    fig, axes = plt.subplots(1, 2 if with_ppl else 1, figsize=(12 if with_ppl else 7, 4.5), squeeze=False)
+    panels = [("rel_err", "held-out relative error of the mixer output")]
+    if with_ppl:
+        panels.append(("ppl", "held-out perplexity, teacher with the layers swapped"))
+    for ax, (key, label) in zip(axes[0], panels):
+        for r in results:
+            ax.plot([c["tokens"] / 1e3 for c in r["curve"]], [c[key] for c in r["curve"]], "o-",
+                    label=f"{r['init']} init, lr {r['lr']:g}")
+        if key == "rel_err":
+            ax.axhline(1.0, color="#444444", lw=1, ls="--", label="silent mixer")
+        elif teacher_ppl is not None:
+            ax.axhline(teacher_ppl, color="#444444", lw=1, ls="--", label=f"teacher {teacher_ppl:.1f}")
+        ax.set_yscale("log")
+        ax.set_xlabel("ILD tokens (thousands)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("CPU ILD proxy: Mamba2 layers teacher-forced", fontsize=10)
     fig.tight_layout()
     tmp = png.with_name(png.name + ".tmp.png")
     fig.savefig(tmp, dpi=120)
@@ -136,6 +174,8 @@ def main(argv=None) -> int:
     held = torch.stack(token_windows(tok, [books[1].read_text()[200000:260000]], args.seq_len, 4 * args.seq_len))[:, :-1]
     calib = torch.stack(token_windows(tok, [books[0].read_text()[100000:160000]], args.seq_len, 1024))[:, :-1]
     held_trace = teacher_trace(teacher, held)                        # ... one holds out, one calibrates
+    teacher_ppl = swapped_perplexity(teacher, None, [], held)
+    print(json_text({"teacher_ppl": teacher_ppl}), flush=True)
     results = []
     for v in args.variants:
         init, _, lr = v.partition(":")
@@ -143,12 +183,12 @@ def main(argv=None) -> int:
             p.error(f"--variants: {v!r}: init must be one of {', '.join(INITS)}")
         t0 = time.perf_counter()
         curve = run_variant(teacher, train_ids, held_trace, calib, init, float(lr or 1e-3), args.layers,
-                            args.steps, args.batch, args.eval_every)
+                            args.steps, args.batch, args.eval_every, held_ids=held)
         results.append({"init": init, "lr": float(lr or 1e-3), "curve": curve,
                         "seconds": round(time.perf_counter() - t0)})
         write_json(Path(args.out), {"layers": args.layers, "seq_len": args.seq_len, "batch": args.batch,
-                                    "steps": args.steps, "results": results})
-        plot_curves(results, Path(args.out).with_suffix(".png"))
+                                    "steps": args.steps, "teacher_ppl": teacher_ppl, "results": results})
+        plot_curves(results, Path(args.out).with_suffix(".png"), teacher_ppl)
     return 0
 
 
