@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO, SHARED_DATA, save_tiny_llama, subprocess_env
+from conftest import REPO, SHARED_DATA, assert_chart, save_tiny_llama, subprocess_env
 from distill.ild import ild_loss, teacher_trace
 from hybridlm.model import HybridForCausalLM
 from upcycle.init_mamba import init_student_from_teacher
@@ -52,6 +52,35 @@ def test_exact_student_has_zero_ild_loss_and_a_random_one_does_not():
     loss.backward()
     assert mamba.model.embed_tokens.weight.grad is None
     assert mamba.model.layers[0].mixer.in_proj.weight.grad.abs().sum() > 0
+
+
+def test_proxy_swapped_perplexity_against_direct_computations(tmp_path):
+    """upcycle.ild_proxy.swapped_perplexity: no layers swapped is the teacher's own perplexity; a swapped-in
+    block whose mixer is silent (out_proj = 0) equals the teacher with that layer's attention output zeroed
+    (computed here by a hook on the attention); the hooks are gone afterwards. The chart draws both panels."""
+    import math
+
+    from upcycle.ild_proxy import plot_curves, swapped_perplexity
+
+    teacher = tiny_teacher()
+    ids = torch.randint(0, 128, (2, 17))
+    with torch.no_grad():
+        own = math.exp(teacher(input_ids=ids, labels=ids).loss.item())
+    assert swapped_perplexity(teacher, None, [], ids) == pytest.approx(own, rel=1e-6)
+    student = student_of(teacher, ["mamba2"] * 3)
+    with torch.no_grad():
+        student.model.layers[2].mixer.out_proj.weight.zero_()  # layer 1's mixer says nothing
+    handle = teacher.model.layers[1].self_attn.register_forward_hook(
+        lambda m, a, out: (torch.zeros_like(out[0]),) + tuple(out[1:]))
+    with torch.no_grad():
+        silent = math.exp(teacher(input_ids=ids, labels=ids).loss.item())
+    handle.remove()
+    assert abs(silent - own) > 1e-3 * own
+    assert swapped_perplexity(teacher, student, [1], ids) == pytest.approx(silent, rel=1e-5)
+    assert swapped_perplexity(teacher, None, [], ids) == pytest.approx(own, rel=1e-6)  # no hook left behind
+    curve = [{"tokens": t, "rel_err": e, "ppl": q} for t, e, q in ((0, 1.0, 90.0), (1024, 0.5, 60.0))]
+    png = plot_curves([{"init": "ours", "lr": 1e-3, "curve": curve}], tmp_path / "proxy.png", teacher_ppl=40.0)
+    assert_chart(png)
 
 
 @pytest.fixture(scope="module")
