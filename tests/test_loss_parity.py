@@ -118,3 +118,48 @@ def test_peers_have_our_parameter_count(family, peer, overrides, austen_data):
             LP.main(["--family", family, "--out", "unused", "--model-override", *overrides])
         else:
             raise SystemExit("CUDA")
+
+
+MAMBA2_TINY = ["hidden_size=64", "hybrid_override_pattern=M-M-", "mamba2.d_state=16", "mamba2.head_dim=16",
+               "mamba2.n_groups=2"]
+
+
+def test_peer_init_follows_the_transformers_mamba2_step_by_step(tmp_path, austen_data):
+    """``--ours-init peer``: ours starts from the weights of transformers' Mamba2 built with the same seed; the
+    two compute the same function (tests/test_peer_weights.py), so on a CPU in fp32 they train alike."""
+    pytest.importorskip("transformers.models.mamba2")
+    from hybridlm.bench import loss_parity as LP
+
+    out = tmp_path / "parity"
+    LP.main(["--family", "mamba2", "--steps", "3", "--out", str(out), "--data", str(austen_data), "--peer", "hf",
+             "--ours-init", "peer", "--seeds", "0", "--micro-batch", "2", "--seq", "32", "--warmup", "1", "--lr", "2e-2",
+             "--min-lr", "2e-3",
+             "--val-interval", "3", "--val-batches", "1", "--peer-chunk-size", "16", "--model-override", *MAMBA2_TINY])
+    saved = json.loads((out / "loss_parity.json").read_text())
+    ours, peer = saved["runs"]
+    assert (ours["role"], ours["init"], ours["seed"], peer["role"]) == ("ours", "peer", 0, "peer")
+    assert ours["weights_from"] == "transformers.Mamba2ForCausalLM" and ours["copied_tensors"] > 0
+    assert saved["ours_init"] == ["peer"] and saved["ablation"][0]["init"] == "peer"
+    assert peer["train_loss"][-1] < peer["train_loss"][0] - 0.1  # the weights moved (lr 2e-2)
+    assert ours["train_loss"] == pytest.approx(peer["train_loss"], rel=1e-5)  # measured: 2e-7
+    assert ours["grad_norm"] == pytest.approx(peer["grad_norm"], rel=1e-4)  # measured: 7e-6
+    assert ours["final_val_loss"] == pytest.approx(peer["final_val_loss"], rel=1e-5)
+
+
+def test_peer_init_against_peer_ours_is_the_peers_weights(austen_data):
+    """With ``--peer ours`` the ``peer`` variant is the peer run's initial model, tensor for tensor."""
+    from hybridlm.bench import loss_parity as LP
+
+    args = LP.parse_args(["--family", "gdn", "--out", "unused", "--peer", "ours", "--peer-init", "legacy",
+                          "--ours-init", "fla", "peer", "--seq", "32", "--model-override", *TINY])
+    config = LP.resolve_config(args, austen_data)
+    copy, info = LP.build_ours(config, 3, "peer", args)
+    peer, _ = LP.build_peer("ours", "gdn", config, 3, args)
+    fresh, _ = LP.build_ours(config, 3)
+    assert info["init"] == "peer" and info["weights_from_seed"] == 3 and info["copied_tensors"] == len(copy.state_dict())
+    for (name, a), b in zip(copy.state_dict().items(), peer.state_dict().values()):
+        assert torch.equal(a, b), name
+    # the legacy peer's convs, not our fla init's
+    assert not torch.equal(copy.model.layers[0].mixer.q_conv1d.weight, fresh.model.layers[0].mixer.q_conv1d.weight)
+    with pytest.raises(SystemExit):
+        LP.parse_args(["--family", "gdn", "--out", "unused", "--peer", "ours", "--peer-init", "peer"])

@@ -3,14 +3,17 @@
     python -m hybridlm.bench.loss_parity --family gdn|kda|mamba2 --steps 300 --out DIR \\
         [--config gdn_300m] [--model-override hidden_size=256 ...] [--peer fla|hf|ours] \\
         [--seeds 0 1] [--ours-seeds 0] [--micro-batch 8] [--seq 2048] [--lr 6e-4 --min-lr 6e-5 --warmup 30] \\
-        [--ours-init fla legacy legacy:conv legacy:conv_bias+mamba2_out_proj] [--data DIR]
+        [--ours-init fla peer legacy legacy:conv legacy:conv_bias+mamba2_out_proj] [--data DIR]
 
 **Ours** is ``HybridForCausalLM`` built from a model YAML (``--config``, default ``configs/models/
 {gdn,kda,mamba2}_300m.yaml``; ``--model-override key=value`` changes shapes, e.g. for small CPU runs).
 ``--ours-init`` lists init variants, each trained as one more "ours" run against the same peer runs (the
 ablation table): ``fla`` (the default: fla's statistics), ``legacy`` (everything this toolkit did before,
-:func:`hybridlm.model.layers.init.apply_legacy_init`) or ``legacy:PART+PART`` (only those parts back to the
-old init; parts ``conv``, ``conv_bias``, ``mamba2_out_proj``).
+:func:`hybridlm.model.layers.init.apply_legacy_init`), ``legacy:PART+PART`` (only those parts back to the
+old init; parts ``conv``, ``conv_bias``, ``mamba2_out_proj``) or ``peer`` (the exact initial weights of the peer
+built with that run's seed, copied tensor by tensor: :mod:`hybridlm.bench.peer_weights`; a ``peer`` run that
+follows the peer's curve puts a gap on the initialisation, one that follows ours' on the rest: forward numerics,
+parameterisation).
 
 **Peers** (``--peer``, default ``fla``), built with the shapes of ours (the parameter counts are printed and
 must match): fla's ``GatedDeltaNetForCausalLM`` / ``KDAForCausalLM`` (as in :mod:`hybridlm.bench.train_speed`)
@@ -20,7 +23,9 @@ peer that runs on a CPU. fla's models run Triton kernels and need CUDA. fla's an
 have no MLP, so for ``--family mamba2`` our pattern becomes one Mamba2 mixer per sublayer of the config
 (``M-M-...`` of 24 sublayers -> ``MMMM...`` of 24 mixers) unless ``--keep-pattern`` (peer ``ours`` only).
 Without mamba_ssm both Mamba2 peers take their naive torch SSD, whose memory grows with the chunk length:
-``--peer-chunk-size`` (default 64) sets it.
+``--peer-chunk-size`` (default 64) sets it. fla's gives head ``h`` the B / C of group ``h % n_groups`` where
+mamba_ssm, transformers and ours give each group consecutive heads: with ``1 < n_groups < heads`` it is another
+wiring of the same weights (the run's ``note`` says so; :mod:`hybridlm.bench.peer_weights`).
 
 Both train in the same plain torch loop: fp32 weights, bf16 autocast on CUDA (fp32 on CPU), AdamW with the
 engine's parameter groups (:func:`hybridlm.engine.build_param_groups`: 1-D parameters and ``_no_weight_decay``
@@ -56,6 +61,7 @@ from hybridlm.bench.train_speed import DEFAULT_DATA, DEFAULT_SOURCES, DEFAULT_TO
 FAMILIES = ("gdn", "kda", "mamba2")
 DEFAULT_CONFIG = {"gdn": "gdn_300m", "kda": "kda_300m", "mamba2": "mamba2_300m"}
 PEERS = ("fla", "hf", "ours")
+PEER_INIT = "peer"  # the init variant of ours that copies the peer's initial weights
 SMOOTH = 10  # running-mean window of the train-loss curve
 
 
@@ -84,26 +90,51 @@ def resolve_config(args, data_dir: Path):
 
 
 def parse_variant(text: str):
-    """``fla`` -> no legacy parts; ``legacy`` -> all of them; ``legacy:conv+mamba2_out_proj`` -> those."""
+    """``fla`` and ``peer`` -> no legacy parts; ``legacy`` -> all of them; ``legacy:conv+mamba2_out_proj`` ->
+    those."""
     from hybridlm.model.layers.init import LEGACY_PARTS, check_legacy_parts
     kind, _, parts = text.partition(":")
-    if kind == "fla" and not parts:
+    if kind in ("fla", PEER_INIT) and not parts:
         return []
     if kind != "legacy":
-        raise ValueError(f"init variant {text!r}: expected fla, legacy or legacy:PART+PART")
+        raise ValueError(f"init variant {text!r}: expected fla, peer, legacy or legacy:PART+PART")
     return check_legacy_parts(parts.split("+")) if parts else list(LEGACY_PARTS)
 
 
-def build_ours(config, seed: int, variant: str = "fla"):
+def build_ours(config, seed: int, variant: str = "fla", args=None):
+    """(our model, description) with the init ``variant``; ``peer`` needs ``args`` (``--peer``, ``--family``
+    and the peer's options) to build the peer whose weights it copies."""
     from hybridlm.model import HybridForCausalLM
     from hybridlm.model.layers.init import apply_legacy_init
 
+    if variant == PEER_INIT:
+        return ours_from_peer(config, seed, args)
     parts = parse_variant(variant)
     torch.manual_seed(seed)
     model = HybridForCausalLM(config)
     touched = apply_legacy_init(model, parts, config.initializer_range) if parts else []
     return model, {"class": "HybridForCausalLM", "init": variant, "legacy_parts": parts,
                    "legacy_params": len(touched)}
+
+
+def ours_from_peer(config, seed: int, args):
+    """Our model holding the initial weights of the peer built with ``seed`` (the ``peer`` variant): the same
+    starting point, so what still differs is the forward and the parameterisation."""
+    from hybridlm.bench.peer_weights import load_peer_weights
+    from hybridlm.model import HybridForCausalLM
+
+    if args is None:
+        raise ValueError("init variant 'peer' copies the peer's weights: build_ours needs the bench's args")
+    peer, peer_info = build_peer(args.peer, args.family, config, seed, args)
+    torch.manual_seed(seed)
+    model = HybridForCausalLM(config)  # its own init is overwritten, every tensor
+    copied = load_peer_weights(model, peer, args.peer, args.family)
+    del peer
+    info = {"class": "HybridForCausalLM", "init": PEER_INIT, "legacy_parts": [], "legacy_params": 0,
+            "weights_from": peer_info["class"], "weights_from_seed": seed, "copied_tensors": copied}
+    if "note" in peer_info:  # the peer computes another function of these weights
+        info["note"] = peer_info["note"]
+    return model, info
 
 
 def build_peer(kind: str, family: str, config, seed: int, args):
@@ -137,8 +168,15 @@ def build_peer(kind: str, family: str, config, seed: int, args):
         from transformers import Mamba2Config, Mamba2ForCausalLM
         cfg = Mamba2Config(num_heads=a.d_inner // a.head_dim, layer_norm_epsilon=config.rms_norm_eps, **common)
     model = Mamba2ForCausalLM(cfg)
-    return model, {"class": f"{'fla' if kind == 'fla' else 'transformers'}.{type(model).__name__}",
-                   "config": cfg.to_diff_dict(), "init": "its own (_init_weights)"}
+    info = {"class": f"{'fla' if kind == 'fla' else 'transformers'}.{type(model).__name__}",
+            "config": cfg.to_diff_dict(), "init": "its own (_init_weights)"}
+    if kind == "fla":
+        from hybridlm.bench.peer_weights import fla_mamba2_reads_groups_tiled
+        if fla_mamba2_reads_groups_tiled(model):
+            info["note"] = ("without mamba_ssm fla's torch SSD gives head h the B / C of group h % n_groups, ours "
+                            "of group h // (heads per group): the same weights compute another function "
+                            "(hybridlm/bench/peer_weights.py)")
+    return model, info
 
 
 def count_params(model) -> int:
@@ -364,7 +402,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ours-seeds", type=int, nargs="*", default=None, help="our seeds (default: the first of --seeds)")
     p.add_argument("--ours-init", nargs="+", default=["fla"], metavar="VARIANT",
                    help="init variants of ours, one run each: fla, legacy, legacy:PART+PART (parts conv, "
-                        "conv_bias, mamba2_out_proj); the first is the headline")
+                        "conv_bias, mamba2_out_proj), peer (the initial weights of the --peer model built with "
+                        "the same seed, copied); the first is the headline")
     p.add_argument("--peer-init", default="fla", metavar="VARIANT", help="--peer ours: its init variant")
     p.add_argument("--peer-chunk-size", type=int, default=64,
                    help="mamba2 peers: chunk length of their naive torch SSD (memory grows with it)")
@@ -394,6 +433,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             parse_variant(v)
     except ValueError as e:
         p.error(str(e))
+    if args.peer_init == PEER_INIT:
+        p.error("--peer-init peer: the peer cannot copy itself; use it in --ours-init")
     if args.steps < 1 or args.val_interval < 1 or args.val_batches < 1 or args.micro_batch < 1:
         p.error("--steps, --val-interval, --val-batches and --micro-batch must be >= 1")
     if args.keep_pattern and args.peer != "ours":
@@ -435,6 +476,8 @@ def main(argv=None) -> Dict[str, Any]:
     peer_probe, peer_info = build_peer(args.peer, args.family, config, args.seeds[0], args)
     peer_params = count_params(peer_probe)
     del peer_probe
+    if "note" in peer_info:
+        print(f"note: peer {args.peer}: {peer_info['note']}", flush=True)
     print(f"loss parity {args.family}: ours {ours_params:,} params ({config.hybrid_override_pattern}), "
           f"peer {args.peer} ({peer_info['class']}) {peer_params:,} params", flush=True)
     if ours_params != peer_params and not args.allow_param_mismatch:
@@ -463,7 +506,7 @@ def main(argv=None) -> Dict[str, Any]:
     plan = [("ours", v, s) for v in args.ours_init for s in args.ours_seeds] + [("peer", None, s) for s in args.seeds]
     for role, variant, seed in plan:
         if role == "ours":
-            model, info = build_ours(config, seed, variant)
+            model, info = build_ours(config, seed, variant, args)
             name = "ours" + (f" {variant} init" if variant != "fla" else "")
         else:
             model, info = build_peer(args.peer, args.family, config, seed, args)
