@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Loss parity against flash-linear-attention's models (python -m hybridlm.bench.loss_parity) at the 300M shapes:
 # GDN-300M vs fla GatedDeltaNetForCausalLM, KDA-300M vs fla KDAForCausalLM, Mamba2 (the Mamba2-300M dims, one
-# Mamba2 mixer per sublayer: fla's Mamba2 blocks have no MLP) vs fla Mamba2ForCausalLM; micro-batch 8, seq 2048,
+# Mamba2 mixer per sublayer: the peers' Mamba2 blocks have no MLP) vs transformers' Mamba2ForCausalLM; micro-batch 8, seq 2048,
 # 300 steps, lr 6e-4 -> 6e-5 (warmup 30, cosine), bf16 autocast over fp32 weights, the Llama-3.2-tokenized
 # Jane Austen shards from .xfer. Each family is one process on its own GPU lane, so a family cut off by its
 # time limit leaves the others' reports (the JSON is rewritten after every run; a missing chart is redrawn
@@ -13,7 +13,9 @@
 #   ABLATION=1                  also ours with the previous init, whole and part by part (the ablation table):
 #                               gdn / kda: legacy (= the conv weights); mamba2: legacy, legacy:conv,
 #                               legacy:conv_bias, legacy:mamba2_out_proj
-#   OURS_INIT="fla legacy:conv" explicit variants instead (overrides ABLATION)
+#   OURS_INIT="fla legacy:conv" explicit variants instead (overrides ABLATION); the default is "fla peer": ours
+#                               from its own init and from the peer's exact initial weights (a gap that the peer
+#                               run closes is the initialisation, one it keeps is everything else)
 #   STEPS=300 MB=8 SEQ=2048 VAL_INTERVAL=25 VAL_BATCHES=8 MAMBA2_CHUNK=64 (the peers' naive torch SSD without
 #   mamba_ssm: its transient [b, T, chunk, heads, d_state] fp32 products are ~8.6 GB at chunk 64, mb 8)
 #   DEADLINE=<seconds> (default 560): when the logs must be packed
@@ -29,20 +31,23 @@ export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 source scripts/device/common.sh
 export DEADLINE_AT=$(( EPOCHSECONDS + ${DEADLINE:-560} ))
 declare -A CONFIG=([gdn]=gdn_300m [kda]=kda_300m [mamba2]=mamba2_300m)
-declare -A ABLATE=([gdn]="fla legacy" [kda]="fla legacy"
-                   [mamba2]="fla legacy legacy:conv legacy:conv_bias legacy:mamba2_out_proj")
+declare -A ABLATE=([gdn]="fla peer legacy" [kda]="fla peer legacy"
+                   [mamba2]="fla peer legacy legacy:conv legacy:conv_bias legacy:mamba2_out_proj")
+# fla's Mamba2 without mamba_ssm wires B / C groups to heads in another order than ours (hybridlm/bench/
+# peer_weights.py): with mamba2_300m's 8 groups of 4 heads it is not the same model, transformers' Mamba2 is
+declare -A PEER=([gdn]=fla [kda]=fla [mamba2]=hf)
 
 run_family() {  # family gpu
   local fam=$1 gpu=$2 left=$(( DEADLINE_AT - EPOCHSECONDS - 15 ))
   [ "$left" -lt 30 ] && { echo "loss_parity: no time left for $fam"; return; }
-  local init=${OURS_INIT:-fla}
+  local init=${OURS_INIT:-fla peer}
   [ -z "${OURS_INIT:-}" ] && [ "${ABLATION:-0}" = 1 ] && init=${ABLATE[$fam]}
   echo "[$(date +%T)] loss_parity $fam on GPU $gpu (${left}s left; ours init: $init)"
   CUDA_VISIBLE_DEVICES=$gpu timeout "$left" python3 -m hybridlm.bench.loss_parity --family "$fam" \
     --config "${CONFIG[$fam]}" --out "$LOGS/parity_$fam" --data data_cache/janeausten-llama3.2 \
     --steps "${STEPS:-300}" --micro-batch "${MB:-8}" --seq "${SEQ:-2048}" --lr 6e-4 --min-lr 6e-5 --warmup 30 \
     --val-interval "${VAL_INTERVAL:-25}" --val-batches "${VAL_BATCHES:-8}" --log-interval 25 \
-    --peer fla --seeds ${SEEDS:-0 1} --ours-init $init --peer-chunk-size "${MAMBA2_CHUNK:-64}" \
+    --peer "${PEER[$fam]}" --seeds ${SEEDS:-0 1} --ours-init $init --peer-chunk-size "${MAMBA2_CHUNK:-64}" \
     > "$LOGS/parity_$fam.log" 2>&1
   echo "[$(date +%T)] loss_parity $fam: exit $?"
   [ -f "$LOGS/parity_$fam/loss_parity.png" ] || python3 -m hybridlm.bench.loss_parity --replot \
