@@ -86,8 +86,7 @@ def swapped_perplexity(teacher, student, layers, ids) -> float:
     return math.exp(loss.item())
 
 
-def run_variant(teacher, train_ids, held_trace, calib_ids, init, lr, layers, steps, batch, eval_every,
-                held_ids=None):
+def run_variant(teacher, train_ids, held_ids, held_trace, calib_ids, init, lr, layers, steps, batch, eval_every):
     student = build_student(teacher, init, calib_ids, layers)
     params = [p for i in layers for blk in (student.model.layers[2 * i], student.model.layers[2 * i + 1])
               for p in blk.parameters()]
@@ -98,11 +97,8 @@ def run_variant(teacher, train_ids, held_trace, calib_ids, init, lr, layers, ste
     def evaluate(step):
         with torch.no_grad():
             _, rel = layer_losses(student, held_trace, layers)
-        row = {"step": step, "tokens": step * batch * train_ids.shape[1], "rel_err": sum(rel) / len(rel),
-               "per_layer": rel}
-        if held_ids is not None:
-            row["ppl"] = swapped_perplexity(teacher, student, layers, held_ids)
-        curve.append(row)
+        curve.append({"step": step, "tokens": step * batch * train_ids.shape[1], "rel_err": sum(rel) / len(rel),
+                      "per_layer": rel, "ppl": swapped_perplexity(teacher, student, layers, held_ids)})
         print(json_text({"init": init, "lr": lr, **curve[-1]}), flush=True)
 
     evaluate(0)
@@ -182,8 +178,8 @@ def main(argv=None) -> int:
         if init not in INITS:
             p.error(f"--variants: {v!r}: init must be one of {', '.join(INITS)}")
         t0 = time.perf_counter()
-        curve = run_variant(teacher, train_ids, held_trace, calib, init, float(lr or 1e-3), args.layers,
-                            args.steps, args.batch, args.eval_every, held_ids=held)
+        curve = run_variant(teacher, train_ids, held, held_trace, calib, init, float(lr or 1e-3), args.layers,
+                            args.steps, args.batch, args.eval_every)
         results.append({"init": init, "lr": float(lr or 1e-3), "curve": curve,
                         "seconds": round(time.perf_counter() - t0)})
         write_json(Path(args.out), {"layers": args.layers, "seq_len": args.seq_len, "batch": args.batch,
