@@ -4,9 +4,11 @@ the training time left.
 The estimate counts the training stages (ILD of both students, KD, DPO) that are not finished: their
 configured ``optim.max_steps`` (less the steps a resume checkpoint already holds) times seconds per step
 *measured* on finished stages (after their first step, which carries compilation and autotuning): a stage's
-own kind when one ran (the second ILD from the first), otherwise the measured seconds per token scaled by the tokens a step of that stage holds at most (KD and DPO batches are
-padded to their longest example, so this errs high). Until a training stage has finished there is nothing to
-measure and the line says so. Teacher loading, SMART, compose and the report are not in the estimate.
+own kind when one ran (the second ILD from the first), otherwise the measured seconds per token scaled by the
+tokens a step of that stage holds at most. Across kinds it is rough both ways: chat KD and DPO batches are padded
+to their longest example (errs high), while a KD step also runs the teacher's and the student's LM heads and the
+KL, which an ILD step does not (errs low: on the H200 route ILD's rate gave ~8 minutes for a KD stage that took
+11). Until a training stage has finished there is nothing to measure and the line says so. Teacher loading, SMART, compose and the report are not in the estimate.
 """
 from __future__ import annotations
 
