@@ -18,6 +18,16 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
+def shared_file(name: str) -> Path:
+    """A file of the shared data folder beside the checkout (the real SFT and preference demo data), or a
+    test failure naming it: a test that needs it must not pass by being skipped."""
+    path = SHARED_DATA / name
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: the tests need the shared data folder beside the checkout "
+                    f"(../shared/data, with {name})", pytrace=False)
+    return path
+
+
 RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
 

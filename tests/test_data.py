@@ -16,11 +16,11 @@ from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import build_dataclass
 from hybridlm.data import (DataConfig, PackedBatches, PackedTokens, corpus_path, ensure_prepared, iter_documents,
                            load_tokenizer, open_splits, prepare, token_dtype, tokenizer_path, validation_batches)
+from conftest import SHARED_DATA, shared_file
 
 prepare_mod = importlib.import_module("hybridlm.data.prepare")  # the module; the package exports the function
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-ALPACA = SHARED / "alpaca_en_demo.json"
+ALPACA = SHARED_DATA / "alpaca_en_demo.json"
 T = 64  # window length used by most tests: small so there are many windows
 
 
@@ -61,8 +61,7 @@ def austen(tmp_path_factory, corpus, tok_dir):
 
 @pytest.fixture(scope="session")
 def alpaca(tmp_path_factory, tok_dir):
-    if not ALPACA.is_file():
-        pytest.skip(f"{ALPACA} not present")
+    shared_file("alpaca_en_demo.json")
     out = tmp_path_factory.mktemp("alpaca") / "packed"
     prepare([str(ALPACA)], str(tok_dir), out, num_proc=2, shard_tokens=40_000, progress=False)
     return out
@@ -142,8 +141,7 @@ def test_alpaca_records_round_trip(alpaca, tok):
 
 
 def test_other_formats_give_same_documents(tmp_path):
-    if not ALPACA.is_file():
-        pytest.skip(f"{ALPACA} not present")
+    shared_file("alpaca_en_demo.json")
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -23,8 +23,9 @@ import torch
 from distill import (METRIC_KEYS, PreferencePair, collate_pairs, dpo_loss, load_preference_data, normalize_record,
                      render_texts, sequence_logps, tokenize_pair)
 from hybridlm.config.errors import ConfigError
+from conftest import SHARED_DATA, shared_file
 
-DPO_DEMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "dpo_en_demo.json"
+DPO_DEMO = SHARED_DATA / "dpo_en_demo.json"
 TOL = 1e-6
 
 SHORT_PAIRS = [
@@ -270,8 +271,8 @@ def test_malformed_records_name_file_and_index(tmp_path):
         load_preference_data(tmp_path / "missing.json")
 
 
-@pytest.mark.skipif(not DPO_DEMO.is_file(), reason="shared/data/dpo_en_demo.json not present")
 def test_real_dpo_demo_loads_and_tokenizes(tok):
+    shared_file("dpo_en_demo.json")
     pairs = load_preference_data(DPO_DEMO)
     assert len(pairs) == 300
     raw = json.loads(DPO_DEMO.read_text(encoding="utf-8"))

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO, SHARED_DATA, tiny_config, subprocess_env
+from conftest import REPO, SHARED_DATA, shared_file, tiny_config, subprocess_env
 from distill.kd import KDConfig, kd_loss
 from distill.preference_data import PreferencePair, tokenize_pair
 from hybridlm.config.errors import ConfigError
@@ -168,8 +168,7 @@ def test_sft_record_layouts_and_errors(tmp_path):
     f.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"oops": 1}) + "\n")
     with pytest.raises(ConfigError, match="record 1"):
         load_sft_data(f)
-    if ALPACA.is_file():
-        assert len(load_sft_data(ALPACA)) == 999
+    assert len(load_sft_data(shared_file("alpaca_en_demo.json"))) == 999
     with pytest.raises(ConfigError, match="data.max_length"):
         SFTDataConfig(path="x.json", max_length=1).validate("data")
 
@@ -236,8 +235,7 @@ for argv in json.loads(sys.argv[1]):
 def stages(tmp_path_factory):
     """One tiny random Llama teacher -> `upcycle init` -> kd -> dpo (from the KD output) -> kd again (skipped:
     finished). Resuming is the shared loop's; the data iterator's part is test_sft_batches_*."""
-    if not (ALPACA.is_file() and DPO_DEMO.is_file()):
-        pytest.skip("shared data not present")
+    shared_file("alpaca_en_demo.json"), shared_file("dpo_en_demo.json")
     from hybridlm.data import load_tokenizer
     tmp = tmp_path_factory.mktemp("kd_dpo")
     tok = load_tokenizer("asset:llama3.2")

