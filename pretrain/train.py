@@ -24,7 +24,7 @@ from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.summary import model_summary
 from hybridlm.training import RunConfig, train_loop
 from hybridlm.training.faults import with_nan_faults
-from hybridlm.utils.atomic import json_text, write_json
+from hybridlm.utils.atomic import atomic_directory, json_text, write_json
 
 
 def lm_loss(model, batch):
@@ -178,9 +178,10 @@ def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None)
         tokenizer = load_tokenizer(meta["tokenizer"]["path"]) if meta.get("tokenizer", {}).get("path") else None
         if run.export:
             final = out / "final"
-            module.save_pretrained(final)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(final)
+            with atomic_directory(final, overwrite=True) as tmp:  # complete or absent, never half-written
+                module.save_pretrained(tmp)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp)
             result["exported_to"] = str(final)
         if run.sample_tokens and tokenizer is not None:
             result["sample"] = sample_text(module, tokenizer, run, config.eos_token_id)

@@ -93,6 +93,7 @@ def test_run_writes_logs_checkpoints_export_and_sample(straight, austen_data):
     import hybridlm.model  # noqa: F401  (registers the classes)
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     assert model.config.layer_plan[0] == "mla" and (out / "final" / "tokenizer.json").is_file()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".final")]  # the export's temp folder renamed
     # the same command again: the run is complete, nothing trains, the recorded figures stay as they are
     recorded, ckpt_files = (out / "result.json").read_text(), sorted(p.name for p in (out / "checkpoints").iterdir())
     again = run_pretrain(out, austen_data)
