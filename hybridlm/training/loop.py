@@ -204,7 +204,9 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
                     (bar.write if bar is not None else print)(done)
             else:
                 steady_steps += 1
-            out_of_time, preempted = _should_stop(t_steady, run.max_minutes, flag)
+            # the first step ends the clock's zero point, so no budget is spent by it (a time check there
+            # raced the few microseconds since t_steady was set)
+            out_of_time, preempted = _should_stop(t_steady if steady_steps else None, run.max_minutes, flag)
             if preempted:
                 if step < max_steps:  # else the loop ends here anyway and exports as usual
                     save()
