@@ -15,7 +15,6 @@ In both, the loss and the six reward / logp metrics trl logs (``trainer._metrics
 log-softmax in float32). trl's own tokenization of the same pairs is compared with ``tokenize_pair`` too.
 """
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,9 +22,8 @@ import torch
 from distill import (METRIC_KEYS, PreferencePair, collate_pairs, dpo_loss, load_preference_data, normalize_record,
                      render_texts, sequence_logps, tokenize_pair)
 from hybridlm.config.errors import ConfigError
-from conftest import SHARED_DATA, shared_file
+from conftest import shared_file
 
-DPO_DEMO = SHARED_DATA / "dpo_en_demo.json"
 TOL = 1e-6
 
 SHORT_PAIRS = [
@@ -272,10 +270,10 @@ def test_malformed_records_name_file_and_index(tmp_path):
 
 
 def test_real_dpo_demo_loads_and_tokenizes(tok):
-    shared_file("dpo_en_demo.json")
-    pairs = load_preference_data(DPO_DEMO)
+    demo = shared_file("dpo_en_demo.json")
+    pairs = load_preference_data(demo)
     assert len(pairs) == 300
-    raw = json.loads(DPO_DEMO.read_text(encoding="utf-8"))
+    raw = json.loads(demo.read_text(encoding="utf-8"))
     for pair, rec in zip(pairs, raw):
         assert pair.chosen == rec["chosen"]["value"] and pair.rejected == rec["rejected"]["value"]
         assert [m["content"] for m in pair.prompt_messages] == [t["value"] for t in rec["conversations"]]

@@ -235,7 +235,8 @@ for argv in json.loads(sys.argv[1]):
 def stages(tmp_path_factory):
     """One tiny random Llama teacher -> `upcycle init` -> kd -> dpo (from the KD output) -> kd again (skipped:
     finished). Resuming is the shared loop's; the data iterator's part is test_sft_batches_*."""
-    shared_file("alpaca_en_demo.json"), shared_file("dpo_en_demo.json")
+    for name in ("alpaca_en_demo.json", "dpo_en_demo.json"):
+        shared_file(name)
     from hybridlm.data import load_tokenizer
     tmp = tmp_path_factory.mktemp("kd_dpo")
     tok = load_tokenizer("asset:llama3.2")

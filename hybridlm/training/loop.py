@@ -149,9 +149,10 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
     val: Dict[str, float] = {}
     signals = ExitStack()
     flag = signals.enter_context(preemption_flag())
+    say = bar.write if bar is not None else print  # a line that does not break the progress bar
     notice = first_step_notice(engine.device) if main and engine.global_step < max_steps else None
     if notice:
-        (bar.write if bar is not None else print)(notice)
+        say(notice)
     try:
         while engine.global_step < max_steps:
             micro = [next(train_batches) for _ in range(gas)]
@@ -201,7 +202,7 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
                 t_steady = now
                 done = first_step_done(engine.device, now - t_start) if main else None
                 if done:
-                    (bar.write if bar is not None else print)(done)
+                    say(done)
             else:
                 steady_steps += 1
             # the first step ends the clock's zero point, so no budget is spent by it (a time check there
