@@ -32,6 +32,7 @@ import torch
 from distill.dpo import METRIC_KEYS, dpo_loss, sequence_logps
 from distill.kd import add_stage_parser, amend_stage_result
 from hybridlm.config.errors import ConfigError
+from hybridlm.engine.config import COMPUTE_DTYPES
 from hybridlm.utils.atomic import json_text
 
 DPO_SECTIONS = ("student", "data", "optim", "run", "dpo")
@@ -145,7 +146,7 @@ def run_dpo(sections: Dict[str, Any]) -> Dict[str, Any]:
 
     def make_loss(_none):
         dist = init_distributed()
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[optim.precision]
+        dtype = getattr(torch, COMPUTE_DTYPES[optim.precision])
         reference = HybridForCausalLM.from_pretrained(student.path).to(device=dist.device, dtype=dtype).eval()
         reference.requires_grad_(False)
         holder["loss"] = DPOLoss(reference, cfg.beta)

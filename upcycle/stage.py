@@ -19,6 +19,7 @@ from hybridlm.config.errors import ConfigError, last_line, weight_load_errors
 from hybridlm.config.structured import build_dataclass, to_dict
 from hybridlm.data import DataConfig, ensure_prepared, load_tokenizer, open_splits, read_meta
 from hybridlm.engine import Engine, OptimConfig, barrier, init_distributed
+from hybridlm.engine.config import COMPUTE_DTYPES
 from hybridlm.training import RunConfig, train_loop
 from hybridlm.utils.atomic import atomic_directory, json_text, write_json
 
@@ -28,7 +29,7 @@ STAGE_SECTIONS = ("teacher", "student", "data", "optim", "run")
 @dataclass
 class TeacherConfig:
     path: str = "asset:smollm2"
-    dtype: str = "auto"  # auto: the student's training precision (bf16 / fp32)
+    dtype: str = "auto"  # auto: the dtype the student computes in (bf16 for bf16 / bf16-mixed, else fp32)
 
 
 @dataclass
@@ -88,8 +89,7 @@ def run_stage(name: str, sections: Dict[str, Any],
     dist = init_distributed()
     teacher_tok = load_teacher_tokenizer(teacher_cfg.path)
     train_batches, val_batches = make_batches(data_cfg, optim, dist, teacher_tok)
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[optim.precision] \
-        if teacher_cfg.dtype == "auto" else getattr(torch, teacher_cfg.dtype)
+    dtype = getattr(torch, COMPUTE_DTYPES[optim.precision] if teacher_cfg.dtype == "auto" else teacher_cfg.dtype)
     teacher = None
     if teacher_required:
         teacher = load_teacher(teacher_cfg.path, dtype=dtype).to(dist.device)

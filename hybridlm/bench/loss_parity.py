@@ -263,6 +263,52 @@ def train_run(model, args, data_dir: Path, device: torch.device, val, label: str
     return rec
 
 
+def engine_run(model, args, data_dir: Path, val, label: str, precision: str) -> Dict[str, Any]:
+    """One model through the training engine every stage uses (``pretrain.py``'s DeepSpeed ZeRO-1 at
+    ``precision``), with the bench's batches, loss, optimizer settings and schedule; the same record as
+    :func:`train_run`."""
+    from hybridlm.engine import Engine, OptimConfig, build_param_groups
+
+    groups = [{"weight_decay": g["weight_decay"], "tensors": len(g["params"]),
+               "numel": sum(p.numel() for p in g["params"])} for g in build_param_groups(model, args.weight_decay)]
+    cfg = OptimConfig(micro_batch_size=args.micro_batch, global_batch_size=args.micro_batch, lr=args.lr,
+                      min_lr=args.min_lr, warmup_steps=args.warmup, max_steps=args.steps,
+                      weight_decay=args.weight_decay, betas=tuple(args.betas), eps=args.eps,
+                      grad_clip=args.grad_clip, precision=precision, zero_stage=1)
+    engine = Engine(model, cfg, lambda m, b: (m(input_ids=b["input_ids"], labels=b["input_ids"]).loss, {}))
+    batches = train_batches(data_dir, args.seq, args.micro_batch)
+    rec: Dict[str, Any] = {"train_loss": [], "lr": [], "grad_norm": [], "batch_hash": [], "first_tokens": [],
+                           "val": [], "engine_precision": precision, "param_groups": groups}
+    t0 = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        batch = next(batches)
+        ids = batch["input_ids"]
+        rec["batch_hash"].append(batch_hash(ids))
+        rec["first_tokens"].append(ids[0, :4].tolist())
+        res = engine.train_step([{"input_ids": ids}])
+        rec["lr"].append(res.lr)
+        rec["train_loss"].append(res.loss)
+        rec["grad_norm"].append(res.grad_norm)
+        if not math.isfinite(res.loss):
+            rec["diverged_at"] = step
+            print(f"  {label}: non-finite loss at step {step}; stopping this run", flush=True)
+            break
+        if step % args.val_interval == 0 or step == args.steps:
+            losses = [engine.eval_step({"input_ids": b["input_ids"]}).loss for b in val]
+            rec["val"].append({"step": step, "loss": sum(losses) / len(losses)})
+        if step % args.log_interval == 0 or step == args.steps:
+            v = f"  val {rec['val'][-1]['loss']:.4f}" if rec["val"] and rec["val"][-1]["step"] == step else ""
+            print(f"  {label} step {step:5d}  loss {res.loss:.4f}  lr {res.lr:.3e}  gnorm {res.grad_norm:.3f}{v}",
+                  flush=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    rec["wall_s"] = time.perf_counter() - t0
+    rec["final_val_loss"] = rec["val"][-1]["loss"] if rec["val"] and "diverged_at" not in rec else None
+    engine.ds_engine.destroy()
+    del engine
+    return rec
+
+
 # ---------------------------------------------------------------------------------------- report
 
 def running_mean(xs: Sequence[float], k: int = SMOOTH) -> List[float]:
@@ -404,6 +450,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="init variants of ours, one run each: fla, legacy, legacy:PART+PART (parts conv, "
                         "conv_bias, mamba2_out_proj), peer (the initial weights of the --peer model built with "
                         "the same seed, copied); the first is the headline")
+    p.add_argument("--ours-engine", nargs="*", default=[], metavar="PRECISION",
+                   help="one more run of ours (first init variant and seed) per precision through the training "
+                        "engine, as pretrain.py trains: bf16 (bf16 weights, fp32 master), bf16-mixed (fp32 "
+                        "weights, autocast) or fp32")
     p.add_argument("--peer-init", default="fla", metavar="VARIANT", help="--peer ours: its init variant")
     p.add_argument("--peer-chunk-size", type=int, default=64,
                    help="mamba2 peers: chunk length of their naive torch SSD (memory grows with it)")
@@ -419,7 +469,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--val-interval", type=int, default=50)
     p.add_argument("--val-batches", type=int, default=8)
     p.add_argument("--log-interval", type=int, default=10)
-    p.add_argument("--precision", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default=None, help="the plain loop's: bf16 autocast over "
+                   "fp32 weights, or fp32 (default: bf16 on CUDA, fp32 on CPU); --ours-engine sets the engine runs'")
     p.add_argument("--data", default=None,
                    help=f"prepared packed shards (default {DEFAULT_DATA}, prepared from Jane Austen when absent)")
     p.add_argument("--allow-param-mismatch", action="store_true", help="train even if the counts differ")
@@ -433,6 +484,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             parse_variant(v)
     except ValueError as e:
         p.error(str(e))
+    from hybridlm.engine.config import PRECISIONS
+    for prec in args.ours_engine:
+        if prec not in PRECISIONS:
+            p.error(f"--ours-engine {prec}: expected one of {', '.join(PRECISIONS)}")
     if args.peer_init == PEER_INIT:
         p.error("--peer-init peer: the peer cannot copy itself; use it in --ours-init")
     if args.steps < 1 or args.val_interval < 1 or args.val_batches < 1 or args.micro_batch < 1:
@@ -503,17 +558,27 @@ def main(argv=None) -> Dict[str, Any]:
     }
     if args.peer == "ours":
         report["peer_init"] = args.peer_init
-    plan = [("ours", v, s) for v in args.ours_init for s in args.ours_seeds] + [("peer", None, s) for s in args.seeds]
-    for role, variant, seed in plan:
+    # the headline (ours, first variant) and the peer's first seed first: a run cut off by the device's time
+    # limit then still has the comparison; then the engine runs, the other variants, the other peer seeds
+    first = args.ours_init[0]
+    plan = ([("ours", first, s, None) for s in args.ours_seeds] + [("peer", None, args.seeds[0], None)]
+            + [("ours", first, args.ours_seeds[0], prec) for prec in args.ours_engine]
+            + [("ours", v, s, None) for v in args.ours_init[1:] for s in args.ours_seeds]
+            + [("peer", None, s, None) for s in args.seeds[1:]])
+    for role, variant, seed, engine_precision in plan:
         if role == "ours":
             model, info = build_ours(config, seed, variant, args)
             name = "ours" + (f" {variant} init" if variant != "fla" else "")
+            if engine_precision:
+                info["init"] = f"{variant}+engine:{engine_precision}"
+                name += f" engine {engine_precision}"
         else:
             model, info = build_peer(args.peer, args.family, config, seed, args)
             name = f"peer {args.peer}" + (f" {args.peer_init} init" if args.peer == "ours" else "")
         label = f"{name} seed {seed}"
         print(f"[{label}] {info.get('class', 'HybridForCausalLM')} {count_params(model):,} params", flush=True)
-        rec = train_run(model, args, data_dir, device, val, label)
+        rec = engine_run(model, args, data_dir, val, label, engine_precision) if engine_precision else \
+            train_run(model, args, data_dir, device, val, label)
         report["runs"].append({"role": role, "name": name, "seed": seed, "params": count_params(model),
                                **{k: v for k, v in info.items() if k != "config"}, **rec})
         del model

@@ -45,6 +45,7 @@ import torch
 
 from hybridlm.bench import flops as F
 from hybridlm.bench.common import free_memory, is_oom, merge_reports, versions, write_report
+from hybridlm.engine.config import PRECISIONS
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIGS = ["gdn_300m", "kda_300m", "mamba2_300m", "gdn_300m_hybrid", "mamba2_300m_hybrid", "gdn_1b"]
@@ -54,6 +55,8 @@ DEFAULT_DATA = "data_cache/janeausten-llama3.2"
 DEFAULT_SOURCES = ["asset:janeausten"]
 DEFAULT_TOKENIZER = "asset:llama3.2"
 OOM = "out of memory"
+PRECISION_RECIPE = {"bf16": "bf16 weights, fp32 master + grad accumulation",
+                    "bf16-mixed": "fp32 weights, bf16 autocast", "fp32": "fp32"}
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -172,7 +175,7 @@ def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[s
             "matmul_params": n_mm, "mixers": F.describe(mixers),
             "flops": F.train_flops_per_token(n_mm, mixers, args.seq), "timing": timer.summary(),
             "precision": args.precision,
-            "recipe": f"pretrain.py: DeepSpeed ZeRO-1 {'bf16 weights, fp32 master + grad accumulation' if args.precision == 'bf16' else 'fp32'}, "
+            "recipe": f"pretrain.py: DeepSpeed ZeRO-1 {PRECISION_RECIPE[args.precision]}, "
                       f"{'fused ' if cuda else ''}AdamW, clip 1.0, backend {setup.config.backend}"
                       f"{', activation checkpointing' if args.activation_checkpointing else ''} "
                       f"({'Triton' if cuda else 'torch'} kernels)"}
@@ -236,7 +239,7 @@ def run_peer(spec: str, mb: int, args, data_dir: Path, device: torch.device) -> 
     n_mm = F.matmul_params(model)
     params = sum(p.numel() for p in model.parameters())
     emb = model.get_input_embeddings().weight.numel()
-    bf16 = args.precision == "bf16"
+    bf16 = args.precision != "fp32"  # a peer trains fp32 weights under autocast for either bf16 setting
     batches = PackedBatches(PackedTokens(data_dir, "train"), args.seq, mb, 0, 1, DataConfig.seed)
     timer = StepTimer(args.warmup, device, args.steps)
     profiler = make_profiler(args, device)
@@ -380,7 +383,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", default=None,
                    help=f"prepared packed shards (default {DEFAULT_DATA}, prepared from Jane Austen with the "
                         "Llama-3.2 tokenizer when absent)")
-    p.add_argument("--precision", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--precision", choices=PRECISIONS, default=None, help="ours: the engine's precision (the peers "
+                   "train fp32 weights under bf16 autocast for either bf16 setting); default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--peak-tflops", type=float, default=F.H200_BF16_DENSE_TFLOPS,
                    help="peak dense FLOP/s per GPU for MFU (H200 bf16: 989.5)")
     p.add_argument("--model-override", nargs="*", default=[], metavar="KEY=VALUE",

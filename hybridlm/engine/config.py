@@ -7,7 +7,13 @@ from typing import Tuple
 
 from hybridlm.config.errors import ConfigError
 
-PRECISIONS = ("bf16", "fp32")
+# bf16: bf16 weights and activations, fp32 master weights and gradient accumulation (DeepSpeed's bf16 mode);
+# bf16-mixed: fp32 weights, the forward under torch.autocast(bf16) (DeepSpeed's torch_autocast): matmuls in bf16,
+#   norms, residual stream, gates and the loss in fp32, as fla's and transformers' own training recipes run;
+# fp32: everything fp32. docs/precision.md compares them.
+PRECISIONS = ("bf16", "bf16-mixed", "fp32")
+# the dtype of a frozen model (teacher, reference) beside a student trained at each precision
+COMPUTE_DTYPES = {"bf16": "bfloat16", "bf16-mixed": "bfloat16", "fp32": "float32"}
 ZERO_STAGES = (1, 2)
 
 
@@ -29,7 +35,7 @@ class OptimConfig:
     betas: Tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global L2 norm; 0 disables clipping
-    precision: str = "bf16"  # "bf16": bf16 params/activations, fp32 master weights + grad accumulation
+    precision: str = "bf16"  # one of PRECISIONS (above)
     zero_stage: int = 1
     seed: int = 42
     max_consecutive_nonfinite: int = 5

@@ -158,6 +158,9 @@ def deepspeed_config(cfg: OptimConfig, world_size: int) -> Dict[str, Any]:
     if bf16:
         # bf16 weights/activations, fp32 master weights, fp32 gradient accumulation.
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
+    if cfg.precision == "bf16-mixed":
+        # fp32 weights; DeepSpeed runs the forward under torch.autocast(bf16) (engine(...) and eval alike)
+        ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     return ds
 
 
@@ -169,7 +172,7 @@ class Engine:
 
     Args:
         model: the module to train (moved to this rank's device; cast to bf16 when
-            ``precision == "bf16"``).  Parameters with ``requires_grad=False`` stay frozen.
+            ``precision == "bf16"``, kept in fp32 under autocast when ``"bf16-mixed"``).  Parameters with ``requires_grad=False`` stay frozen.
         config: an :class:`OptimConfig`.
         loss_fn: ``loss_fn(model, batch) -> (loss, metrics)``; ``model`` is the DeepSpeed engine
             (calling it runs ``module.forward``; attribute access falls through to the module).

@@ -4,6 +4,7 @@
 #   FAMILIES="gdn mamba2 kda mb16 1b"  which families, in this order
 #   DEADLINE_AT=<epoch seconds>   stop launching / cut the running family at that time
 #   GPU=1                         which GPU
+#   PRECISION=bf16                ours' engine precision (bf16, bf16-mixed, fp32); reports get a _PRECISION suffix
 # Reports: $LOGS/speed_<family>/train_speed.{json,png} (+ profile_<entry>.json); join them with --merge.
 set -u
 cd "$(dirname "$0")/../.."
@@ -19,9 +20,11 @@ for fam in ${FAMILIES:-gdn mamba2 kda mb16 1b}; do
   left=$(( ${DEADLINE_AT:-$((EPOCHSECONDS + 540))} - EPOCHSECONDS ))
   [ "$left" -lt 30 ] && { echo "train_speed: no time left for $fam"; break; }
   echo "[$(date +%T)] train_speed $fam (${left}s left)"
-  CUDA_VISIBLE_DEVICES=${GPU:-1} timeout "$left" python3 -m hybridlm.bench.train_speed --out "$LOGS/speed_$fam" \
+  tag=$fam${PRECISION:+_$PRECISION}
+  CUDA_VISIBLE_DEVICES=${GPU:-1} timeout "$left" python3 -m hybridlm.bench.train_speed --out "$LOGS/speed_$tag" \
     --data data_cache/janeausten-llama3.2 --seq 2048 --steps ${STEPS:-10} --warmup 3 --profile ${PROFILE:-3} \
-    ${FAMILY[$fam]} > "$LOGS/speed_$fam.log" 2>&1
-  echo "[$(date +%T)] train_speed $fam: exit $?"; grep -E "tok/s|tokens/s|OOM|Error" "$LOGS/speed_$fam.log" | tail -n 8
+    --precision "${PRECISION:-bf16}" ${FAMILY[$fam]} > "$LOGS/speed_$tag.log" 2>&1
+  echo "[$(date +%T)] train_speed $tag: exit $?"
+  grep -E "tok/s|tokens/s|OOM|Error|first step" "$LOGS/speed_$tag.log" | tail -n 8
   pack_out
 done
