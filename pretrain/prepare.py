@@ -16,9 +16,12 @@ from hybridlm.data.config import DEFAULT_SHARD_TOKENS, TXT_SPLITS
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m pretrain.prepare", description=__doc__.split("\n")[0])
-    ap.add_argument("--sources", nargs="+", required=True, metavar="SOURCE",
-                    help=".txt/.json/.jsonl/.parquet files or directories, datasets names (hf:NAME[:CONFIG]), "
-                         "or asset:janeausten")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--sources", nargs="+", metavar="SOURCE",
+                     help=".txt/.json/.jsonl/.parquet files or directories, datasets names (hf:NAME[:CONFIG]), "
+                          "or asset:janeausten")
+    src.add_argument("--mix", metavar="YAML", help="a data-config fragment whose `sources` list (with per-source "
+                     "max_tokens caps) is the input, e.g. configs/data/upcycle_mix.yaml")
     ap.add_argument("--tokenizer", required=True, metavar="PATH",
                     help="tokenizer.json or a directory holding one, or asset:llama3.2")
     ap.add_argument("--out", required=True, metavar="DIR", help="output directory (created atomically)")
@@ -34,6 +37,21 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def mix_sources(path: str) -> list:
+    """The ``sources`` list of a data-config fragment (YAML); ConfigError naming the file otherwise."""
+    import yaml
+
+    try:
+        section = yaml.safe_load(open(path, encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"--mix {path}: cannot read it ({e.strerror})")
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--mix {path}: not valid YAML ({str(e).splitlines()[0]})")
+    if not isinstance(section, dict) or not isinstance(section.get("sources"), list):
+        raise ConfigError(f"--mix {path}: expected a mapping with a `sources:` list")
+    return section["sources"]
+
+
 def main(argv=None) -> int:
     """Run the CLI; returns 0, or 2 after printing ``error: <message>`` for bad input."""
     args = _parser().parse_args(argv)
@@ -41,7 +59,8 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     try:
-        meta = prepare(args.sources, args.tokenizer, args.out, val_fraction=args.val_fraction,
+        sources = args.sources if args.mix is None else mix_sources(args.mix)
+        meta = prepare(sources, args.tokenizer, args.out, val_fraction=args.val_fraction,
                        num_proc=args.num_proc, shard_tokens=args.shard_tokens, text_field=args.text_field,
                        txt_split=args.txt_split, seed=args.seed, overwrite=args.overwrite,
                        progress=not args.quiet, where="prepare")

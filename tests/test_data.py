@@ -203,6 +203,28 @@ def test_cli(tmp_path, tok_dir, books, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and "none" in err[0]
 
 
+def test_cli_mix_file_caps_a_source(tmp_path, tok_dir, books, capsys):
+    """--mix reads the `sources` list of a data-config fragment, caps included."""
+    from pretrain.prepare import main
+
+    for name in ("persuasion", "emma"):
+        (tmp_path / f"{name}.txt").write_text(books[name][:20_000])
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(f"sources:\n  - {tmp_path / 'persuasion.txt'}\n"
+                   f"  - {{source: {tmp_path / 'emma.txt'}, max_tokens: 1000}}\ntokenizer: ignored\n")
+    out = tmp_path / "out"
+    assert main(["--mix", str(mix), "--tokenizer", str(tok_dir), "--out", str(out), "--txt-split", "paragraphs",
+                 "--val-fraction", "0.1", "--quiet"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert [s if isinstance(s, str) else s["max_tokens"] for s in meta["params"]["sources"]] == \
+        [str(tmp_path / "persuasion.txt"), 1000]
+    capsys.readouterr()
+    (tmp_path / "bad.yaml").write_text("- just a list\n")
+    assert main(["--mix", str(tmp_path / "bad.yaml"), "--tokenizer", str(tok_dir), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--mix" in err[0] and "bad.yaml" in err[0] and "`sources:` list" in err[0]
+
+
 def test_token_dtype():
     assert token_dtype(32000) == "uint16" and token_dtype(65535) == "uint16" and token_dtype(128256) == "uint32"
 

@@ -3,7 +3,8 @@
 On CUDA the first step of each new shape compiles fla's Triton kernels and autotunes them: minutes on a
 fresh machine (4 to 6 for the 300M GDN / KDA models, 150 s for the upcycled Mamba2 student; BENCHMARKS.md),
 with nothing on screen. Triton keeps compiled kernels and autotune results in its cache directory, so a later
-run on the same machine (or one handed the directory) starts in seconds.
+run on the same machine starts in seconds, and a fresh machine handed the autotune results
+(:mod:`hybridlm.training.kernel_cache`) in about 17 s instead of 147 (GDN-300M on an H200).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def first_step_notice(device: torch.device) -> Optional[str]:
     state = f"the cache {cache} has entries, so this may be quick" if warm else \
         f"the cache {cache} is empty: expect minutes on a fresh machine"
     return (f"first step: compiling and autotuning fla's Triton kernels for these shapes ({state}; "
-            f"set TRITON_CACHE_DIR to a kept directory to reuse the results in later runs)")
+            f"set TRITON_CACHE_DIR to a kept directory to reuse the results in later runs, or carry them to a "
+            f"fresh machine with `python -m hybridlm.training.kernel_cache export / import`)")
 
 
 def first_step_done(device: torch.device, seconds: float) -> Optional[str]:

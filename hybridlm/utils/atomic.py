@@ -55,12 +55,17 @@ def fsync_dir(path: str) -> None:
 
 def atomic_write_text(path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` so that readers see either the old or the new content."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see either the old or the new content."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f"{TMP_PREFIX}{os.path.basename(path)}.{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -14,7 +14,7 @@ if [ ! -f "$HYBRIDLM_CACHE/.unpacked" ]; then  # once per machine: later calls t
   cp .xfer/cache_root.txt "$HYBRIDLM_CACHE/"  # later calls need not carry .xfer
   [ -f .xfer/data.tar.xz ] && tar xJf .xfer/data.tar.xz
   relocate_meta
-  [ -f .xfer/autotune.tar.xz ] && tar xJf .xfer/autotune.tar.xz -C "$TRITON_CACHE_DIR"
+  [ -f .xfer/autotune.tar.xz ] && python3 -m hybridlm.training.kernel_cache import .xfer/autotune.tar.xz
   touch "$HYBRIDLM_CACHE/.unpacked"
 fi
 
@@ -25,8 +25,7 @@ fi
 
 # Call after every phase: a call cut off by its time limit still returns what the finished phases wrote.
 pack_out() {
-  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar cJf "$OUT/autotune.tar.xz.tmp" -T -) \
-    && mv "$OUT/autotune.tar.xz.tmp" "$OUT/autotune.tar.xz"
+  python3 -m hybridlm.training.kernel_cache export "$OUT/autotune.tar.xz" > /dev/null
   tar czf "$OUT/logs.tar.gz.tmp" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" && mv "$OUT/logs.tar.gz.tmp" "$OUT/logs.tar.gz"
 }
 finish_device_run() { pack_out; ls -la "$OUT"; }

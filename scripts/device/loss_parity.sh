@@ -2,8 +2,9 @@
 # Loss parity against flash-linear-attention's models (python -m hybridlm.bench.loss_parity) at the 300M shapes:
 # GDN-300M vs fla GatedDeltaNetForCausalLM, KDA-300M vs fla KDAForCausalLM, Mamba2 (the Mamba2-300M dims, one
 # Mamba2 mixer per sublayer: the peers' Mamba2 blocks have no MLP) vs transformers' Mamba2ForCausalLM; micro-batch 8, seq 2048,
-# 300 steps, lr 6e-4 -> 6e-5 (warmup 30, cosine), bf16 autocast over fp32 weights, the Llama-3.2-tokenized
-# Jane Austen shards from .xfer. Each family is one process on its own GPU lane, so a family cut off by its
+# 300 steps, lr 6e-4 -> 6e-5 (warmup 30, cosine), bf16 autocast over fp32 weights, the route's varied English
+# mix tokenized with Llama-3.2's tokenizer (carry .xfer_mix from scripts/device/pack_mix.sh in the call after the
+# bundle's; without it, the Jane Austen shards of .xfer). Each family is one process on its own GPU lane, so a family cut off by its
 # time limit leaves the others' reports (the JSON is rewritten after every run; a missing chart is redrawn
 # here with `python -m hybridlm.bench.loss_parity --replot --out DIR`).
 # Settings:
@@ -16,14 +17,15 @@
 #   OURS_INIT="fla legacy:conv" explicit variants instead (overrides ABLATION); the default is "fla peer": ours
 #                               from its own init and from the peer's exact initial weights (a gap that the peer
 #                               run closes is the initialisation, one it keeps is everything else)
+#   ENGINE="bf16"               also ours through the training engine at these precisions (pretrain.py's path)
 #   STEPS=300 MB=8 SEQ=2048 VAL_INTERVAL=25 VAL_BATCHES=8 MAMBA2_CHUNK=64 (the peers' naive torch SSD without
 #   mamba_ssm: its transient [b, T, chunk, heads, d_state] fp32 products are ~8.6 GB at chunk 64, mb 8)
 #   DEADLINE=<seconds> (default 560): when the logs must be packed
 # Needs .device (the bundle) and .xfer (scripts/device/pack_data.sh). Reports: $LOGS/parity_<family>/.
-# Unrun so far. Budget guesses (unmeasured): a 300-step 300M run of ours or an fla GDN / KDA peer at 16k tokens
-# per step is ~0.5-1 min after fla's autotuning (minutes per mixer when cold); the Mamba2 peers' naive SSD is
-# much slower (~1 s a step?). So one 2-GPU call fits gdn + kda with two peer seeds; give mamba2, and any
-# ABLATION=1 run, a call of its own (FAMILIES=mamba2 GPUS=0 SEEDS=0, or one family per GPU).
+# Measured in session 8 (one H200, BENCHMARKS.md "Loss parity"): a 300-step run of a 300M GDN / KDA model at
+# 16k tokens per step takes 40-60 s once fla's kernels are tuned (the first KDA run ~130-200 s with autotuning),
+# so one call fits one family with two peer seeds and three runs of ours; 1000 steps take ~2.5 min a run. The
+# Mamba2 peers' naive SSD is slower (unmeasured); give mamba2 and any ABLATION=1 run a call of its own.
 set -u
 cd "$(dirname "$0")/../.."
 source .device/activate.sh
@@ -44,9 +46,9 @@ run_family() {  # family gpu
   [ -z "${OURS_INIT:-}" ] && [ "${ABLATION:-0}" = 1 ] && init=${ABLATE[$fam]}
   echo "[$(date +%T)] loss_parity $fam on GPU $gpu (${left}s left; ours init: $init)"
   CUDA_VISIBLE_DEVICES=$gpu timeout "$left" python3 -m hybridlm.bench.loss_parity --family "$fam" \
-    --config "${CONFIG[$fam]}" --out "$LOGS/parity_$fam" --data data_cache/janeausten-llama3.2 \
+    --config "${CONFIG[$fam]}" --out "$LOGS/parity_$fam" --data "$DATA" \
     --steps "${STEPS:-300}" --micro-batch "${MB:-8}" --seq "${SEQ:-2048}" --lr 6e-4 --min-lr 6e-5 --warmup 30 \
-    --val-interval "${VAL_INTERVAL:-25}" --val-batches "${VAL_BATCHES:-8}" --log-interval 25 \
+    ${ENGINE:+--ours-engine $ENGINE} --val-interval "${VAL_INTERVAL:-25}" --val-batches "${VAL_BATCHES:-8}" --log-interval 25 \
     --peer "${PEER[$fam]}" --seeds ${SEEDS:-0 1} --ours-init $init --peer-chunk-size "${MAMBA2_CHUNK:-64}" \
     > "$LOGS/parity_$fam.log" 2>&1
   echo "[$(date +%T)] loss_parity $fam: exit $?"
@@ -55,6 +57,8 @@ run_family() {  # family gpu
   grep -E "params|val loss after|Error|error" "$LOGS/parity_$fam.log" | tail -n 6
 }
 
+DATA=data_cache/mix-llama3.2
+[ -f "$DATA/meta.json" ] || DATA=data_cache/janeausten-llama3.2
 read -r -a gpus <<< "${GPUS:-0 1}"
 read -r -a fams <<< "${FAMILIES:-gdn kda mamba2}"
 for lane in "${!gpus[@]}"; do
