@@ -112,6 +112,32 @@ def test_sigkill_then_resume_logs_the_same_losses_bitwise(tmp_path, austen_data,
     assert losses(tmp_path / "killed") == losses(straight[0])  # exact float equality, every step
 
 
+def test_resume_refuses_a_planted_pickle_with_one_error_line(tmp_path, austen_data, straight):
+    """A crafted checkpoint in an output directory (run.resume is on by default) is refused, not run."""
+    import shutil
+
+    out = tmp_path / "planted"
+    shutil.copytree(straight[0], out)
+    marker = tmp_path / "code_ran"
+    step = (out / "checkpoints" / "latest").read_text().strip()
+    payload = ("import pickle, os\n"
+               "class P:\n    def __reduce__(self):\n"
+               f"        return (os.system, ('touch {marker}',))\n"
+               f"path = {str(out / 'checkpoints' / step / 'rng_state_rank00000.pt')!r}\n"
+               "pickle.dump({'python': P()}, open(path, 'wb'))\n")
+    subprocess.run([sys.executable, "-c", payload], check=True)
+    manifest_path = out / "checkpoints" / step / "manifest.json"  # a crafted folder fixes the sizes too
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["rng_state_rank00000.pt"] = (out / "checkpoints" / step / "rng_state_rank00000.pt").stat().st_size
+    manifest_path.write_text(json.dumps(manifest))
+    proc = run_pretrain(out, austen_data, "optim.max_steps=10", check=False)  # continue the run: a resume
+    assert proc.returncode == 2 and not marker.exists()
+    err = proc.stderr.strip().splitlines()
+    assert err[-1].startswith("error: ") and "rng_state_rank00000.pt" in err[-1], err[-3:]
+    assert "a pickle can run code" in err[-1]
+    assert "Traceback" not in proc.stderr
+
+
 def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes_bitwise(tmp_path, austen_data, straight):
     out = tmp_path / "preempted"
     stopped = run_pretrain(out, austen_data, env={"HYBRIDLM_FAULT_TERM_AT_STEP": "4"}, check=False)

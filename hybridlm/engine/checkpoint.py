@@ -8,6 +8,9 @@ Layout of a save directory::
         rng_state_rank<R>.pt  python / numpy / torch (and CUDA) RNG state of rank R
     <dir>/.tmp_step_<N>/      a save in progress (or left behind by a crash: removed by the next save)
 
+Loading unpickles nothing but tensors and plain data (:func:`safe_load`, also for DeepSpeed's own files), so
+a crafted checkpoint folder cannot run code at resume.
+
 A checkpoint becomes visible only by ``rename(.tmp_step_N -> step_N)`` followed by replacing
 ``latest`` (write a temporary file, fsync, ``os.replace``), so a process killed at any point leaves
 ``latest`` naming a complete checkpoint.
@@ -167,6 +170,41 @@ def remove_stale_temporaries(save_dir: str) -> None:
                     pass
 
 
+# ---------------------------------------------------------------------------------- safe loading
+
+# What DeepSpeed 0.19's checkpoints hold besides tensors and plain data: small records of its own (a loss
+# scaler's settings, the ZeRO stage, where a bf16 fragment sits in its flat buffer). Unpickling them builds the object and sets
+# its fields; nothing else in a checkpoint may name a class or function.
+def _deepspeed_safe_globals() -> list:
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")  # torch names the refused class / function this way
+
+
+def safe_load(path: str, map_location: Any = "cpu") -> Any:
+    """``torch.load(path, weights_only=True)`` with DeepSpeed's records allowed: a file that names any other
+    class or function (a pickle that could run code) is a CheckpointError naming the file and the name."""
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = _GLOBAL_RE.search(str(e))
+        if found:
+            raise CheckpointError(f"checkpoint file {path}: holds a reference to {found.group(1)}, not only tensors "
+                                  "and plain data; refusing to unpickle it (a pickle can run code)") from None
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        detail = next((ln for ln in lines if ln.startswith("Unsupported")), lines[0] if lines else "unreadable")
+        raise CheckpointError(f"checkpoint file {path}: could not be loaded as tensors and plain data ({detail}); "
+                              "not unpickling it any other way (a pickle can run code)") from None
+
+
 # ------------------------------------------------------------------------------------------- RNG
 
 
@@ -178,9 +216,12 @@ def seed_everything(seed: int) -> None:
 
 
 def get_rng_state() -> Dict[str, Any]:
+    """Every generator's state as tensors and plain data, so that it loads with ``weights_only=True``."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
     state: Dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": random.getstate(),  # (version, 625 ints, gauss_next)
+        "numpy": {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
         "torch_cpu": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -190,7 +231,9 @@ def get_rng_state() -> Dict[str, Any]:
 
 def set_rng_state(state: Dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     torch.set_rng_state(state["torch_cpu"])
     if "torch_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["torch_cuda"])

@@ -164,6 +164,25 @@ def deepspeed_config(cfg: OptimConfig, world_size: int) -> Dict[str, Any]:
     return ds
 
 
+def _safe_checkpoint_engine(base):
+    """DeepSpeed's torch checkpoint engine with ``load`` through :func:`hybridlm.engine.checkpoint.safe_load`
+    (saving unchanged). Every DeepSpeed read of a checkpoint (model states, ZeRO optimizer shards) goes
+    through its checkpoint engine's ``load``."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    if type(base) is not TorchCheckpointEngine:
+        raise ConfigError(f"Engine: DeepSpeed chose the checkpoint engine {type(base).__name__}; only the torch "
+                          "checkpoint engine is supported (its loads are made safe)")
+
+    class SafeTorchCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location=None):
+            return ckpt.safe_load(path, map_location=map_location)
+
+    safe = SafeTorchCheckpointEngine.__new__(SafeTorchCheckpointEngine)
+    safe.__dict__.update(base.__dict__)  # the same settings (serialization format, name)
+    return safe
+
+
 # ---------------------------------------------------------------------------------------- engine
 
 
@@ -244,6 +263,8 @@ class Engine:
             config=ds_config,
             dist_init_required=False,
         )
+        # DeepSpeed's own loader unpickles with weights_only=False: ours reads tensors and plain data only
+        self.ds_engine.checkpoint_engine = _safe_checkpoint_engine(self.ds_engine.checkpoint_engine)
         self.module: nn.Module = self.ds_engine.module
         self.device = self.dist.device
         self.global_step = 0  # optimizer steps attempted (applied + skipped)
@@ -405,7 +426,8 @@ class Engine:
         fsynced, renamed to ``step_<step>``, and only then ``latest`` is replaced (write-temp +
         ``os.replace``); a crash at any point leaves the previous checkpoint loadable and ``latest``
         naming it.  ``keep_last`` (if set) prunes all but the newest ``keep_last`` checkpoints.
-        ``client_state`` must be picklable; it is returned by :meth:`load_checkpoint`.
+        ``client_state`` must be tensors and plain data (dicts, lists, numbers, strings): every file of a
+        checkpoint is read back with ``weights_only=True``. It is returned by :meth:`load_checkpoint`.
         Returns the path of the new checkpoint.
         """
         if keep_last is not None and keep_last < 1:
@@ -494,7 +516,7 @@ class Engine:
             load_path, state = self.ds_engine.load_checkpoint(
                 save_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
             )
-            rng = torch.load(rng_path, map_location="cpu", weights_only=False)
+            rng = ckpt.safe_load(rng_path)
         except CheckpointError:
             raise
         except Exception as e:  # torch/pickle/DeepSpeed errors on a damaged checkpoint
