@@ -179,7 +179,7 @@ def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None)
         if run.export:
             final = out / "final"
             with atomic_directory(final, overwrite=True) as tmp:  # complete or absent, never half-written
-                module.save_pretrained(tmp)
+                module.save_pretrained(tmp, remote_code=run.remote_code)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
             result["exported_to"] = str(final)

@@ -96,17 +96,23 @@ def test_ild_stage_trains_exports_and_skips_when_done(tmp_path, teacher_dir):
                           cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert init.returncode == 0, init.stderr[-2000:]
+    student_dir = tmp_path / "init" / "mamba2_student"
+    assert not list(student_dir.glob("*.py"))  # no code in an export by default
+    assert "auto_map" not in json.loads((student_dir / "config.json").read_text())
     cmd = [sys.executable, "-m", "upcycle.cli", "ild", "--config", "configs/upcycle/smollm2_ild_cpu.yaml",
            f"teacher.path={teacher_dir}", f"student.path={tmp_path / 'init' / 'mamba2_student'}",
            f"data.path={tmp_path / 'data'}", f"data.sources=[{alpaca}]", "data.seq_len=32", "data.val_max_batches=1",
            "optim.micro_batch_size=2", "optim.global_batch_size=2", "optim.max_steps=4", "optim.lr=3e-3",
-           f"run.output_dir={tmp_path / 'ild'}", "run.eval_interval=0", "run.save_interval=2", "run.progress=false"]
+           f"run.output_dir={tmp_path / 'ild'}", "run.eval_interval=0", "run.save_interval=2", "run.progress=false",
+           "run.remote_code=true"]  # the opt-in: final/ also carries hybrid_lm_auto.py and an auto_map
     first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     result = json.loads((tmp_path / "ild" / "final" / "stage.json").read_text())
     rows = [json.loads(l) for l in (tmp_path / "ild" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert result["steps"] == 4 and losses[-1] < losses[0]
+    assert (tmp_path / "ild" / "final" / "hybrid_lm_auto.py").is_file()
+    assert "auto_map" in json.loads((tmp_path / "ild" / "final" / "config.json").read_text())
     student = HybridForCausalLM.from_pretrained(tmp_path / "ild" / "final")
     before = HybridForCausalLM.from_pretrained(tmp_path / "init" / "mamba2_student")
     assert torch.equal(student.model.embed_tokens.weight, before.model.embed_tokens.weight)  # frozen

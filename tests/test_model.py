@@ -165,9 +165,60 @@ def test_cli_override_reads_exponent_floats_without_a_dot():
     assert parse_override("run.output_dir=runs/a.b") == {"run": {"output_dir": "runs/a.b"}}
 
 
-def test_saved_model_loads_through_trust_remote_code_without_importing_the_toolkit(tmp_path, seeded):
+def _code_in(folder):
+    return sorted(p.name for p in folder.rglob("*.py")), "auto_map" in json.loads((folder / "config.json").read_text())
+
+
+def test_default_export_has_no_code_and_loads_after_importing_the_toolkit(tmp_path, seeded):
+    """A saved model holds no .py and no auto_map; a fresh interpreter loads it through the Auto classes after
+    `import hybridlm.model`, without trust_remote_code. A folder of an older version (auto_map + a .py, here
+    tampered with) loads the same way, with or without trust_remote_code, and its .py never runs; re-saved, it
+    carries no code any more."""
     model = HybridForCausalLM(tiny_config()).eval()
     model.save_pretrained(tmp_path / "m")
+    assert _code_in(tmp_path / "m") == ([], False)
+    HybridConfig.from_pretrained(tmp_path / "m").save_pretrained(tmp_path / "c")
+    assert _code_in(tmp_path / "c") == ([], False)
+    old = tmp_path / "old"
+    model.save_pretrained(old)
+    config = json.loads((old / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "hybrid_lm_auto.HybridConfig",
+                          "AutoModelForCausalLM": "hybrid_lm_auto.HybridForCausalLM"}
+    (old / "config.json").write_text(json.dumps(config))
+    marker = tmp_path / "code_ran"
+    (old / "hybrid_lm_auto.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                           "from hybridlm.model import HybridConfig, HybridForCausalLM\n")
+    ids = torch.randint(0, model.config.vocab_size, (1, 9))
+    torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / "ref.pt")
+    script = (
+        "import json, pathlib, torch\n"
+        "import hybridlm.model\n"
+        "from transformers import AutoModelForCausalLM, AutoConfig\n"
+        f"ref = torch.load({str(tmp_path / 'ref.pt')!r})\n"
+        f"new, old = {str(tmp_path / 'm')!r}, {str(old)!r}\n"
+        "for d, kw in ((new, {}), (old, {}), (old, {'trust_remote_code': True})):\n"
+        "    assert type(AutoConfig.from_pretrained(d, **kw)) is hybridlm.model.HybridConfig\n"
+        "    model = AutoModelForCausalLM.from_pretrained(d, **kw).eval()\n"
+        "    assert type(model) is hybridlm.model.HybridForCausalLM\n"
+        "    assert torch.equal(model(ref['ids']).logits, ref['logits'])\n"
+        f"model.save_pretrained({str(tmp_path / 'resaved')!r})\n"
+        "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**subprocess_env(), "HF_MODULES_CACHE": str(tmp_path / "hf_modules")})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+    assert not marker.exists() and not (tmp_path / "hf_modules").exists()
+    assert _code_in(tmp_path / "resaved") == ([], False)
+
+
+def test_saved_model_loads_through_trust_remote_code_without_importing_the_toolkit(tmp_path, seeded):
+    """The opt-in export (remote_code=True) carries hybrid_lm_auto.py and an auto_map, and loads with
+    trust_remote_code=True in an interpreter that never imported the toolkit. A model re-saved there (by
+    default) carries no code: the toolkit's classes are not copied into it."""
+    model = HybridForCausalLM(tiny_config()).eval()
+    model.save_pretrained(tmp_path / "m", remote_code=True)
+    assert _code_in(tmp_path / "m") == (["hybrid_lm_auto.py"], True)
+    model.config.save_pretrained(tmp_path / "c", remote_code=True)
+    assert _code_in(tmp_path / "c") == (["hybrid_lm_auto.py"], True)
     ids = torch.randint(0, model.config.vocab_size, (1, 9))
     torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / "ref.pt")
     script = (
@@ -177,10 +228,12 @@ def test_saved_model_loads_through_trust_remote_code_without_importing_the_toolk
         f"model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'm')!r}, trust_remote_code=True).eval()\n"
         "assert 'hybridlm.model' in sys.modules  # brought in by the saved hybrid_lm_auto.py, not by this script\n"
         "assert torch.equal(model(ref['ids']).logits, ref['logits'])\n"
+        f"model.save_pretrained({str(tmp_path / 'resaved')!r})\n"
         "print('ok')\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**subprocess_env(), "HF_MODULES_CACHE": str(tmp_path / "hf_modules")})
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+    assert _code_in(tmp_path / "resaved") == ([], False)
 
 
 def test_chunked_cross_entropy_triton_path_through_the_interpreter():

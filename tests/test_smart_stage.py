@@ -150,6 +150,13 @@ def test_compose_round_trips_through_save_and_from_pretrained(gqa, tmp_path):
     assert (tmp_path / "hybrid" / "tokenizer.json").is_file()
     with pytest.raises(ConfigError, match="already exists"):
         compose_from_dirs(gqa["mla"], gqa["mamba"], [0], tmp_path / "hybrid")
+    for folder in (gqa["mla"], gqa["mamba"], tmp_path / "hybrid"):  # `upcycle init` and compose write no code
+        assert not list(folder.glob("*.py")) and "auto_map" not in json.loads((folder / "config.json").read_text())
+    args = _parser().parse_args(["compose", "--mla-student", str(gqa["mla"]), "--mamba-student", str(gqa["mamba"]),
+                                 "--layers", "0", "--out", str(tmp_path / "shared"), "--remote-code"])
+    args.fn(args)  # the opt-in
+    assert (tmp_path / "shared" / "hybrid_lm_auto.py").is_file()
+    assert "auto_map" in json.loads((tmp_path / "shared" / "config.json").read_text())
 
 
 def test_exact_mla_student_has_zero_kl_and_smart_composes_it(exact, data_dir, tmp_path):

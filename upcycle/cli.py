@@ -36,11 +36,12 @@ def cmd_kv_report(args) -> dict:
 def init_students(teacher_spec, out, *, q_rank=None, kv_rank=128, energy=None, rope_dim=32,
                   rope_init="frequency_matched", linear_mixer="mamba2", seed=0,
                   calib_sources=("asset:janeausten",), calib_tokens=4096, calib_seq_len=512,
-                  overwrite=False) -> dict:
+                  overwrite=False, remote_code=False) -> dict:
     """Build and save the pure-MLA and pure linear-mixer students of a Llama teacher (``upcycle init``).
 
     The linear mixers' output scales are fitted to the teacher's attention outputs on ``calib_tokens`` tokens
-    of ``calib_sources`` (:mod:`upcycle.calibrate`; ``calib_tokens: 0`` skips it)."""
+    of ``calib_sources`` (:mod:`upcycle.calibrate`; ``calib_tokens: 0`` skips it). ``remote_code``: also write
+    ``hybrid_lm_auto.py`` into each student (:func:`hybridlm.model.configuration.write_remote_code`)."""
     import torch
     from hybridlm.model import HybridForCausalLM
     from hybridlm.utils.atomic import atomic_directory
@@ -71,7 +72,7 @@ def init_students(teacher_spec, out, *, q_rank=None, kv_rank=128, energy=None, r
                                                 calib_seq_len)
         target = out / f"{kind}_student"
         with atomic_directory(target, overwrite=overwrite) as tmp:
-            student.save_pretrained(tmp)
+            student.save_pretrained(tmp, remote_code=remote_code)
             tokenizer.save_pretrained(tmp)
         kv = kv_report(teacher.config, range(s["L"]) if kind == "mla" else [], ranks["kv_lora_rank"], rope_dim)
         energy_kept = info["mla"]
@@ -115,7 +116,7 @@ def cmd_init(args) -> dict:
     return init_students(args.teacher, args.out, q_rank=args.q_rank, kv_rank=args.kv_rank, energy=args.energy,
                          rope_dim=args.rope_dim, rope_init=args.rope_init, linear_mixer=args.linear_mixer,
                          seed=args.seed, calib_sources=args.calib_sources, calib_tokens=args.calib_tokens,
-                         overwrite=args.overwrite)
+                         overwrite=args.overwrite, remote_code=args.remote_code)
 
 
 def cmd_run(args) -> dict:
@@ -166,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "mixers' output scales")
     i.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (0: no calibration)")
     i.add_argument("--overwrite", action="store_true")
+    i.add_argument("--remote-code", action="store_true",
+                   help="also write hybrid_lm_auto.py and an auto_map, so the folder loads with trust_remote_code=True "
+                   "without importing the toolkit; whoever loads it that way runs that .py "
+                   "(only for sharing with people who do not use the toolkit)")
     i.set_defaults(fn=cmd_init)
     r = sub.add_parser("run", help="the whole route: init, ILD of both students, SMART, compose, KD, DPO")
     r.add_argument("--config", required=True, help="route YAML: output_dir, teacher, init, ild, smart, kd, dpo")

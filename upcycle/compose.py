@@ -170,9 +170,10 @@ def load_student(path: PathLike, who: str) -> HybridForCausalLM:
 
 
 def compose_from_dirs(mla_dir: PathLike, mamba_dir: PathLike, mla_layers: Sequence[int], out_dir: PathLike,
-                      overwrite: bool = False) -> Dict[str, Any]:
+                      overwrite: bool = False, remote_code: bool = False) -> Dict[str, Any]:
     """Load both students, compose, write ``out_dir`` atomically (weights, config, the linear student's
-    tokenizer, ``compose.json``); returns the compose.json dict."""
+    tokenizer, ``compose.json``; ``remote_code``: also ``hybrid_lm_auto.py``, see
+    :func:`hybridlm.model.configuration.write_remote_code`); returns the compose.json dict."""
     from hybridlm.utils.atomic import atomic_directory
     from upcycle.teacher import check_tokenizer_matches, load_teacher_tokenizer
 
@@ -194,7 +195,7 @@ def compose_from_dirs(mla_dir: PathLike, mamba_dir: PathLike, mla_layers: Sequen
             "shared_weights_from": "mamba student (checked equal to the MLA student's)",
             "mla": {k: hybrid.config.mla[k] for k in ("kv_lora_rank", "qk_rope_head_dim")}}
     with atomic_directory(out, overwrite=overwrite) as tmp:
-        hybrid.save_pretrained(tmp)
+        hybrid.save_pretrained(tmp, remote_code=remote_code)
         tokenizer.save_pretrained(tmp)
         write_json(tmp / COMPOSE_INFO, info)
     return {**info, "out": str(out)}

@@ -345,7 +345,8 @@ def cmd_compose(args) -> Dict[str, Any]:
             plan_len = len(json.loads(cfg_file.read_text(encoding="utf-8")).get("hybrid_override_pattern", ""))
             if plan_len and plan_len != 2 * n:
                 raise ConfigError(f"--from-smart: the report is for {n} layers, the students have {plan_len // 2}")
-    info = compose_from_dirs(args.mla_student, args.mamba_student, layers, args.out, overwrite=args.overwrite)
+    info = compose_from_dirs(args.mla_student, args.mamba_student, layers, args.out, overwrite=args.overwrite,
+                             remote_code=args.remote_code)
     print(f"hybrid {info['pattern']} (MLA layers {','.join(map(str, info['mla_layers'])) or 'none'}) -> {info['out']}",
           flush=True)
     return info
@@ -379,5 +380,9 @@ def add_subcommands(subparsers) -> None:
     g.add_argument("--from-smart", default=None, help="smart_report.json (or its directory) of `upcycle smart`")
     c.add_argument("--out", required=True)
     c.add_argument("--overwrite", action="store_true")
+    c.add_argument("--remote-code", action="store_true",
+                   help="also write hybrid_lm_auto.py and an auto_map, so the folder loads with trust_remote_code=True "
+                   "without importing the toolkit; whoever loads it that way runs that .py "
+                   "(only for sharing with people who do not use the toolkit)")
     c.set_defaults(fn=cmd_compose)
 

@@ -109,7 +109,7 @@ def run_stage(name: str, sections: Dict[str, Any],
               "config": {"data": to_dict(data_cfg), "optim": to_dict(optim)}}
     if dist.rank == 0:
         with atomic_directory(done.parent, overwrite=True) as tmp:
-            engine.module.save_pretrained(tmp)
+            engine.module.save_pretrained(tmp, remote_code=run.remote_code)
             teacher_tok.save_pretrained(tmp)
             write_json(tmp / "stage.json", result)
         print(json_text({k: v for k, v in result.items() if k != "config"}), flush=True)

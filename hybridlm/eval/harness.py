@@ -6,9 +6,10 @@ transformers checkpoint: ``AutoConfig`` / ``AutoTokenizer`` / ``AutoModelForCaus
 That works without ``trust_remote_code`` because ``import hybridlm.model`` registers the ``hybrid_lm`` model
 type with the Auto classes in this process, and the Auto class then calls ``HybridForCausalLM.from_pretrained``,
 which is strict. ``backend="causal"`` is passed because the harness only auto-detects model types listed in
-transformers' own tables. (The plain ``lm_eval`` CLI works too, with ``--model_args
-pretrained=DIR,trust_remote_code=True``: every saved model carries ``hybrid_lm_auto.py``, which imports the
-installed toolkit.)
+transformers' own tables. No ``trust_remote_code`` is passed and a saved model holds no code by default; a
+loaded folder that still carries an ``auto_map`` (older exports) is loaded by the registered classes, its ``.py``
+never runs. (The plain ``lm_eval`` CLI, which does not import the toolkit, needs an export made with the
+``remote_code`` opt-in and ``trust_remote_code=True``, which runs the folder's ``hybrid_lm_auto.py``.)
 A pre-built ``HFLM(pretrained=model_obj, ...)`` would also work but makes the harness ignore its device,
 dtype and batch arguments; passing the directory keeps the harness' own ``hf`` path under test.
 

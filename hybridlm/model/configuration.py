@@ -6,6 +6,7 @@ stays plain JSON; :meth:`HybridConfig.mixer_args` returns them as validated data
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
@@ -108,14 +109,33 @@ class Mamba2Args:
 MIXER_ARGS = {"mla": MLAArgs, "gdn": DeltaRuleArgs, "kda": DeltaRuleArgs, "mamba2": Mamba2Args}
 
 
-# Every saved model carries a one-line module that imports the installed toolkit, and config.json maps the
-# Auto classes to it: `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` (plain lm-eval,
-# vLLM-style loaders) then works without `import hybridlm.model` first, and no model code is copied.
+# Remote code is opt-in. By default a saved model is plain data (config.json, weights, tokenizer): it loads after
+# `import hybridlm.model`, which registers the classes with transformers' Auto classes, and no `.py` in the folder
+# ever runs. `write_remote_code` (``save_pretrained(..., remote_code=True)``, ``run.remote_code: true``) adds a
+# one-line module importing the installed toolkit and an ``auto_map`` pointing the Auto classes at it, so that
+# `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` works without that import (plain lm-eval,
+# vLLM-style loaders). Whoever loads a folder that way runs whatever `.py` it holds at that point.
 AUTO_MODULE = "hybrid_lm_auto"
 AUTO_MODULE_SOURCE = (
     '"""Loads the hybrid-lm-toolkit classes for transformers\' trust_remote_code (pip install hybrid-lm-toolkit)."""\n'
     "from hybridlm.model import HybridConfig, HybridForCausalLM  # noqa: F401\n")
 AUTO_MAP = {"AutoConfig": f"{AUTO_MODULE}.HybridConfig", "AutoModelForCausalLM": f"{AUTO_MODULE}.HybridForCausalLM"}
+
+
+def write_remote_code(directory) -> None:
+    """Opt-in: make a saved model directory loadable with ``trust_remote_code=True`` without importing the
+    toolkit first (it must still be installed): writes ``hybrid_lm_auto.py`` and an ``auto_map`` in its
+    ``config.json``. Only for sharing with people who do not use the toolkit; anyone who loads the folder with
+    ``trust_remote_code=True`` runs the ``.py`` it contains."""
+    directory = Path(directory)
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file}: missing (save the model or config there first)")
+    values = json.loads(config_file.read_text())
+    values["auto_map"] = dict(AUTO_MAP)
+    config_file.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+    (directory / f"{AUTO_MODULE}.py").write_text(AUTO_MODULE_SOURCE)
+
 
 DEFAULT_PATTERN = "*-M-M-M-"  # what ``HybridConfig()`` builds; YAML model files must say what they want
 
@@ -149,7 +169,9 @@ class HybridConfig(PretrainedConfig):
     ):
         kwargs.pop("num_hidden_layers", None)  # derived, written by to_dict for HF utilities
         kwargs.pop("layer_plan", None)
-        kwargs["auto_map"] = dict(AUTO_MAP)
+        # an auto_map (written by older versions, or by the remote-code opt-in) is a property of one saved
+        # folder, not of the model: dropped here, so a re-save writes one only when asked to
+        kwargs.pop("auto_map", None)
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -203,9 +225,17 @@ class HybridConfig(PretrainedConfig):
                               "or num_layers with hybrid_attention_ratio")
         return cls(**values)
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    def save_pretrained(self, save_directory, *args, remote_code: bool = False, **kwargs):
+        """``remote_code=True``: also :func:`write_remote_code` (see there what it implies)."""
         super().save_pretrained(save_directory, *args, **kwargs)
-        (Path(save_directory) / f"{AUTO_MODULE}.py").write_text(AUTO_MODULE_SOURCE)
+        if remote_code:
+            write_remote_code(save_directory)
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoConfig"):
+        """A no-op: ``import hybridlm.model`` registers the class with the Auto classes, and transformers' own
+        registration (done when a folder is loaded with ``trust_remote_code=True``) would copy this module's
+        source into every later save."""
 
     @property
     def num_hidden_layers(self) -> int:  # what transformers' generic utilities read
@@ -220,7 +250,8 @@ class HybridConfig(PretrainedConfig):
         out = super().to_dict()
         out.pop("_mixer_args", None)
         out.pop("layer_plan", None)
+        out.pop("auto_map", None)  # only write_remote_code writes one
         return out
 
 
-__all__ = ["HybridConfig", "MLAArgs", "DeltaRuleArgs", "Mamba2Args", "MIXERS"]
+__all__ = ["HybridConfig", "write_remote_code", "MLAArgs", "DeltaRuleArgs", "Mamba2Args", "MIXERS"]

@@ -1,7 +1,8 @@
 """The hybrid causal LM: embeddings -> [pre-norm sublayer + residual] x num_layers -> norm -> LM head.
 
 ``HybridForCausalLM`` is a transformers ``PreTrainedModel``: ``save_pretrained`` / ``from_pretrained``
-work and loading is strict (see :meth:`HybridForCausalLM.from_pretrained`).
+work and loading is strict (see :meth:`HybridForCausalLM.from_pretrained`). A saved folder holds no code
+(``save_pretrained(..., remote_code=True)`` is the opt-in); ``import hybridlm.model`` makes the Auto classes load it.
 
 Generation: ``model.generate`` (or ``forward(..., use_cache=True)``) carries a
 :class:`~hybridlm.model.cache.HybridCache`; ``attention_mask`` (left padding) and ``position_ids`` are honoured.
@@ -18,7 +19,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hybridlm.model.cache import HybridCache, InferenceContext
-from hybridlm.model.configuration import HybridConfig
+from hybridlm.model.configuration import HybridConfig, write_remote_code
 from hybridlm.model.layers import SUBLAYERS, Mamba2, RMSNorm
 from hybridlm.model.layers.conv import ShortConv
 from hybridlm.model.layers.init import init_residual_out_proj, init_short_conv
@@ -58,6 +59,19 @@ class HybridPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["HybridBlock"]
     _supports_sdpa = True
+
+    def save_pretrained(self, save_directory, *args, remote_code: bool = False, **kwargs):
+        """transformers' ``save_pretrained``: weights, config.json, generation_config.json, and no code unless
+        ``remote_code=True``, which adds ``hybrid_lm_auto.py`` and an ``auto_map``
+        (:func:`~hybridlm.model.configuration.write_remote_code`: whoever loads the folder with
+        ``trust_remote_code=True`` runs that file)."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if remote_code and kwargs.get("is_main_process", True):
+            write_remote_code(save_directory)
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModel"):
+        """A no-op, as :meth:`HybridConfig.register_for_auto_class`: no saved folder gets a copy of this module."""
 
     def _init_weights(self, module: nn.Module) -> None:
         """fla's from-scratch init (docs/initialisation.md): linears, short convs and embeddings normal(0,

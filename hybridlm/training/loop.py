@@ -36,6 +36,9 @@ class RunConfig:
     progress: bool = True
     tensorboard: bool = True
     export: bool = True           # transformers-format model in output_dir/final
+    remote_code: bool = False     # also write hybrid_lm_auto.py + an auto_map into final/, so it loads with
+                                  # trust_remote_code=True without `import hybridlm.model` (which runs that .py);
+                                  # only for sharing with people who do not use the toolkit
     sample_prompt: str = "It is a truth universally acknowledged"
     sample_tokens: int = 24       # new tokens of the end-of-run sample (pre-training); 0: no sample
     sample_temperature: float = 0.8   # 0: greedy
