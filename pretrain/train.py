@@ -23,7 +23,7 @@ from hybridlm.engine import DistInfo, Engine, OptimConfig, barrier, init_distrib
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.summary import model_summary
 from hybridlm.training import RunConfig, train_loop
-from hybridlm.training.faults import with_nan_faults
+from hybridlm.utils.faults import kill_in, with_nan_faults
 from hybridlm.utils.atomic import atomic_directory, json_text, write_json
 
 
@@ -180,6 +180,7 @@ def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None)
             final = out / "final"
             with atomic_directory(final, overwrite=True) as tmp:  # complete or absent, never half-written
                 module.save_pretrained(tmp, remote_code=run.remote_code)
+                kill_in("export")  # reliability drills: a kill with the weights written, the tokenizer not
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
             result["exported_to"] = str(final)

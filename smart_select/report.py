@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
 from hybridlm.config.errors import ConfigError
-from hybridlm.utils.atomic import write_json
+from hybridlm.utils.atomic import save_figure, write_json
 
 from .selection import KLValues, _finite, _kl_list, validate_layers
 
@@ -109,7 +109,7 @@ def _bar_chart(path: Path, sens: Sequence[float], chosen: set, kv: Optional[Mapp
     ax.legend(handles=[Patch(color=CHOSEN_COLOR, label="chosen (MLA)"), Patch(color=OTHER_COLOR, label="Mamba2")],
               loc="best", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=FIG_DPI)
+    save_figure(fig, path, dpi=FIG_DPI)
 
 
 __all__ = ["write_smart_report", "FIG_SIZE_IN", "FIG_DPI"]

@@ -1,7 +1,7 @@
 """The pre-training job as a user runs it: real data, real tokenizer, real DeepSpeed on CPU.
 
 Every run here is a subprocess of ``pretrain.py``; faults (SIGKILL, NaN losses) are real, injected
-through hybridlm.training.faults.
+through hybridlm.utils.faults.
 """
 import json
 import math
@@ -136,6 +136,34 @@ def test_resume_refuses_a_planted_pickle_with_one_error_line(tmp_path, austen_da
     assert err[-1].startswith("error: ") and "rng_state_rank00000.pt" in err[-1], err[-3:]
     assert "a pickle can run code" in err[-1]
     assert "Traceback" not in proc.stderr
+
+
+def test_kill_during_a_checkpoint_save_keeps_the_previous_one_and_resumes_bitwise(tmp_path, austen_data, straight):
+    out = tmp_path / "killed_in_save"
+    killed = run_pretrain(out, austen_data, env={"HYBRIDLM_FAULT_KILL_IN": "save:6"}, check=False)
+    assert killed.returncode == -signal.SIGKILL
+    ck = out / "checkpoints"
+    assert (ck / "latest").read_text().strip() == "step_3" and not (ck / "step_6").exists()
+    assert (ck / ".tmp_step_6").is_dir()  # the save that died, never committed
+    resumed = run_pretrain(out, austen_data)
+    assert "at step 3" in resumed.stdout and losses(out) == losses(straight[0])
+    assert not (ck / ".tmp_step_6").exists()  # cleared by the next save
+
+
+def test_kill_during_the_export_leaves_no_final_and_the_rerun_exports(tmp_path, austen_data):
+    out = tmp_path / "killed_in_export"
+    killed = run_pretrain(out, austen_data, env={"HYBRIDLM_FAULT_KILL_IN": "export"}, check=False)
+    assert killed.returncode == -signal.SIGKILL
+    assert not (out / "final").exists() and not (out / "result.json").exists()  # absent, not half-written
+    assert len(list(out.glob(".final.tmp-*"))) == 1  # what the killed export had written
+    rerun = run_pretrain(out, austen_data)
+    assert "resumed from" in rerun.stdout and not list(out.glob(".final.tmp-*"))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import hybridlm.model  # noqa: F401  (registers the model type)
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert AutoTokenizer.from_pretrained(out / "final").vocab_size > 0
+    assert sum(p.numel() for p in model.parameters()) > 0
+    assert json.loads((out / "result.json").read_text())["steps"] == 8
 
 
 def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes_bitwise(tmp_path, austen_data, straight):

@@ -26,7 +26,7 @@ from distill.ild import teacher_trace
 from hybridlm.data.assets import corpus_path
 from hybridlm.eval.perplexity import token_windows
 from hybridlm.model import HybridForCausalLM
-from hybridlm.utils.atomic import json_text, write_json
+from hybridlm.utils.atomic import json_text, save_figure, write_json
 from upcycle.calibrate import calibrate_student
 from upcycle.init_mamba import init_student_from_teacher
 from upcycle.init_variants import published_mamba2
@@ -143,10 +143,7 @@ def plot_curves(results, png: Path, teacher_ppl: float = None) -> Path:
         ax.legend(fontsize=8)
     fig.suptitle("CPU ILD proxy: Mamba2 layers teacher-forced", fontsize=10)
     fig.tight_layout()
-    tmp = png.with_name(png.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(png)
+    save_figure(fig, png, dpi=120)
     return png
 
 

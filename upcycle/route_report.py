@@ -27,7 +27,7 @@ from hybridlm.data.packed import PackedTokens
 from hybridlm.eval.build_tasks import austen_cloze_items
 from hybridlm.eval.multiple_choice import multiple_choice_accuracy
 from hybridlm.eval.perplexity import perplexity
-from hybridlm.utils.atomic import atomic_write_text, json_text, write_json
+from hybridlm.utils.atomic import atomic_write_text, json_text, save_figure, write_json
 
 STAGE_DIRS = (("ild_mla", "ILD (MLA student)"), ("ild_mamba2", "ILD (Mamba2 student)"),
               ("ild_gdn", "ILD (GDN student)"), ("ild_kda", "ILD (KDA student)"),
@@ -193,10 +193,7 @@ def plot_report(report: Dict[str, Any], png: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = png.with_name(png.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(png)  # atomic, like the JSON and Markdown beside it
+    save_figure(fig, png, dpi=120)  # atomic, like the JSON and Markdown beside it
     return png
 
 

@@ -76,6 +76,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hybridlm.bench.common import free_memory, is_oom, merge_reports, versions, write_report
+from hybridlm.utils.atomic import save_figure
 
 MODELS = ("hybrid", "teacher")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -499,8 +500,7 @@ def plot(report: Dict[str, Any], png: Path) -> None:
     fig.suptitle(f"Greedy generation, {report.get('new_tokens')} new tokens, {report.get('dtype')}, "
                  f"{report.get('gpu') or 'cpu'} (x: OOM)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png, dpi=120)
 
 
 def finalize(report: Dict[str, Any]) -> Dict[str, Any]:

@@ -57,6 +57,7 @@ import torch
 
 from hybridlm.bench.common import free_memory, versions, write_report
 from hybridlm.bench.train_speed import DEFAULT_DATA, DEFAULT_SOURCES, DEFAULT_TOKENIZER, model_section
+from hybridlm.utils.atomic import save_figure
 
 FAMILIES = ("gdn", "kda", "mamba2")
 DEFAULT_CONFIG = {"gdn": "gdn_300m", "kda": "kda_300m", "mamba2": "mamba2_300m"}
@@ -410,8 +411,7 @@ def plot(report: Dict[str, Any], png: Path) -> None:
                  f"mb {report['micro_batch']} x seq {report['seq_len']}, {report['steps']} steps, "
                  f"{report['precision']} on {report.get('gpu') or 'cpu'}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png, dpi=110)
 
 
 def write(report: Dict[str, Any], out: Path, chart: bool = True) -> None:

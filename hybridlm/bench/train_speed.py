@@ -46,6 +46,7 @@ import torch
 from hybridlm.bench import flops as F
 from hybridlm.bench.common import free_memory, is_oom, merge_reports, versions, write_report
 from hybridlm.engine.config import PRECISIONS
+from hybridlm.utils.atomic import save_figure
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIGS = ["gdn_300m", "kda_300m", "mamba2_300m", "gdn_300m_hybrid", "mamba2_300m_hybrid", "gdn_1b"]
@@ -343,8 +344,7 @@ def plot(report: Dict[str, Any], png: Path) -> None:
     ax.set_title(f"Training throughput, seq {report.get('seq_len')}, {report.get('precision')} "
                  f"(hatched: peers in a plain PyTorch loop)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png, dpi=120)
 
 
 def write(report: Dict[str, Any], out: Path) -> None:

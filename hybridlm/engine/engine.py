@@ -45,6 +45,7 @@ from hybridlm.engine.checkpoint import CheckpointError
 from hybridlm.engine.config import OptimConfig
 from hybridlm.engine.distributed import DistInfo, barrier, init_distributed
 from hybridlm.engine.schedule import lr_lambda_from_config
+from hybridlm.utils.faults import kill_in
 
 logger = logging.getLogger(__name__)
 
@@ -451,6 +452,7 @@ class Engine:
         self.ds_engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=state, save_latest=False)
         rng_path = os.path.join(tmp_dir, ckpt.rng_file(rank))
         torch.save(ckpt.get_rng_state(), rng_path)
+        kill_in("save", step)  # reliability drills: a kill with the files written, nothing committed
         barrier()
         if self.dist.local_rank == 0:  # one process per node: covers node-local and shared filesystems
             ckpt.fsync_tree(tmp_dir)

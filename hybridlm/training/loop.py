@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from hybridlm.config.errors import ConfigError
 from hybridlm.engine import Engine, NonFiniteLossError, StepResult, all_reduce_sum, barrier, is_main
 from hybridlm.training.cold_start import first_step_done, first_step_notice
-from hybridlm.training.faults import kill_if_requested
+from hybridlm.utils.faults import kill_if_requested
 from hybridlm.training.preempt import Preempted, PreemptionFlag, preemption_flag
 from hybridlm.utils.metrics import MetricsLogger, plot_curves, read_jsonl
 

@@ -27,6 +27,8 @@ def atomic_directory(final: Path, overwrite: bool = False):
     if final.exists() and not overwrite:
         raise FileExistsError(f"{final}: already exists")
     final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".{final.name}.tmp-*"):  # left by a process killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -74,6 +76,20 @@ def atomic_write_bytes(path, data: bytes) -> None:
             os.remove(tmp)
         raise
     fsync_dir(directory)
+
+
+def save_figure(fig, path, dpi: int = 120) -> Path:
+    """Write a matplotlib figure as a PNG atomically (rendered in memory, then :func:`atomic_write_bytes`) and
+    close it: a report's picture is the old one or the new one, never half a file."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    if getattr(fig.canvas, "manager", None) is not None:  # made by pyplot, which keeps it until closed
+        import matplotlib.pyplot as plt
+        plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+    return Path(path)
 
 
 def finite_or_none(obj: Any) -> Any:

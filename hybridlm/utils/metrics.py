@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
-from hybridlm.utils.atomic import json_text
+from hybridlm.utils.atomic import json_text, save_figure
 
 
 def read_jsonl(path: Path) -> List[Dict[str, Any]]:
@@ -95,6 +95,5 @@ def plot_curves(records: Iterable[Dict[str, Any]], png: Path, keys=("loss", "val
     ax.legend()
     fig.tight_layout()
     png = Path(png)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png, dpi=120)
     return png

@@ -4,6 +4,8 @@
 ``HYBRIDLM_FAULT_TERM_AT_STEP=k``      the process SIGTERMs itself right after optimizer step k (a scheduler's
                                        pre-emption notice)
 ``HYBRIDLM_FAULT_NAN_AT_STEPS=a,b,c``  the loss of steps a, b, c (1-based) becomes NaN
+``HYBRIDLM_FAULT_KILL_IN=save:k``      SIGKILL in the middle of the checkpoint save of step k (its files written,
+                                       not yet committed); ``export``: in the middle of writing ``final/``
 Unset (the normal case) they cost nothing.
 """
 from __future__ import annotations
@@ -38,3 +40,13 @@ def with_nan_faults(loss_fn, gradient_accumulation_steps: int):
         return (loss * float("nan") if step in steps else loss), metrics
 
     return wrapped
+
+
+def kill_in(point: str, step: int = -1) -> None:
+    """SIGKILL this process if ``HYBRIDLM_FAULT_KILL_IN`` names ``point`` (and, as ``point:k``, ``step``)."""
+    target = os.environ.get("HYBRIDLM_FAULT_KILL_IN")
+    if not target:
+        return
+    name, _, at = target.partition(":")
+    if name == point and (not at or int(at) == step):
+        os.kill(os.getpid(), signal.SIGKILL)
