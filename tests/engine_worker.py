@@ -137,6 +137,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--save-at", type=int, default=3)
     ap.add_argument("--nan-step", type=int, default=2, help="step index whose rank-1 rows get a NaN loss")
     ap.add_argument("--local_rank", type=int, default=None)  # passed by the deepspeed launcher
+    ap.add_argument("--resume-from", default=None, help="only resume this checkpoint (saved at --save-at, maybe "
+                    "on another number of ranks), train the remaining steps and write the losses")
     args = ap.parse_args(argv)
 
     from hybridlm.engine import Engine, all_reduce_flag, all_reduce_sum, init_distributed, is_main
@@ -144,6 +146,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     info = init_distributed()
     cfg = make_config(args.precision)
     batches = global_batches(args.steps, cfg.global_batch_size)
+    if args.resume_from:
+        engine = Engine(build_model(seed=99), cfg, loss_fn)
+        client = engine.load_checkpoint(args.resume_from, required=True)
+        res = run(engine, batches[args.save_at:], info.rank, info.world_size, {})
+        with open(os.path.join(args.out, f"rank{info.rank}.json"), "w") as f:
+            json.dump({"rank": info.rank, "world_size": info.world_size, "client": client,
+                       "global_step": engine.global_step, "losses": [r.loss for r in res],
+                       "params_digest": params_digest(engine.module)}, f)
+        from hybridlm.engine import shutdown_distributed
+        shutdown_distributed()
+        return
     poison = {args.nan_step: [2, 3]}  # rows 2-3 live on rank 1 only
 
     engine = Engine(build_model(seed=0), cfg, loss_fn)

@@ -482,6 +482,53 @@ def test_two_rank_zero1_shards_state_and_matches_one_rank(tmp_path, precision):
     assert [r.tokens for r in single] == r0["tokens"]
 
 
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_on_another_number_of_ranks_continues_the_run(tmp_path, precision):
+    """Elastic resume: a checkpoint of 2 ranks resumes on 1 and one of 1 on 2 (gloo, ZeRO-1). The optimizer
+    state is re-partitioned exactly (copied); the same global batches are split differently (1 rank
+    accumulates two micro-batches where 2 ranks average theirs), so the losses agree to float rounding of the
+    gradient sums, not bitwise."""
+    cfg = W.make_config(precision)
+    steps, save_at = 6, 3
+    batches = W.global_batches(steps, cfg.global_batch_size)
+    ref = Engine(W.build_model(seed=0), cfg, W.loss_fn)  # one rank, uninterrupted
+    ref_losses = [ref.train_step(micro(b, ref)).loss for b in batches]
+    tol = 1e-5 if precision == "fp32" else 2e-2
+
+    def torchrun(*extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), WORKER_PATH, "--precision",
+               precision, "--steps", str(steps), "--save-at", str(save_at), "--nan-step", "-1", *extra]
+        proc = subprocess.run(cmd, env=subprocess_env(OMP_NUM_THREADS="1"), cwd=REPO, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+    # 2 -> 1: the worker trains 3 steps on 2 ranks and saves (then goes on; its checkpoint is what counts)
+    two = tmp_path / "two"
+    two.mkdir()
+    torchrun("--out", str(two))
+    assert json.loads((two / "ckpt" / "step_3" / "manifest.json").read_text())["world_size"] == 2
+    one = Engine(W.build_model(seed=5), cfg, W.loss_fn)
+    assert one.load_checkpoint(two / "ckpt") == {"where": "worker"} and one.global_step == save_at
+    resumed = [one.train_step(micro(b, one)).loss for b in batches[save_at:]]
+    assert resumed == pytest.approx(ref_losses[save_at:], rel=tol)
+
+    # 1 -> 2: one rank trains 3 steps and saves, two ranks resume
+    first = Engine(W.build_model(seed=0), cfg, W.loss_fn)
+    for b in batches[:save_at]:
+        first.train_step(micro(b, first))
+    first.save_checkpoint(tmp_path / "from_one", save_at, {"where": "one rank"})
+    out = tmp_path / "resumed_on_two"
+    out.mkdir()
+    torchrun("--out", str(out), "--resume-from", str(tmp_path / "from_one"))
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for d in ranks:
+        assert d["world_size"] == 2 and d["client"] == {"where": "one rank"} and d["global_step"] == steps
+        assert d["losses"] == pytest.approx(ref_losses[save_at:], rel=tol)
+    assert ranks[0]["params_digest"] == ranks[1]["params_digest"]  # both ranks hold the same model
+
+
 def test_activation_checkpointing_trains_the_same_model():
     """Recomputing blocks in the backward pass changes memory, not the step: same losses, same weights."""
     from conftest import tiny_config

@@ -201,6 +201,21 @@ def test_two_ranks_match_one_rank(tmp_path, austen_data):
         assert abs(one[step] - two[step]) < 1e-4 * abs(one[step]), (step, one[step], two[step])
 
 
+def test_a_two_rank_run_resumes_on_one_rank(tmp_path, austen_data, straight):
+    """Pre-empted on 2 ranks, rescheduled on 1: the run resumes at its checkpoint with the optimizer state
+    re-partitioned and the data position kept, so every step's loss is the uninterrupted run's (to float rounding
+    of the gradient sums: one rank accumulates two micro-batches where two ranks average theirs)."""
+    out = tmp_path / "elastic"
+    killed = run_pretrain(out, austen_data, env={"HYBRIDLM_FAULT_KILL_AT_STEP": "5"}, nproc=2, check=False)
+    assert killed.returncode != 0 and (out / "checkpoints" / "step_3").is_dir()
+    resumed = run_pretrain(out, austen_data)  # one rank now
+    assert "at step 3" in resumed.stdout
+    got, want = losses(out), losses(straight[0])
+    assert sorted(got) == sorted(want) == list(range(1, 9))
+    for step in want:
+        assert abs(got[step] - want[step]) < 1e-4 * abs(want[step]), (step, got[step], want[step])
+
+
 @pytest.mark.parametrize("override,message", [
     (["data.path=/nonexistent/data"], "error: data.path: /nonexistent/data/meta.json does not exist"),
     (["optim.global_batch_size=3"], "error: optim.global_batch_size: 3 is not a multiple of micro_batch_size=2"),

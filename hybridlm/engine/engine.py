@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -492,11 +493,71 @@ class Engine:
             raise CheckpointError(f"checkpoint {path}: '{ckpt.LATEST}' names {tag!r}, which does not exist")
         return path, tag
 
+    def _load_resharded_optimizer(self, tag_dir: str, saved_world_size: int) -> None:
+        """The fp32 master weights and AdamW moments of a checkpoint saved on ``saved_world_size`` ranks, put into
+        this engine's ZeRO partition on the current number of ranks.
+
+        Every saved shard records which slice of which parameter it holds (``param_slice_mappings``: name ->
+        start and length in that rank's flat partition); the shards of all ranks, read in rank order, give each
+        parameter's full fp32 value and moments. Each current rank then copies the slice of every parameter that
+        its own partition holds (DeepSpeed's ``_hp_mapping`` of each parameter: where the slice starts in the
+        parameter and in the partition). Values are copied, not recomputed, so the state is exact; the step
+        count is the saved one.
+        """
+        pattern = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+        shards = {int(m.group(1)): os.path.join(tag_dir, f) for f in os.listdir(tag_dir) if (m := pattern.match(f))}
+        if sorted(shards) != list(range(saved_world_size)):
+            raise CheckpointError(f"checkpoint {tag_dir}: expected the optimizer shards of ranks 0..{saved_world_size - 1}, "
+                                  f"found {sorted(shards)}")
+        pieces: Dict[str, Dict[str, List[torch.Tensor]]] = {}
+        steps = set()
+        for r in range(saved_world_size):
+            sd = ckpt.safe_load(shards[r])["optimizer_state_dict"]
+            states = sd["base_optimizer_state"]["state"]
+            for g, mapping in enumerate(sd["param_slice_mappings"]):
+                flat, state = sd["single_partition_of_fp32_groups"][g], states[g]
+                steps.add(float(state["step"]))
+                for name, addr in mapping.items():
+                    slot = pieces.setdefault(name, {"fp32": [], "exp_avg": [], "exp_avg_sq": []})
+                    slot["fp32"].append(flat.narrow(0, addr.start, addr.numel))
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        slot[key].append(state[key].narrow(0, addr.start, addr.numel))
+        if len(steps) != 1:
+            raise CheckpointError(f"checkpoint {tag_dir}: the shards disagree on the optimizer step ({sorted(steps)})")
+        full = {name: {k: torch.cat(v) for k, v in slot.items()} for name, slot in pieces.items()}
+        step = steps.pop()
+
+        base = self.ds_engine.optimizer.optimizer  # the torch AdamW stepping the flat fp32 partitions
+        for group in base.param_groups:  # AdamW creates its state at the first step: create it now
+            flat = group["params"][0]
+            on_device = group.get("fused") or group.get("capturable")
+            base.state[flat] = {"step": torch.tensor(step, dtype=torch.float32,
+                                                     device=flat.device if on_device else "cpu"),
+                                "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+        for name, param in self.ds_engine.module.named_parameters():
+            mapping = getattr(param, "_hp_mapping", None)
+            if mapping is None:  # no slice of it in this rank's partition
+                continue
+            if name not in full or full[name]["fp32"].numel() != param.numel():
+                raise CheckpointError(f"checkpoint {tag_dir}: optimizer state of {name} missing or of another size")
+            lo, n = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+            at = mapping.hp_fragment_address.start
+            group = base.param_groups[mapping.param_group_index]
+            flat = group["params"][0]
+            flat.data.narrow(0, at, n).copy_(full[name]["fp32"][lo:lo + n])
+            for key in ("exp_avg", "exp_avg_sq"):
+                base.state[flat][key].narrow(0, at, n).copy_(full[name][key][lo:lo + n])
+        # the learning rate lives in the optimizer's groups, which a full optimizer load would restore
+        for group, lr in zip(base.param_groups, self.ds_engine.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
+        self.ds_engine.optimizer._link_all_hp_params()  # the per-parameter views of the new state
+
     def load_checkpoint(self, path: str, *, required: bool = False) -> Optional[Dict[str, Any]]:
         """Restore model, optimizer, scheduler, RNG and counters; return the saved ``client_state``.
 
         ``path`` is a save directory (the checkpoint named by its ``latest`` file is loaded) or one
-        ``step_<N>`` directory.  Returns None when ``path`` is a directory holding no checkpoint yet
+        ``step_<N>`` directory. It may have been saved on another number of ranks
+        (:meth:`_load_resharded_optimizer`).  Returns None when ``path`` is a directory holding no checkpoint yet
         (unless ``required``).  A missing path, a dangling ``latest``, an incomplete or unreadable
         checkpoint raise :class:`CheckpointError` (a ``ConfigError``) naming the path.  Collective.
         """
@@ -508,16 +569,20 @@ class Engine:
         tag_dir = os.path.join(save_dir, tag)
         manifest = ckpt.read_manifest(tag_dir)
         saved_ws = manifest.get("world_size")
-        if saved_ws != self.dist.world_size:
-            raise CheckpointError(
-                f"checkpoint {tag_dir}: saved with {saved_ws} data-parallel ranks, now {self.dist.world_size} "
-                f"(ZeRO optimizer shards are per rank)"
-            )
-        rng_path = os.path.join(tag_dir, ckpt.rng_file(self.dist.rank))
+        if isinstance(saved_ws, bool) or not isinstance(saved_ws, int) or saved_ws < 1:
+            raise CheckpointError(f"checkpoint {tag_dir}: manifest has no valid world_size ({saved_ws!r})")
+        resharded = saved_ws != self.dist.world_size
+        # a rank that did not exist at the save starts from rank 0's generators
+        rng_rank = self.dist.rank if self.dist.rank < saved_ws else 0
+        rng_path = os.path.join(tag_dir, ckpt.rng_file(rng_rank))
         try:
+            # another number of ranks: DeepSpeed loads the model and the schedule, the optimizer state is
+            # re-partitioned from every saved shard below (the docstring of _load_resharded_optimizer)
             load_path, state = self.ds_engine.load_checkpoint(
-                save_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+                save_dir, tag=tag, load_optimizer_states=not resharded, load_lr_scheduler_states=True
             )
+            if resharded and load_path is not None:
+                self._load_resharded_optimizer(tag_dir, saved_ws)
             rng = ckpt.safe_load(rng_path)
         except CheckpointError:
             raise
