@@ -24,7 +24,8 @@ import torch
 
 from hybridlm.config.errors import ConfigError, last_line, weight_load_errors
 from hybridlm.data.assets import ASSET_PREFIX, AssetError, _atomic_build, cache_dir, fetch_assets
-from hybridlm.data.packages import Package, fetch_packages, sha256_of
+from hybridlm.data.packages import Package, fetch_packages
+from hybridlm.utils.digest import sha256_of
 from hybridlm.utils.atomic import write_json
 
 PathLike = Union[str, os.PathLike]

@@ -9,7 +9,6 @@ runs ``apt-get update``: when the package lists are missing, the error says to r
 """
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import sys
 import tarfile
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Dict, Iterable
 
 from hybridlm.config.errors import ConfigError, last_line
+from hybridlm.utils.digest import sha256_of
 
 
 class AssetError(ConfigError):
@@ -47,14 +47,6 @@ class Package:
 
 
 # ------------------------------------------------------------------------------------ downloading
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _apt_lists_present() -> bool:
     lists = Path("/var/lib/apt/lists")
     return lists.is_dir() and any(lists.glob("*_Packages*"))

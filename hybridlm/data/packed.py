@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -17,6 +16,7 @@ import torch
 from hybridlm.config.errors import ConfigError
 from hybridlm.data.prepare import FORMAT, FORMAT_VERSION, META, SPLITS
 from hybridlm.data.sampler import ShuffledBatches, check_int, validation_indices
+from hybridlm.utils.digest import sha256_of
 
 DTYPES = ("uint16", "uint32")
 
@@ -95,7 +95,7 @@ class PackedTokens:
                 raise ConfigError(f"{f}: {size} bytes, expected {sh['num_bytes']} from meta.json "
                                   f"(truncated or modified); re-run prepare")
             if verify_checksums and sh.get("sha256"):
-                if _sha256(f) != sh["sha256"]:
+                if sha256_of(f) != sh["sha256"]:
                     raise ConfigError(f"{f}: sha256 differs from meta.json (corrupt); re-run prepare")
             if sh["num_tokens"]:  # np.memmap cannot map an empty file
                 self._maps.append(np.memmap(f, dtype=self.dtype, mode="r", shape=(sh["num_tokens"],)))
@@ -141,14 +141,6 @@ class PackedTokens:
             return arr if step == 1 else arr[::step]
         i = int(idx) + (len(self) if int(idx) < 0 else 0)
         return int(self.read(i, 1)[0])
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 
