@@ -1,4 +1,4 @@
-"""DPO (sigmoid loss) and the sequence log-probabilities it needs (SPEC §3: beta 0.01 in the recipe).
+"""DPO (sigmoid loss) and the sequence log-probabilities it needs (the published recipe: beta 0.01).
 
 With ``pi`` the policy, ``ref`` the frozen reference and ``log p(y | x)`` summed over the completion tokens:
 

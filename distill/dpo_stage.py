@@ -1,4 +1,4 @@
-"""DPO stage: the KD-SFT student is the policy; a second, frozen copy of it is the reference (SPEC §3).
+"""DPO stage: the KD-SFT student is the policy; a second, frozen copy of it is the reference (the published upcycling recipe; README, "Upcycling a Llama").
 
 Sections: ``student`` (the policy's starting point and the reference: a directory from ``upcycle kd`` or
 ``upcycle init``; its tokenizer is used), ``data`` (:class:`PreferenceDataConfig`: preference pairs in any

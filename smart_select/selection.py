@@ -1,4 +1,4 @@
-"""SMART layer selection: which Llama layers become MLA in the MLA + Mamba2 hybrid (SPEC §3).
+"""SMART layer selection: which Llama layers become MLA in the MLA + Mamba2 hybrid (README, "Upcycling a Llama").
 
 Inputs are KL divergences measured on the pure-Mamba2 student after ILD: ``kl_all`` = KL(teacher ||
 all-Mamba2) and, per layer ``i``, ``kl_i`` = KL with only layer ``i`` swapped to its MLA (ILD) layer.

@@ -1,4 +1,4 @@
-"""The generation-throughput benchmark (issue #6) on CPU: a tiny random Llama teacher and a tiny upcycled-shape
+"""The generation-throughput benchmark on CPU: a tiny random Llama teacher and a tiny upcycled-shape
 hybrid (MLA + Mamba2 layers from ``upcycle.student.student_config``), fp32.
 
 Checks that the timed loop is real greedy decoding (equal to ``generate`` and to full forwards), that every

@@ -283,7 +283,7 @@ def test_real_dpo_demo_loads_and_tokenizes(tok):
 
     eos = tok.eos_token_id
     for pair in pairs:
-        out = tokenize_pair(tok, pair)  # SPEC limits: 1024 / 512
+        out = tokenize_pair(tok, pair)  # the recipe's limits: 1024 / 512
         n = out["prompt_length"]
         assert n <= 512
         for key, answer in (("chosen", pair.chosen), ("rejected", pair.rejected)):

@@ -1,4 +1,4 @@
-"""KV-cache accounting (upcycle.kv_report) against SPEC §3's published ratios."""
+"""KV-cache accounting (upcycle.kv_report) against the published ratios."""
 import json
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""The training-throughput benchmark (issue #5): its FLOP formula by hand, and a real CPU run of the command.
+"""The training-throughput benchmark: its FLOP formula by hand, and a real CPU run of the command.
 
 The run goes through pretrain.py's own setup / engine / loop on the real embedded data (Jane Austen,
 Llama-3.2 tokenizer) with a tiny model, plus the transformers Llama peer; fla peers need CUDA and are

@@ -1,4 +1,4 @@
-"""Compose the MLA + Mamba2 hybrid from the two ILD students (SPEC §3, after SMART picks the MLA layers).
+"""Compose the MLA + Mamba2 hybrid from the two ILD students (after SMART picks the MLA layers).
 
 ``compose_hybrid(mla_student, mamba_student, mla_layers)`` returns a new ``HybridForCausalLM`` whose
 teacher layer ``i`` (sublayers ``2i`` mixer and ``2i + 1`` MLP) is taken whole from the MLA student when

@@ -1,6 +1,6 @@
 """Initialise linear-time mixers (Mamba2, Gated DeltaNet, KDA) and a whole student from a Llama teacher.
 
-MambaInLlama (SPEC §3): attention's q / k / v / o play the roles of a linear recurrence's C / B / x / out.
+MambaInLlama (docs/upcycling_init.md): attention's q / k / v / o play the roles of a linear recurrence's C / B / x / out.
 
 * Mamba2 (shapes of :func:`upcycle.student.mamba2_args`: expand 1, d_inner = n_h d_h, d_xb = n_kv d_h,
   d_state = d_h, n_groups = n_h): ``in_proj`` rows ``[z | x | B | C | dt]`` get x <- W_v, B <- W_k,

@@ -1,4 +1,4 @@
-"""KV-cache size of an MLA + Mamba2 hybrid against its Llama teacher (SPEC §3).
+"""KV-cache size of an MLA + Mamba2 hybrid against its Llama teacher (README, "Upcycling a Llama").
 
 Values cached per token per decoder layer:
 
@@ -7,7 +7,7 @@ Values cached per token per decoder layer:
 * Mamba2: 0 -- its recurrent state has a constant size, independent of the sequence length.
 
 ``ratio = sum over MLA layers (r_kv + d_rope) / (L * 2 * n_kv * d_h)`` and ``compression = 1 / ratio``.
-Check values (SPEC): Llama-3.2-1B with 8 MLA layers at r_kv 128, d_rope 32 -> 7.81% = 12.8x.
+Check values (published): Llama-3.2-1B with 8 MLA layers at r_kv 128, d_rope 32 -> 7.81% = 12.8x.
 
 The three public teachers' architecture shapes ship as ``configs/llama/*.json``; ``load_teacher_config``
 reads those, any HF ``config.json`` or a model directory holding one.

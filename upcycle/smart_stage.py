@@ -1,4 +1,4 @@
-"""SMART: measure how much each layer helps as MLA, pick the MLA layers, report (SPEC §3).
+"""SMART: measure how much each layer helps as MLA, pick the MLA layers, report (README, "Upcycling a Llama").
 
 Starting from the two ILD students (pure MLA and pure Mamba2), on a calibration set of packed token
 windows (teacher tokenizer):

@@ -1,4 +1,4 @@
-"""Generation throughput and memory of an upcycled hybrid against its Llama teacher (issue #6).
+"""Generation throughput and memory of an upcycled hybrid against its Llama teacher (BENCHMARKS.md, "Generation throughput").
 
     python -m hybridlm.bench.generation --hybrid DIR --teacher DIR_OR_ASSET --out DIR \\
         [--prompt-lens 1024 8192] [--new-tokens 1024] [--batches 1 8 16 32 48 64 96 128] \\
@@ -51,7 +51,7 @@ An out-of-memory error (``torch.cuda.OutOfMemoryError``, or a RuntimeError sayin
 ``status: "oom"`` (with the phase) and stops the larger batches of that model and prompt length.
 ``comparisons`` pair the two models at each (P, B): decode and end-to-end speedups (hybrid / teacher), the
 measured KV ratio ``teacher cache_bytes_kv / hybrid cache_bytes_kv`` next to the one kv_report predicts, the
-ratio of whole caches (recurrent states included) and of peak memory; ``target`` is issue #6's
+ratio of whole caches (recurrent states included) and of peak memory; ``target`` is the project's
 (>= 1.5x the teacher at P 8192, B 48). ``DIR/generation.json`` and ``DIR/generation.png`` (decode tokens/s
 and peak memory against the batch, one line per model per prompt length, OOM marked) are rewritten after
 every entry, so a run cut off by a time limit still leaves what it measured.

@@ -1,4 +1,4 @@
-"""Training throughput of the real pre-training step, and of peers in a plain PyTorch loop (issue #5).
+"""Training throughput of the real pre-training step, and of peers in a plain PyTorch loop (BENCHMARKS.md, "Training throughput").
 
     python -m hybridlm.bench.train_speed --out DIR \\
         [--configs gdn_300m kda_300m mamba2_300m gdn_300m_hybrid mamba2_300m_hybrid gdn_1b] \\

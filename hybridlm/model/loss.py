@@ -11,7 +11,7 @@ during the forward pass, so at most one chunk of logits exists at a time. Per ch
 
 Why not fla's own ``FusedLinearCrossEntropyLoss``: it accumulates the weight gradient through ``addmm`` on
 fp32 copies of the logits and the hidden states, which cuBLAS runs as an fp32 SIMT GEMM (no TF32 by
-default): 55 % of a GDN-300M training step on an H200 (BENCHMARKS.md, issue #5).
+default): 55 % of a GDN-300M training step on an H200 (BENCHMARKS.md, "Training throughput").
 """
 from __future__ import annotations
 

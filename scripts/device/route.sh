@@ -17,7 +17,7 @@ tar xJf /tmp/xfer/route_data.tar.xz && relocate_meta
 export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/wheels
 python3 -m upcycle.teacher fetch || exit 4
 echo "[$((SECONDS - START))s] teacher ready"
-if [ "${GEN_BENCH:-0}" = 1 ]; then  # issue #6's benchmark on the second GPU while the route trains on the first
+if [ "${GEN_BENCH:-0}" = 1 ]; then  # the generation benchmark on the second GPU while the route trains on the first
   export CUDA_VISIBLE_DEVICES=0
   GPUS=1 DEADLINE_AT=$((EPOCHSECONDS + DEADLINE_S + 40 - (SECONDS - START))) bash scripts/device/generation.sh \
     > "$LOGS/generation.log" 2>&1 &

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #5's benchmark on one GPU of the device machine, one family per process, so that a family cut off by
+# The training-speed benchmark (BENCHMARKS.md, "Training throughput") on one GPU of the device machine, one family per process, so that a family cut off by
 # its time limit (fla's autotuning costs minutes per mixer on a fresh machine) leaves the others' reports.
 #   FAMILIES="gdn mamba2 kda mb16 1b"  which families, in this order
 #   DEADLINE_AT=<epoch seconds>   stop launching / cut the running family at that time

@@ -28,7 +28,7 @@ from hybridlm.model.layers.rope import apply_rope, rope_cos_sin
 
 # Attention over the cache leaves cuDNN's SDPA out: torch picks it first on Hopper, and it builds an execution
 # plan for every new key length, i.e. at every decoding step (with it, the eager decode of the upcycled
-# SmolLM2 hybrid took 93 ms per step on an H200; BENCHMARKS.md, issue #6). Flash / memory-efficient need none.
+# SmolLM2 hybrid took 93 ms per step on an H200; BENCHMARKS.md, "Generation throughput"). Flash / memory-efficient need none.
 _CACHE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
