@@ -188,3 +188,23 @@ def test_engine_runs_see_the_same_batches_and_fp32_matches_the_plain_loop(tmp_pa
     assert mixed["train_loss"] != engine["train_loss"]
     assert mixed["train_loss"] == pytest.approx(engine["train_loss"], rel=2e-2)
     assert [row["init"] for row in saved["ablation"]] == list(runs)
+
+
+def test_two_architectures_of_ours_on_the_same_batches(tmp_path, austen_data):
+    """--peer-config: the 75 % GDN hybrid against pure GDN (tiny shapes), one recipe, one plot."""
+    from hybridlm.bench import loss_parity as LP
+
+    out = tmp_path / "hybrid"
+    mla = ("mla={num_heads: 2, q_lora_rank: 16, kv_lora_rank: 8, qk_nope_head_dim: 8, qk_rope_head_dim: 8, "
+           "v_head_dim: 16}")
+    report = LP.main(["--family", "gdn", "--config", "gdn_300m_hybrid", "--peer", "ours", "--peer-config",
+                      "gdn_300m", "--steps", "3", "--out", str(out), "--data", str(austen_data), "--micro-batch",
+                      "2", "--seq", "32", "--warmup", "1", "--val-interval", "3", "--val-batches", "1",
+                      "--model-override", *TINY[:2], "hybrid_override_pattern=*-M-", *TINY[3:], mla,
+                      "--peer-model-override", *TINY])
+    saved = json.loads((out / "loss_parity.json").read_text())
+    assert saved["pattern"] == "*-M-" and saved["peer_pattern"] == "M-M-" and saved["peer_config_name"] == "gdn_300m"
+    assert saved["ours_params"] != saved["peer_params"]  # another architecture: the counts are recorded, not required
+    assert [r["name"] for r in saved["runs"]] == ["ours gdn_300m_hybrid", "ours gdn_300m"]
+    assert saved["checks"]["same_batches"] and saved["checks"]["same_lrs"] and report["gap"] is not None
+    assert_chart(out / "loss_parity.png")

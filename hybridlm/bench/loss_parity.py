@@ -68,21 +68,26 @@ SMOOTH = 10  # running-mean window of the train-loss curve
 
 # ------------------------------------------------------------------------------------------ models
 
-def resolve_config(args, data_dir: Path):
-    """Our HybridConfig: the model YAML with the overrides, vocabulary from the data; for ``mamba2`` against a
-    Mamba2-only peer, one mixer per sublayer."""
+def resolve_config(args, data_dir: Path, name: Optional[str] = None, overrides: Optional[List[str]] = None):
+    """Our HybridConfig: the model YAML (``name``, default ``--config``) with the overrides (default
+    ``--model-override``), vocabulary from the data; for ``mamba2`` against a Mamba2-only peer, one mixer per
+    sublayer. Its sequence mixers must be ``--family``, with MLA allowed beside it when the run compares two
+    architectures of ours (``--peer-config``)."""
     from hybridlm.data import read_meta
     from pretrain.train import resolve_model_config
 
-    section = dict(model_section(args.config, args.model_override))
-    overridden = {o.split("=", 1)[0] for o in args.model_override}
+    name = name or args.config
+    overrides = args.model_override if overrides is None else overrides
+    section = dict(model_section(name, overrides))
+    overridden = {o.split("=", 1)[0] for o in overrides}
     if "hybrid_override_pattern" in overridden and "num_layers" not in overridden:
         section.pop("num_layers", None)  # the new pattern gives the depth
     section.setdefault("backend", "auto")
     config = resolve_model_config(section, read_meta(data_dir), data_dir)
     mixers = {k for k in config.layer_plan if k != "mlp"}
-    if mixers != {args.family}:
-        raise SystemExit(f"--family {args.family}: the config's sequence mixers are {sorted(mixers)}")
+    allowed = {args.family, "mla"} if args.peer_config else {args.family}
+    if args.family not in mixers or not mixers <= allowed:
+        raise SystemExit(f"--family {args.family}: {name}'s sequence mixers are {sorted(mixers)}")
     if args.family == "mamba2" and not args.keep_pattern and "mlp" in config.layer_plan:
         section["hybrid_override_pattern"] = "M" * len(config.layer_plan)
         section.pop("num_layers", None)
@@ -407,7 +412,9 @@ def plot(report: Dict[str, Any], png: Path) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Loss parity, {report['family']}: {report['ours_params'] / 1e6:.1f}M params, "
+    params = f"{report['ours_params'] / 1e6:.1f}M params" if report["ours_params"] == report["peer_params"] else \
+        f"{report['ours_params'] / 1e6:.1f}M / {report['peer_params'] / 1e6:.1f}M params"
+    fig.suptitle(f"Loss parity, {report['family']}: {params}, "
                  f"mb {report['micro_batch']} x seq {report['seq_len']}, {report['steps']} steps, "
                  f"{report['precision']} on {report.get('gpu') or 'cpu'}", fontsize=10)
     fig.tight_layout()
@@ -455,6 +462,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "engine, as pretrain.py trains: bf16 (bf16 weights, fp32 master), bf16-mixed (fp32 "
                         "weights, autocast) or fp32")
     p.add_argument("--peer-init", default="fla", metavar="VARIANT", help="--peer ours: its init variant")
+    p.add_argument("--peer-config", default=None, metavar="NAME",
+                   help="--peer ours: build the peer from this model YAML instead (another architecture of ours, "
+                        "e.g. gdn_300m against gdn_300m_hybrid on the same batches; counts may differ)")
+    p.add_argument("--peer-model-override", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="--peer-config: its model keys")
     p.add_argument("--peer-chunk-size", type=int, default=64,
                    help="mamba2 peers: chunk length of their naive torch SSD (memory grows with it)")
     p.add_argument("--micro-batch", type=int, default=8)
@@ -492,6 +504,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--peer-init peer: the peer cannot copy itself; use it in --ours-init")
     if args.steps < 1 or args.val_interval < 1 or args.val_batches < 1 or args.micro_batch < 1:
         p.error("--steps, --val-interval, --val-batches and --micro-batch must be >= 1")
+    if args.peer_config and args.peer != "ours":
+        p.error("--peer-config builds a peer of ours: use it with --peer ours")
     if args.keep_pattern and args.peer != "ours":
         p.error("--keep-pattern: fla's / transformers' Mamba2 blocks have no MLP; use it with --peer ours")
     if args.peer == "hf" and args.family != "mamba2":
@@ -522,20 +536,22 @@ def main(argv=None) -> Dict[str, Any]:
     ensure_prepared(DataConfig(path=str(data_dir), sources=sources, tokenizer=DEFAULT_TOKENIZER,
                                seq_len=args.seq), progress=False)
     config = resolve_config(args, data_dir)
+    peer_config = resolve_config(args, data_dir, args.peer_config, args.peer_model_override) \
+        if args.peer_config else config
     val = val_batches(data_dir, args.seq, args.micro_batch, args.val_batches)
 
     # parameter counts first, on fresh models (the counts do not depend on the seed)
     probe, _ = build_ours(config, args.ours_seeds[0])
     ours_params = count_params(probe)
     del probe
-    peer_probe, peer_info = build_peer(args.peer, args.family, config, args.seeds[0], args)
+    peer_probe, peer_info = build_peer(args.peer, args.family, peer_config, args.seeds[0], args)
     peer_params = count_params(peer_probe)
     del peer_probe
     if "note" in peer_info:
         print(f"note: peer {args.peer}: {peer_info['note']}", flush=True)
     print(f"loss parity {args.family}: ours {ours_params:,} params ({config.hybrid_override_pattern}), "
           f"peer {args.peer} ({peer_info['class']}) {peer_params:,} params", flush=True)
-    if ours_params != peer_params and not args.allow_param_mismatch:
+    if ours_params != peer_params and not (args.allow_param_mismatch or args.peer_config):
         raise SystemExit(f"parameter counts differ (ours {ours_params:,}, peer {peer_params:,}): the shapes do not "
                          "match (--allow-param-mismatch trains anyway)")
 
@@ -558,6 +574,9 @@ def main(argv=None) -> Dict[str, Any]:
     }
     if args.peer == "ours":
         report["peer_init"] = args.peer_init
+    if args.peer_config:
+        report.update(peer_config_name=args.peer_config, peer_model_override=args.peer_model_override,
+                      peer_pattern=peer_config.hybrid_override_pattern)
     # the headline (ours, first variant) and the peer's first seed first: a run cut off by the device's time
     # limit then still has the comparison; then the engine runs, the other variants, the other peer seeds
     first = args.ours_init[0]
@@ -568,13 +587,15 @@ def main(argv=None) -> Dict[str, Any]:
     for role, variant, seed, engine_precision in plan:
         if role == "ours":
             model, info = build_ours(config, seed, variant, args)
-            name = "ours" + (f" {variant} init" if variant != "fla" else "")
+            name = "ours" + (f" {Path(args.config).stem}" if args.peer_config else "") + \
+                (f" {variant} init" if variant != "fla" else "")
             if engine_precision:
                 info["init"] = f"{variant}+engine:{engine_precision}"
                 name += f" engine {engine_precision}"
         else:
-            model, info = build_peer(args.peer, args.family, config, seed, args)
-            name = f"peer {args.peer}" + (f" {args.peer_init} init" if args.peer == "ours" else "")
+            model, info = build_peer(args.peer, args.family, peer_config, seed, args)
+            name = f"ours {Path(args.peer_config).stem}" if args.peer_config else \
+                f"peer {args.peer}" + (f" {args.peer_init} init" if args.peer == "ours" else "")
         label = f"{name} seed {seed}"
         print(f"[{label}] {info.get('class', 'HybridForCausalLM')} {count_params(model):,} params", flush=True)
         rec = engine_run(model, args, data_dir, val, label, engine_precision) if engine_precision else \

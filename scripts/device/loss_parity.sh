@@ -8,7 +8,7 @@
 # time limit leaves the others' reports (the JSON is rewritten after every run; a missing chart is redrawn
 # here with `python -m hybridlm.bench.loss_parity --replot --out DIR`).
 # Settings:
-#   FAMILIES="gdn kda mamba2"   which families
+#   FAMILIES="gdn kda mamba2"   which families ("hybrid": gdn_300m_hybrid against gdn_300m, both ours)
 #   GPUS="0 1"                  lanes: family i runs on GPU GPUS[i % n], the families of one lane in turn
 #   SEEDS="0 1"                 peer seeds (their spread is the yardstick); ours runs with the first
 #   ABLATION=1                  also ours with the previous init, whole and part by part (the ablation table):
@@ -37,18 +37,23 @@ declare -A ABLATE=([gdn]="fla peer legacy" [kda]="fla peer legacy"
                    [mamba2]="fla peer legacy legacy:conv legacy:conv_bias legacy:mamba2_out_proj")
 # fla's Mamba2 without mamba_ssm wires B / C groups to heads in another order than ours (hybridlm/bench/
 # peer_weights.py): with mamba2_300m's 8 groups of 4 heads it is not the same model, transformers' Mamba2 is
-declare -A PEER=([gdn]=fla [kda]=fla [mamba2]=hf)
+declare -A PEER=([gdn]=fla [kda]=fla [mamba2]=hf [hybrid]=ours)
+# "hybrid": the 75 % GDN hybrid against pure GDN-300M (both ours), the same recipe and batches, one plot
+CONFIG[hybrid]=gdn_300m_hybrid
+declare -A FAMILY_ARG=([hybrid]=gdn)
+declare -A EXTRA=([hybrid]="--peer-config gdn_300m")
 
 run_family() {  # family gpu
   local fam=$1 gpu=$2 left=$(( DEADLINE_AT - EPOCHSECONDS - 15 ))
   [ "$left" -lt 30 ] && { echo "loss_parity: no time left for $fam"; return; }
   local init=${OURS_INIT:-fla peer}
   [ -z "${OURS_INIT:-}" ] && [ "${ABLATION:-0}" = 1 ] && init=${ABLATE[$fam]}
+  [ -z "${OURS_INIT:-}" ] && [ "$fam" = hybrid ] && init=fla  # both sides are ours: nothing to copy
   echo "[$(date +%T)] loss_parity $fam on GPU $gpu (${left}s left; ours init: $init)"
-  CUDA_VISIBLE_DEVICES=$gpu timeout "$left" python3 -m hybridlm.bench.loss_parity --family "$fam" \
+  CUDA_VISIBLE_DEVICES=$gpu timeout "$left" python3 -m hybridlm.bench.loss_parity --family "${FAMILY_ARG[$fam]:-$fam}" \
     --config "${CONFIG[$fam]}" --out "$LOGS/parity_$fam" --data "$DATA" \
     --steps "${STEPS:-300}" --micro-batch "${MB:-8}" --seq "${SEQ:-2048}" --lr 6e-4 --min-lr 6e-5 --warmup 30 \
-    ${ENGINE:+--ours-engine $ENGINE} --val-interval "${VAL_INTERVAL:-25}" --val-batches "${VAL_BATCHES:-8}" --log-interval 25 \
+    ${ENGINE:+--ours-engine $ENGINE} ${EXTRA[$fam]:-} --val-interval "${VAL_INTERVAL:-25}" --val-batches "${VAL_BATCHES:-8}" --log-interval 25 \
     --peer "${PEER[$fam]}" --seeds ${SEEDS:-0 1} --ours-init $init --peer-chunk-size "${MAMBA2_CHUNK:-64}" \
     > "$LOGS/parity_$fam.log" 2>&1
   echo "[$(date +%T)] loss_parity $fam: exit $?"
