@@ -120,6 +120,20 @@ class ChunkedLinearKD(torch.autograd.Function):
         return gh, gw, None, None, None, None, None, None, None
 
 
+@torch.no_grad()
+def kl_sum(hs: torch.Tensor, ws: torch.Tensor, ht: torch.Tensor, wt: torch.Tensor, chunk_tokens: int = 1024) -> float:
+    """Summed KL(softmax(ht wt^T) || softmax(hs ws^T)) over the rows (nats), through the same chunked loop as
+    the KD loss: one chunk of both models' logits at a time, neither model's full log-probabilities ever."""
+    if hs.shape[0] != ht.shape[0]:
+        raise ValueError(f"kl: {hs.shape[0]} student rows vs {ht.shape[0]} teacher rows")
+    if hs.shape[0] == 0:
+        return 0.0
+    zeros = torch.zeros(hs.shape[0], dtype=torch.long, device=hs.device)  # no CE: its weight is 0
+    _, kl, _ = ChunkedLinearKD.apply(hs, ws.detach(), ht.to(hs.device), wt.detach().to(hs.device), zeros, 1.0,
+                                     1.0, 0.0, int(chunk_tokens))
+    return float(kl) * hs.shape[0]
+
+
 def final_hidden(model, input_ids: torch.LongTensor) -> torch.Tensor:
     """Last-layer (final-norm) hidden states ``(B, T, d)`` of a HybridForCausalLM or a transformers causal LM."""
     from hybridlm.model import HybridForCausalLM

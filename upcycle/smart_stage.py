@@ -9,7 +9,9 @@ windows (teacher tokenizer):
   :func:`smart_select.report.write_smart_report` with the KV-cache accounting of the chosen layers.
 
 KL is the token mean over every calibration position of ``sum_v p_t(v) (log p_t(v) - log p_s(v))`` from
-fp32 ``log_softmax`` of both models' logits (nats/token).
+fp32 ``log_softmax`` of both models' logits (nats/token), computed by the KD loss's chunked loop
+(:func:`distill.kd.kl_sum`): the teacher contributes its final hidden states, and logits exist one chunk at a
+time.
 
 Swapping "layer i" moves the *whole* decoder layer (mixer sublayer ``2i`` and MLP sublayer ``2i + 1``,
 each with its pre-norm) of the MLA student into the Mamba2 student, exactly as
@@ -39,11 +41,12 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
+from distill.kd import final_hidden, kl_sum
 from hybridlm.config.errors import ConfigError
 from hybridlm.utils.atomic import write_json
 
 PathLike = Union[str, os.PathLike]
-CHUNK_ELEMENTS = 1 << 24  # logits elements per KL chunk (64 MiB of fp32)
+KL_CHUNK_TOKENS = 1024  # tokens per chunk of both models' logits (distill.kd.kl_sum)
 RUN_INFO = "smart_run.json"
 
 
@@ -55,48 +58,25 @@ def _ids(batch) -> torch.Tensor:
     return ids
 
 
+def _rows(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
 @torch.no_grad()
-def teacher_logprobs(teacher, input_ids: torch.Tensor) -> torch.Tensor:
-    """fp32 ``log_softmax`` of the teacher's logits, flattened to ``[tokens, vocab]``."""
+def teacher_hidden(teacher, input_ids: torch.Tensor, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(the teacher's final hidden states as ``[tokens, d]`` rows, its LM-head weight) on ``device``: what the
+    chunked KL needs, a vocabulary-size factor less than the teacher's log-probabilities."""
     dev = next(teacher.parameters()).device
-    logits = teacher(input_ids=input_ids.to(dev), use_cache=False).logits
-    return torch.log_softmax(logits.float(), dim=-1).flatten(0, 1)
-
-
-def _chunk(vocab: int) -> int:
-    return max(1, CHUNK_ELEMENTS // max(1, vocab))
-
-
-def _kl_terms(t_logp: torch.Tensor, s_logits: torch.Tensor) -> torch.Tensor:
-    """Summed KL(p_t || p_s) of a chunk (fp32 log_softmax, fp64 accumulation)."""
-    s_logp = torch.log_softmax(s_logits.float(), dim=-1)
-    return (t_logp.exp() * (t_logp - s_logp)).sum(dtype=torch.float64)
+    rows = _rows(final_hidden(teacher, input_ids.to(dev)))
+    return rows.to(device), teacher.get_output_embeddings().weight.to(device)
 
 
 @torch.no_grad()
-def kl_sum_from_hidden(t_logp: torch.Tensor, hidden: torch.Tensor, student) -> float:
+def kl_sum_from_hidden(teacher_rows: Tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, student) -> float:
     """Summed KL over tokens given the student's last hidden state *before* its final norm."""
-    h = student.model.norm(hidden).flatten(0, 1)
-    if h.shape[0] != t_logp.shape[0]:
-        raise ValueError(f"kl: {h.shape[0]} student tokens vs {t_logp.shape[0]} teacher tokens")
-    t_logp = t_logp.to(h.device)
-    step = _chunk(t_logp.shape[1])
-    total = torch.zeros((), dtype=torch.float64, device=h.device)
-    for s in range(0, h.shape[0], step):
-        total += _kl_terms(t_logp[s:s + step], student.lm_head(h[s:s + step]))
-    return float(total)
-
-
-@torch.no_grad()
-def kl_sum_from_logits(t_logp: torch.Tensor, logits: torch.Tensor) -> float:
-    """Summed KL over tokens given a student's logits ``[batch, seq, vocab]``."""
-    logits = logits.flatten(0, 1)
-    t_logp = t_logp.to(logits.device)
-    step = _chunk(t_logp.shape[1])
-    total = torch.zeros((), dtype=torch.float64, device=logits.device)
-    for s in range(0, logits.shape[0], step):
-        total += _kl_terms(t_logp[s:s + step], logits[s:s + step])
-    return float(total)
+    ht, wt = teacher_rows
+    return kl_sum(_rows(student.model.norm(hidden)), student.get_output_embeddings().weight, ht, wt,
+                  KL_CHUNK_TOKENS)
 
 
 @torch.no_grad()
@@ -106,8 +86,9 @@ def model_kl(teacher, student, batches: Iterable) -> float:
     dev = next(student.parameters()).device
     for batch in batches:
         ids = _ids(batch)
-        t_logp = teacher_logprobs(teacher, ids)
-        total += kl_sum_from_logits(t_logp, student(input_ids=ids.to(dev)).logits)
+        ht, wt = teacher_hidden(teacher, ids, dev)
+        total += kl_sum(_rows(final_hidden(student, ids.to(dev))), student.get_output_embeddings().weight, ht, wt,
+                        KL_CHUNK_TOKENS)
         n += ids.numel()
     if n == 0:
         raise ConfigError("batches: no calibration tokens")
@@ -159,16 +140,16 @@ def layer_sensitivities(teacher, mla_student, mamba_student, batches: Iterable,
     t0 = time.perf_counter()
     for batch in batches:
         ids = _ids(batch)
-        t_logp = teacher_logprobs(teacher, ids).to(dev)
+        t_rows = teacher_hidden(teacher, ids, dev)
         h = mamba_student.model.embed_tokens(ids.to(dev))  # = the MLA student's (checked equal)
         for i in range(L):
             with swapped_layer(mamba_student, mla_student, i):
                 x = h
                 for block in blocks[2 * i:]:
                     x = block(x)
-            kl_i[i] += kl_sum_from_hidden(t_logp, x, mamba_student)
+            kl_i[i] += kl_sum_from_hidden(t_rows, x, mamba_student)
             h = blocks[2 * i + 1](blocks[2 * i](h))  # advance the all-Mamba2 prefix by layer i
-        kl_all += kl_sum_from_hidden(t_logp, h, mamba_student)
+        kl_all += kl_sum_from_hidden(t_rows, h, mamba_student)
         n_tok += ids.numel()
         n_batch += 1
         if log is not None:
