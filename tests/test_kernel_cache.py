@@ -35,6 +35,20 @@ def test_export_then_import_round_trip(tmp_path, monkeypatch):
     assert not list((tmp_path / "fresh").rglob("*.cubin"))
 
 
+def test_an_archive_made_with_tar_dot_imports(tmp_path):
+    """`tar -C cache -cJf x.tar.xz .` names members ./<folder>/<kernel>.autotune.json (session 8's archive)."""
+    archive = tmp_path / "dot.tar.xz"
+    with tarfile.open(archive, "w:xz") as tar:
+        root = tarfile.TarInfo(".")
+        root.type = tarfile.DIRTYPE
+        tar.addfile(root)
+        info = tarfile.TarInfo("./AB/k.autotune.json")
+        info.size = len(good)
+        tar.addfile(info, io.BytesIO(good))
+    assert KC.main(["import", str(archive), "--cache", str(tmp_path / "cache")]) == 0
+    assert (tmp_path / "cache" / "AB" / "k.autotune.json").read_bytes() == good
+
+
 def _archive(path, members):
     with tarfile.open(path, "w:xz") as tar:
         for name, data, kind in members:
@@ -53,6 +67,7 @@ good = json.dumps(RESULT).encode()
 
 @pytest.mark.parametrize("bad,reason", [
     (("../../outside.autotune.json", good, "file"), "is not <folder>/<kernel>.autotune.json"),
+    (("./../outside.autotune.json", good, "file"), "is not <folder>/<kernel>.autotune.json"),
     (("/abs/x.autotune.json", good, "file"), "is not <folder>/<kernel>.autotune.json"),
     (("AB/kernel.py", b"import os", "file"), "is not <folder>/<kernel>.autotune.json"),
     (("AB/k.autotune.json", b"", "link"), "is not <folder>/<kernel>.autotune.json"),

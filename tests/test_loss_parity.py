@@ -208,3 +208,26 @@ def test_two_architectures_of_ours_on_the_same_batches(tmp_path, austen_data):
     assert [r["name"] for r in saved["runs"]] == ["ours gdn_300m_hybrid", "ours gdn_300m"]
     assert saved["checks"]["same_batches"] and saved["checks"]["same_lrs"] and report["gap"] is not None
     assert_chart(out / "loss_parity.png")
+
+
+def test_resume_keeps_finished_runs_and_refuses_other_settings(tmp_path, austen_data):
+    """--resume: a call cut off by the device's time limit continues with the runs it had not finished."""
+    from hybridlm.bench import loss_parity as LP
+
+    out = tmp_path / "parity"
+    argv = ["--family", "gdn", "--steps", "2", "--out", str(out), "--data", str(austen_data), "--peer", "ours",
+            "--seeds", "1", "2", "--ours-seeds", "0", "--micro-batch", "2", "--seq", "32", "--warmup", "1",
+            "--val-interval", "2", "--val-batches", "1", "--model-override", *TINY]
+    full = LP.main(argv)
+    saved = json.loads((out / "loss_parity.json").read_text())
+    # as if cut off during the last run: two finished runs, one marked so that a re-run would show
+    saved["runs"] = saved["runs"][:2]
+    saved["runs"][1]["wall_s"] = -1.0
+    (out / "loss_parity.json").write_text(json.dumps(saved))
+    resumed = LP.main([*argv, "--resume"])
+    assert [(r["name"], r["seed"]) for r in resumed["runs"]] == [(r["name"], r["seed"]) for r in full["runs"]]
+    assert resumed["runs"][1]["wall_s"] == -1.0  # kept, not trained again
+    assert resumed["runs"][2]["wall_s"] > 0 and resumed["runs"][2]["train_loss"] == full["runs"][2]["train_loss"]
+    assert resumed["peer_spread"] == pytest.approx(full["peer_spread"])
+    with pytest.raises(SystemExit, match=r"error: --resume: .* other settings \(steps"):
+        LP.main([*[("3" if a == "2" and argv[i - 1] == "--steps" else a) for i, a in enumerate(argv)], "--resume"])

@@ -434,6 +434,41 @@ def replot(out: Path) -> None:
     plot(json.loads((out / "loss_parity.json").read_text()), out / "loss_parity.png")
 
 
+# settings that must be equal for a finished run of an earlier report to stand beside this one's
+RESUME_KEYS = ("family", "steps", "config", "model_override", "pattern", "peer", "peer_class", "ours_params",
+               "peer_params", "micro_batch", "seq_len", "precision", "optim", "val_interval", "val_batches",
+               "val_batch_hashes", "data")
+
+
+def run_name(args, role: str, variant: Optional[str], engine_precision: Optional[str]) -> str:
+    """The name a run has in the report (and in --resume's matching)."""
+    if role == "ours":
+        name = "ours" + (f" {Path(args.config).stem}" if args.peer_config else "") + \
+            (f" {variant} init" if variant != "fla" else "")
+        return name + (f" engine {engine_precision}" if engine_precision else "")
+    if args.peer_config:
+        return f"ours {Path(args.peer_config).stem}"
+    return f"peer {args.peer}" + (f" {args.peer_init} init" if args.peer == "ours" else "")
+
+
+def resumable_runs(report: Dict[str, Any], out: Path) -> Dict[Any, Dict[str, Any]]:
+    """The finished runs of ``out/loss_parity.json`` by (name, seed), if it was made with the same settings."""
+    import json
+    path = out / "loss_parity.json"
+    if not path.is_file():
+        return {}
+    try:
+        old = json.loads(path.read_text())
+    except ValueError as e:
+        raise SystemExit(f"error: --resume: {path} is not valid JSON ({e}); move it away to start afresh")
+    differ = [k for k in RESUME_KEYS if json.dumps(old.get(k), sort_keys=True) != json.dumps(report.get(k), sort_keys=True)]
+    if differ:
+        raise SystemExit(f"error: --resume: {path} was made with other settings ({', '.join(differ)}); "
+                         "use another --out or drop --resume")
+    return {(r["name"], r["seed"]): r for r in old.get("runs", []) if len(r.get("train_loss", [])) == report["steps"]}
+
+
+
 # ---------------------------------------------------------------------------------------- driver
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -442,6 +477,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--family", choices=FAMILIES, help="required unless --replot")
     p.add_argument("--out", required=True, help="directory for loss_parity.json and loss_parity.png")
     p.add_argument("--replot", action="store_true", help="only redraw --out's chart from its JSON, run nothing")
+    p.add_argument("--resume", action="store_true", help="keep the finished runs of --out's JSON (written by the "
+                   "same command, e.g. one cut off by a time limit) and run only the missing ones")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--config", default=None, help="model YAML name in configs/models or a path "
                    "(default: gdn_300m / kda_300m / mamba2_300m)")
@@ -584,18 +621,19 @@ def main(argv=None) -> Dict[str, Any]:
             + [("ours", first, args.ours_seeds[0], prec) for prec in args.ours_engine]
             + [("ours", v, s, None) for v in args.ours_init[1:] for s in args.ours_seeds]
             + [("peer", None, s, None) for s in args.seeds[1:]])
+    done = resumable_runs(report, out) if args.resume else {}
     for role, variant, seed, engine_precision in plan:
+        name = run_name(args, role, variant, engine_precision)
+        if (name, seed) in done:
+            print(f"[{name} seed {seed}] finished in {out / 'loss_parity.json'}: kept", flush=True)
+            report["runs"].append(done[(name, seed)])
+            continue
         if role == "ours":
             model, info = build_ours(config, seed, variant, args)
-            name = "ours" + (f" {Path(args.config).stem}" if args.peer_config else "") + \
-                (f" {variant} init" if variant != "fla" else "")
             if engine_precision:
                 info["init"] = f"{variant}+engine:{engine_precision}"
-                name += f" engine {engine_precision}"
         else:
             model, info = build_peer(args.peer, args.family, peer_config, seed, args)
-            name = f"ours {Path(args.peer_config).stem}" if args.peer_config else \
-                f"peer {args.peer}" + (f" {args.peer_init} init" if args.peer == "ours" else "")
         label = f"{name} seed {seed}"
         print(f"[{label}] {info.get('class', 'HybridForCausalLM')} {count_params(model):,} params", flush=True)
         rec = engine_run(model, args, data_dir, val, label, engine_precision) if engine_precision else \

@@ -63,7 +63,10 @@ def read_archive(archive: Path) -> Dict[str, bytes]:
     try:
         with tarfile.open(archive, mode="r:*") as tar:
             for m in tar.getmembers():
-                if not m.isfile() or not MEMBER.match(m.name):
+                if m.name == "." and m.isdir():  # `tar -C cache .` lists its root first
+                    continue
+                name = m.name[2:] if m.name.startswith("./") else m.name
+                if not m.isfile() or not MEMBER.match(name):
                     raise KernelCacheError(f"{archive}: member {m.name!r} is not <folder>/<kernel>{SUFFIX}; "
                                            "refusing the archive")
                 data = tar.extractfile(m).read()
@@ -71,7 +74,7 @@ def read_archive(archive: Path) -> Dict[str, bytes]:
                     json.loads(data)
                 except ValueError:
                     raise KernelCacheError(f"{archive}: member {m.name!r} is not valid JSON; refusing the archive")
-                out[m.name] = data
+                out[name] = data
     except (tarfile.TarError, EOFError, OSError) as e:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise KernelCacheError(f"{archive}: not a readable tar archive ({why})")

@@ -18,6 +18,9 @@
 #                               from its own init and from the peer's exact initial weights (a gap that the peer
 #                               run closes is the initialisation, one it keeps is everything else)
 #   ENGINE="bf16"               also ours through the training engine at these precisions (pretrain.py's path)
+#   STEPS_<family>=1000         that family's steps (default STEPS)
+#   RESUME=1                    keep the finished runs of an earlier call's report in $LOGS (the same settings) and
+#                               run only the missing ones: a family cut off by the call's limit continues in the next
 #   STEPS=300 MB=8 SEQ=2048 VAL_INTERVAL=25 VAL_BATCHES=8 MAMBA2_CHUNK=64 (the peers' naive torch SSD without
 #   mamba_ssm: its transient [b, T, chunk, heads, d_state] fp32 products are ~8.6 GB at chunk 64, mb 8)
 #   DEADLINE=<seconds> (default 560): when the logs must be packed
@@ -44,7 +47,7 @@ declare -A FAMILY_ARG=([hybrid]=gdn)
 declare -A EXTRA=([hybrid]="--peer-config gdn_300m")
 
 run_family() {  # family gpu
-  local fam=$1 gpu=$2 left=$(( DEADLINE_AT - EPOCHSECONDS - 15 ))
+  local fam=$1 gpu=$2 left=$(( DEADLINE_AT - EPOCHSECONDS - 15 )) steps_var=STEPS_$1
   [ "$left" -lt 30 ] && { echo "loss_parity: no time left for $fam"; return; }
   local init=${OURS_INIT:-fla peer}
   [ -z "${OURS_INIT:-}" ] && [ "${ABLATION:-0}" = 1 ] && init=${ABLATE[$fam]}
@@ -52,10 +55,10 @@ run_family() {  # family gpu
   echo "[$(date +%T)] loss_parity $fam on GPU $gpu (${left}s left; ours init: $init)"
   CUDA_VISIBLE_DEVICES=$gpu timeout "$left" python3 -m hybridlm.bench.loss_parity --family "${FAMILY_ARG[$fam]:-$fam}" \
     --config "${CONFIG[$fam]}" --out "$LOGS/parity_$fam" --data "$DATA" \
-    --steps "${STEPS:-300}" --micro-batch "${MB:-8}" --seq "${SEQ:-2048}" --lr 6e-4 --min-lr 6e-5 --warmup 30 \
+    --steps "${!steps_var:-${STEPS:-300}}" $([ "${RESUME:-0}" = 1 ] && echo --resume) --micro-batch "${MB:-8}" --seq "${SEQ:-2048}" --lr 6e-4 --min-lr 6e-5 --warmup 30 \
     ${ENGINE:+--ours-engine $ENGINE} ${EXTRA[$fam]:-} --val-interval "${VAL_INTERVAL:-25}" --val-batches "${VAL_BATCHES:-8}" --log-interval 25 \
     --peer "${PEER[$fam]}" --seeds ${SEEDS:-0 1} --ours-init $init --peer-chunk-size "${MAMBA2_CHUNK:-64}" \
-    > "$LOGS/parity_$fam.log" 2>&1
+    >> "$LOGS/parity_$fam.log" 2>&1
   echo "[$(date +%T)] loss_parity $fam: exit $?"
   [ -f "$LOGS/parity_$fam/loss_parity.png" ] || python3 -m hybridlm.bench.loss_parity --replot \
     --out "$LOGS/parity_$fam" > /dev/null 2>&1
