@@ -12,10 +12,10 @@ batch (:func:`distill.preference_data.collate_pairs`). Logged per step with trl'
 ``logps/rejected``. At step 1 the policy equals the reference, so the loss is log 2 (exactly, with
 deterministic kernels).
 
-Held-out evaluation: the shared loop's ``evaluate`` averages only the loss, so the loss function also
-accumulates per-pair sums whenever it runs in eval mode; the last evaluation (the loop's final one) gives
-``eval`` = {pairs, loss, rewards/accuracies, rewards/margins, rewards/chosen, rewards/rejected} (pair
-means over every rank), added to ``final/stage.json`` and appended to ``metrics.jsonl`` as ``val_*`` keys.
+Held-out evaluation: the shared loop's evaluation averages the loss and every metric over the held-out pairs
+(the loss weighs them by pairs through ``eval_weight``) and logs them as ``val_*`` keys; its final one gives
+``eval`` = {pairs, loss, rewards/accuracies, rewards/margins, rewards/chosen, rewards/rejected} (pair means
+over every rank), added to ``final/stage.json``.
 
 Published settings: beta 0.01, lr 5e-7, cosine, 10% warmup, 1 epoch, max_length 1024,
 max_prompt_length 512 (set ``optim.max_steps`` to pairs / global batch for one epoch).
@@ -24,16 +24,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
 
 from distill.dpo import METRIC_KEYS, dpo_loss, sequence_logps
-from distill.kd import add_stage_parser, amend_stage_result
+from distill.preference_data import collate_pairs, load_preference_data, tokenize_pair
+from distill.stage import StudentConfig, amend_stage_result, run_stage
 from hybridlm.config.errors import ConfigError
+from hybridlm.config.structured import build_dataclass, to_dict
+from hybridlm.data.sft import ExampleBatches, _validate_common, pad_token_id, split_records, validation_example_batches
+from hybridlm.engine import OptimConfig, init_distributed
 from hybridlm.engine.config import COMPUTE_DTYPES
-from hybridlm.utils.atomic import json_text
+from hybridlm.model import HybridForCausalLM
+from hybridlm.training import RunConfig
 
 DPO_SECTIONS = ("student", "data", "optim", "run", "dpo")
 EVAL_KEYS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
@@ -65,7 +69,6 @@ class PreferenceDataConfig:
     seed: int = 1234
 
     def validate(self, where: str = "data") -> None:
-        from hybridlm.data.sft import _validate_common
         _validate_common(self, where)
         m = self.max_prompt_length
         if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m < self.max_length:
@@ -76,8 +79,6 @@ class PreferenceDataConfig:
 def make_preference_batches(data_cfg: PreferenceDataConfig, optim, dist, tokenizer):
     """``run_stage``'s ``make_batches`` for DPO: (resumable pair iterator, validation batch list). A micro-batch
     of ``micro_batch_size`` pairs is one ``(2 * micro_batch_size, T)`` ``[chosen; rejected]`` batch."""
-    from distill.preference_data import collate_pairs, load_preference_data, tokenize_pair
-    from hybridlm.data.sft import ExampleBatches, pad_token_id, split_records, validation_example_batches
 
     pairs = load_preference_data(data_cfg.path)
     train_idx, val_idx = split_records(len(pairs), data_cfg.val_fraction, data_cfg.seed)
@@ -94,12 +95,11 @@ def make_preference_batches(data_cfg: PreferenceDataConfig, optim, dist, tokeniz
 
 
 class DPOLoss:
-    """``loss_fn(policy, batch)`` for the engine; records per-pair sums of every eval-mode call."""
+    """``loss_fn(policy, batch)`` for the engine: the DPO loss and trl's metrics of one batch of pairs, weighted
+    by pairs in the loop's evaluation (``eval_weight``)."""
 
     def __init__(self, reference: torch.nn.Module, beta: float):
         self.reference, self.beta = reference, beta
-        self.train_calls = 0
-        self.evals: List[tuple] = []  # (train calls before it, [pairs, loss sum, EVAL_KEYS sums...])
 
     def __call__(self, policy, batch: Dict[str, torch.Tensor]):
         ids, labels = batch["input_ids"], batch["labels"]
@@ -108,30 +108,13 @@ class DPOLoss:
         with torch.no_grad():
             ref = sequence_logps(self.reference(input_ids=ids).logits, labels)
         loss, metrics = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], self.beta)
-        if policy.training:
-            self.train_calls += 1
-        else:
-            self.evals.append((self.train_calls, [n, loss.item() * n] + [metrics[k] * n for k in EVAL_KEYS]))
         mask = batch.get("attention_mask")
         tokens = mask.sum() if mask is not None else ids.numel()
-        return loss, {**{k: metrics[k] for k in METRIC_KEYS}, "tokens": tokens}
-
-    def last_evaluation(self) -> List[float]:
-        """Per-pair sums of the latest evaluation on this rank (zeros when none ran)."""
-        if not self.evals:
-            return [0.0] * (2 + len(EVAL_KEYS))
-        last = self.evals[-1][0]
-        rows = [v for k, v in self.evals if k == last]
-        return [sum(col) for col in zip(*rows)]
+        return loss, {**{k: metrics[k] for k in METRIC_KEYS}, "tokens": tokens, "eval_weight": n}
 
 
 def run_dpo(sections: Dict[str, Any]) -> Dict[str, Any]:
     """DPO of the student directory against a frozen copy of itself; every policy parameter trains."""
-    from hybridlm.config.structured import build_dataclass, to_dict
-    from hybridlm.engine import OptimConfig, all_reduce_sum, init_distributed, is_main
-    from hybridlm.model import HybridForCausalLM
-    from hybridlm.training import RunConfig
-    from upcycle.stage import StudentConfig, run_stage
 
     sections = dict(sections)
     cfg = build_dataclass(DPOConfig, sections.pop("dpo", None) or {}, "dpo")
@@ -141,42 +124,21 @@ def run_dpo(sections: Dict[str, Any]) -> Dict[str, Any]:
     student = build_dataclass(StudentConfig, sections.get("student") or {}, "student")
     optim = build_dataclass(OptimConfig, sections.get("optim") or {}, "optim")
     run = build_dataclass(RunConfig, sections.get("run") or {}, "run")
-    sections["teacher"] = {"path": student.path}  # run_stage loads the tokenizer from it: the student's own
-    holder: Dict[str, DPOLoss] = {}
 
     def make_loss(_none):
         dist = init_distributed()
         dtype = getattr(torch, COMPUTE_DTYPES[optim.precision])
         reference = HybridForCausalLM.from_pretrained(student.path).to(device=dist.device, dtype=dtype).eval()
         reference.requires_grad_(False)
-        holder["loss"] = DPOLoss(reference, cfg.beta)
-        return holder["loss"]
+        return DPOLoss(reference, cfg.beta)
 
     result = run_stage("dpo", sections, make_loss, lambda policy: policy.parameters(),
                        make_batches=make_preference_batches, data_class=PreferenceDataConfig, teacher_required=False)
     extra: Dict[str, Any] = {"reference": student.path}
-    if "loss" in holder:  # trained (or resumed) here, not skipped as already finished
-        sums = all_reduce_sum(holder["loss"].last_evaluation())
-        pairs = int(round(sums[0]))
-        if pairs:
-            held_out = {"pairs": pairs, "loss": sums[1] / pairs,
-                        **{k: s / pairs for k, s in zip(EVAL_KEYS, sums[2:])}}
-            extra["eval"] = held_out
-            if is_main():
-                row = {"step": result["steps"], "val_dpo_loss": held_out["loss"],
-                       **{f"val_{k}": held_out[k] for k in EVAL_KEYS}}
-                with (Path(run.output_dir) / "metrics.jsonl").open("a") as f:
-                    f.write(json_text(row) + "\n")
-                print(json_text({"dpo_eval": held_out}), flush=True)
+    val = result.get("val") or {}
+    if val.get("val_count"):  # the loop's final evaluation (logged to metrics.jsonl as val_* by its logger)
+        extra["eval"] = {"pairs": int(round(val["val_count"])), "loss": val["val_loss"],
+                         **{k: val[f"val_{k}"] for k in EVAL_KEYS}}
     return amend_stage_result(run.output_dir, extra, {"dpo": to_dict(cfg)}, result)
 
 
-def cmd_dpo(args) -> Dict[str, Any]:
-    from hybridlm.config.loader import load_config
-    return run_dpo(load_config(args.config, args.overrides, sections=DPO_SECTIONS))
-
-
-def add_subcommands(subparsers) -> None:
-    """Register ``dpo`` on an argparse subparsers object (``upcycle dpo --config FILE [section.key=value ...]``)."""
-    add_stage_parser(subparsers, "dpo", "DPO of a (KD-SFT) student against a frozen copy of itself",
-                     ", ".join(DPO_SECTIONS), cmd_dpo)

@@ -4,9 +4,16 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from hybridlm.training.exits import run_cli
 from hybridlm.config.loader import load_config
+from hybridlm.config.structured import build_dataclass
+from hybridlm.data import DataConfig, load_tokenizer
+from hybridlm.engine import OptimConfig
+from hybridlm.model.configuration import HybridConfig
+from hybridlm.model.summary import model_summary
+from hybridlm.training import RunConfig
+from hybridlm.training.exits import run_cli
 from hybridlm.utils.atomic import json_text
+from pretrain.train import run_pretraining
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -23,18 +30,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def dry_run(sections) -> dict:
     """The model's summary, built on the meta device; the data / optim / run sections that are given are checked
     too (keys and values, not the data on disk; a bare model file has none)."""
-    from hybridlm.config.structured import build_dataclass
-    from hybridlm.data import DataConfig
-    from hybridlm.engine import OptimConfig
-    from hybridlm.model.configuration import HybridConfig
-    from hybridlm.model.summary import model_summary
-    from hybridlm.training import RunConfig
     for name, cls in (("data", DataConfig), ("optim", OptimConfig), ("run", RunConfig)):
         if sections.get(name):
             build_dataclass(cls, sections[name], name)
     model = dict(sections["model"])
     if model.get("vocab_size", "auto") == "auto":  # the tokenizer decides; load it, nothing else
-        from hybridlm.data import load_tokenizer
         model["vocab_size"] = len(load_tokenizer(sections["data"].get("tokenizer", "asset:llama3.2")))
     return model_summary(HybridConfig.from_user_dict(model))
 
@@ -47,7 +47,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.dry_run:
             print(json_text(dry_run(sections)))
             return
-        from pretrain.train import run_pretraining
         run_pretraining(sections, config_path=args.config)
 
     return run_cli(run)

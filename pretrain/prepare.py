@@ -10,8 +10,11 @@ import argparse
 import sys
 import time
 
+import yaml
+
 from hybridlm.config.errors import ConfigError
 from hybridlm.data.config import DEFAULT_SHARD_TOKENS, TXT_SPLITS
+from hybridlm.data.prepare import prepare
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,7 +42,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def mix_sources(path: str) -> list:
     """The ``sources`` list of a data-config fragment (YAML); ConfigError naming the file otherwise."""
-    import yaml
 
     try:
         section = yaml.safe_load(open(path, encoding="utf-8"))
@@ -55,7 +57,6 @@ def mix_sources(path: str) -> list:
 def main(argv=None) -> int:
     """Run the CLI; returns 0, or 2 after printing ``error: <message>`` for bad input."""
     args = _parser().parse_args(argv)
-    from hybridlm.data.prepare import prepare  # heavy imports after argparse so --help is instant
 
     t0 = time.perf_counter()
     try:

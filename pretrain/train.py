@@ -3,7 +3,7 @@
 Composes: the data layer (prepare if needed, packed resumable batches), the model definition, the
 engine (loss = chunked fused cross-entropy), the shared training loop, then export + a sample.
 :func:`prepare_pretraining` and :func:`build_engine` are the first two steps on their own, so that
-``hybridlm.bench.train_speed`` times exactly this job's training steps.
+``pretrain.train_speed`` times exactly this job's training steps.
 """
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import build_dataclass, to_dict
 from hybridlm.data import DataConfig, PackedBatches, ensure_prepared, load_tokenizer, open_splits, read_meta
 from hybridlm.engine import DistInfo, Engine, OptimConfig, barrier, init_distributed, seed_everything
 from hybridlm.model import HybridConfig, HybridForCausalLM
+from hybridlm.model.configuration import resolve_model_config
 from hybridlm.model.summary import model_summary
 from hybridlm.training import RunConfig, train_loop
 from hybridlm.utils.faults import kill_in, with_nan_faults
@@ -31,21 +31,6 @@ def lm_loss(model, batch):
     """Next-token cross-entropy (labels are already shifted by the packer)."""
     out = model(input_ids=batch["input_ids"], shift_labels=batch["labels"])
     return out.loss, {}
-
-
-def resolve_model_config(model_section: Dict[str, Any], meta: Dict[str, Any], data_path: Path) -> HybridConfig:
-    """The model config, with ``vocab_size: auto`` (or absent) taken from the tokenizer of the data."""
-    values = dict(model_section)
-    tok = meta.get("tokenizer", {})
-    data_vocab = int(tok.get("vocab_size", 0))
-    if values.get("vocab_size", "auto") == "auto":
-        values["vocab_size"] = data_vocab
-    elif int(values["vocab_size"]) < data_vocab:
-        raise ConfigError(f"model.vocab_size: {values['vocab_size']} is smaller than the tokenizer vocabulary "
-                          f"({data_vocab}) of the data in {data_path}")
-    values.setdefault("eos_token_id", tok.get("eos_id"))
-    values.setdefault("bos_token_id", tok.get("bos_id"))
-    return HybridConfig.from_user_dict(values)
 
 
 @dataclass

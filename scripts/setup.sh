@@ -16,4 +16,4 @@ if command -v apt-get >/dev/null && ! ls /var/lib/apt/lists/*_Packages* >/dev/nu
     apt-get update -q || echo 'setup.sh: `apt-get update` failed; the Debian corpora need package lists' >&2
 fi
 # What the defaults use; the other corpora (hybridlm/data/corpora.py) are fetched on first use, tests included.
-.venv/bin/python -m hybridlm.data.assets fetch
+.venv/bin/python -m hybridlm.data fetch

@@ -7,7 +7,9 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Union
 from hybridlm.config.errors import ConfigError
 from hybridlm.utils.atomic import save_figure, write_json
 
-from .selection import KLValues, _finite, _kl_list, validate_layers
+from hybridlm.config.layers import validate_layers
+
+from .selection import KLValues, _finite, _kl_list
 
 FIG_SIZE_IN = (8.0, 4.5)  # width, height in inches
 FIG_DPI = 100  # -> an 800 x 450 pixel PNG
@@ -22,7 +24,7 @@ def _kv_summary(kv: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
             "teacher_bytes_per_token", "hybrid_bytes_per_token", "kv_lora_rank", "rope_dim", "mla_layers")
     missing = [k for k in ("ratio", "compression") if k not in kv]
     if missing:
-        raise ConfigError(f"kv_report: expected the dict returned by upcycle.kv_report.kv_report, missing {missing}")
+        raise ConfigError(f"kv_report: expected the dict returned by hybridlm.kv_report.kv_report, missing {missing}")
     return {k: kv[k] for k in keys if k in kv}
 
 
@@ -42,7 +44,7 @@ def write_smart_report(out_dir: Union[str, Path], kl_all: float, kl_per_layer: K
     """Write ``smart_report.json``, ``smart_report.md`` and ``smart_report.png`` into ``out_dir``.
 
     ``kl_per_layer[i]`` is KL(teacher || student) with only layer ``i`` as MLA; ``chosen`` the selected
-    MLA layers; ``kv_report`` optionally the dict of ``upcycle.kv_report.kv_report`` for those layers
+    MLA layers; ``kv_report`` optionally the dict of ``hybridlm.kv_report.kv_report`` for those layers
     (its ratio goes into the title and summary). Returns the three paths by kind (json, md, png).
     """
     kl = _kl_list(kl_per_layer)

@@ -25,9 +25,10 @@ N = 4: D = 14, gaps in {4, 5} with two 5s -> one of ``[0, 4, 9, 14]``, ``[0, 5, 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.config.layers import validate_layers
 
 KLValues = Union[Sequence[float], Mapping[int, float]]
 
@@ -97,27 +98,6 @@ def is_valid_selection(chosen: Sequence[int], sensitivity: Sequence[float], n_ml
     if chosen[0] != rule["first"] or (n_mla >= 2 and chosen[-1] != rule["last"]):
         return False
     return all(b - a in (rule["gap_lo"], rule["gap_hi"]) for a, b in zip(chosen, chosen[1:]))
-
-
-def validate_layers(layers: Any, n_mla: Optional[int], num_layers: int, field: str = "layers",
-                    what: str = "model") -> List[int]:
-    """An explicit selection: integers in range, no duplicates, ``n_mla`` of them (when given); sorted.
-    ``field`` / ``what`` name the config field and the thing the indices point into in error messages."""
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
-        raise ConfigError(f"{field}: expected a list of layer indices, got {layers!r}")
-    layers = list(layers)
-    seen = set()
-    for i in layers:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise ConfigError(f"{field}: expected integer layer indices, got {i!r}")
-        if not 0 <= i < num_layers:
-            raise ConfigError(f"{field}: index {i} out of range for a {num_layers}-layer {what}")
-        if i in seen:
-            raise ConfigError(f"{field}: layer {i} is listed more than once")
-        seen.add(i)
-    if n_mla is not None and len(layers) != n_mla:
-        raise ConfigError(f"{field}: expected {n_mla} layers (n_mla), got {len(layers)}")
-    return sorted(layers)
 
 
 def select_layers(sensitivity: Optional[Sequence[float]], n_mla: int, layers: Optional[Sequence[int]] = None,

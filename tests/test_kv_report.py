@@ -1,11 +1,11 @@
-"""KV-cache accounting (upcycle.kv_report) against the published ratios."""
+"""KV-cache accounting (hybridlm.kv_report) against the published ratios."""
 import json
 from pathlib import Path
 
 import pytest
 
 from hybridlm.config.errors import ConfigError
-from upcycle.kv_report import format_kv_report, kv_report, load_teacher_config
+from hybridlm.kv_report import format_kv_report, kv_report, load_teacher_config
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_DIR = REPO / "configs" / "llama"

@@ -10,8 +10,8 @@ import pytest
 
 from conftest import REPO, SHARED_DATA, save_tiny_llama, shared_file, subprocess_env, assert_chart
 from hybridlm.eval.perplexity import perplexity
-from upcycle.route_report import heldout_windows
-from upcycle.teacher import load_teacher
+from hybridlm.data.packed import heldout_windows
+from hybridlm.teacher import load_teacher
 
 
 def test_route_runs_every_stage_and_resumes(tmp_path):
@@ -77,7 +77,7 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
     from hybridlm.data.assets import corpus_path
     from hybridlm.eval.build_tasks import austen_cloze_items
     from hybridlm.eval.multiple_choice import multiple_choice_accuracy
-    from upcycle.teacher import load_teacher_tokenizer
+    from hybridlm.teacher import load_teacher_tokenizer
     direct = multiple_choice_accuracy(load_teacher(teacher).float().eval(), load_teacher_tokenizer(str(teacher)),
                                       austen_cloze_items(corpus_path(), 3))
     assert cloze["teacher"] == (direct["acc"], direct["acc_norm"]) and len(cloze) == 5

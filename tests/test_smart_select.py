@@ -10,7 +10,7 @@ from hybridlm.config.errors import ConfigError
 from smart_select import (is_valid_selection, select_layers, selection_rule, selection_sum, sensitivities,
                           write_smart_report)
 from smart_select.report import FIG_DPI, FIG_SIZE_IN
-from upcycle.kv_report import kv_report, load_teacher_config
+from hybridlm.kv_report import kv_report, load_teacher_config
 
 
 def rule_allows(chosen, s, n):

@@ -71,7 +71,7 @@ def _batches(data_dir, n=1, bs=2):
 
 def _load(paths):
     from upcycle.compose import load_student
-    from upcycle.teacher import load_teacher
+    from hybridlm.teacher import load_teacher
     return load_teacher(paths["teacher"]), load_student(paths["mla"], "mla"), load_student(paths["mamba"], "mamba")
 
 

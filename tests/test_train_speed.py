@@ -82,7 +82,7 @@ def test_attention_and_chunk_terms_by_hand():
 
 def test_find_max_batch_takes_the_largest_that_fits():
     from types import SimpleNamespace
-    from hybridlm.bench.train_speed import OOM, measure
+    from pretrain.train_speed import OOM, measure
 
     def fn(mb):
         if mb > 16:
@@ -106,7 +106,7 @@ def test_find_max_batch_takes_the_largest_that_fits():
 def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     out = tmp_path / "bench"
     env = subprocess_env()
-    cmd = [sys.executable, "-m", "hybridlm.bench.train_speed", "--out", str(out), "--data", str(austen_data),
+    cmd = [sys.executable, "-m", "pretrain.train_speed", "--out", str(out), "--data", str(austen_data),
            "--configs", "tiny_hybrid", "--peers", "llama:tiny_hybrid", "fla_gdn", "--micro-batch", "2",
            "--seq", "32", "--steps", "2", "--warmup", "1", "--profile", "2"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -119,8 +119,8 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
 
     from hybridlm.data import read_meta
     from hybridlm.model.summary import build_on_meta
-    from hybridlm.bench.train_speed import model_section
-    from pretrain.train import resolve_model_config
+    from hybridlm.bench.common import model_section
+    from hybridlm.model.configuration import resolve_model_config
     cfg = resolve_model_config(model_section("tiny_hybrid", []), read_meta(austen_data), austen_data)
     expected = F.train_flops_per_token(F.matmul_params(build_on_meta(cfg)), F.hybrid_mixers(cfg), 32)["total"]
     ours, llama = entries["tiny_hybrid"], entries["llama:tiny_hybrid"]
@@ -140,7 +140,7 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     assert_chart(out / "train_speed.png")
     assert "ours tiny_hybrid" in proc.stdout and "tok/s" in proc.stdout
 
-    from hybridlm.bench.train_speed import merge
+    from pretrain.train_speed import merge
     merged = merge([str(out / "train_speed.json"), str(out / "train_speed.json")], tmp_path / "merged")
     assert [e["name"] for e in merged["entries"]] == list(entries)
     assert_chart(tmp_path / "merged" / "train_speed.png")

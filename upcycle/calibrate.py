@@ -17,10 +17,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List, Sequence
 
+import numpy as np
 import torch
 
+from distill.ild import teacher_trace
 from hybridlm.config.errors import ConfigError
 from hybridlm.data.assets import resolve_source
+from hybridlm.data.packed import PackedTokens
 from hybridlm.eval.perplexity import token_windows
 
 
@@ -48,8 +51,6 @@ def calibration_text(sources: Sequence[str], max_chars: int) -> List[str]:
 def packed_windows(path: Path, tokens: int, seq_len: int) -> List[torch.Tensor]:
     """``seq_len + 1`` windows spread evenly over the training split of a prepared dataset (``prepare``'s
     output: its documents come source by source, so even spacing samples every source)."""
-    import numpy as np
-    from hybridlm.data.packed import PackedTokens
     split = PackedTokens(path, "train")
     n = max(1, tokens // seq_len)
     last = len(split) - seq_len - 1
@@ -114,7 +115,6 @@ def calibrate_student(student, teacher, input_ids: torch.Tensor, layer_kinds: Se
                       linear_kinds: Sequence[str] = ("mamba2", "gdn", "kda")) -> Dict[int, Dict[str, float]]:
     """Fit every linear mixer's output scale of ``student`` (layer ``i`` = sublayers ``2i, 2i + 1``) to the
     teacher's attention output on ``input_ids``, each layer fed the teacher's own input (teacher-forced)."""
-    from distill.ild import teacher_trace
 
     trace = teacher_trace(teacher, input_ids.to(next(teacher.parameters()).device))
     report = {}

@@ -12,9 +12,17 @@ import json
 from pathlib import Path
 from typing import List, Optional
 
+from distill.cli import add_subcommands as add_distill_stages
 from hybridlm.config.errors import ConfigError
+from hybridlm.model.configuration import REMOTE_CODE_HELP
+from hybridlm.config.loader import load_config
+from hybridlm.kv_report import format_kv_report, kv_report, load_teacher_config
+from hybridlm.teacher import resolve_teacher
 from hybridlm.training.exits import run_cli
-from hybridlm.utils.atomic import write_json
+from upcycle.init_students import init_students
+from upcycle.route import ROUTE_SECTIONS, run_route
+from upcycle.route_report import route_report
+from upcycle.smart_stage import add_subcommands as add_smart_and_compose
 
 
 def _layers(text: str) -> List[int]:
@@ -25,91 +33,10 @@ def _layers(text: str) -> List[int]:
 
 
 def cmd_kv_report(args) -> dict:
-    from upcycle.kv_report import format_kv_report, kv_report, load_teacher_config
-    from upcycle.teacher import resolve_teacher
     source = args.teacher if str(args.teacher).endswith(".json") else resolve_teacher(args.teacher)
     report = kv_report(load_teacher_config(source), _layers(args.mla_layers), args.kv_rank, args.rope_dim)
     print(format_kv_report(report))
     return report
-
-
-def init_students(teacher_spec, out, *, q_rank=None, kv_rank=128, energy=None, rope_dim=32,
-                  rope_init="frequency_matched", linear_mixer="mamba2", seed=0,
-                  calib_sources=("asset:janeausten",), calib_tokens=4096, calib_seq_len=512,
-                  overwrite=False, remote_code=False) -> dict:
-    """Build and save the pure-MLA and pure linear-mixer students of a Llama teacher (``upcycle init``).
-
-    The linear mixers' output scales are fitted to the teacher's attention outputs on ``calib_tokens`` tokens
-    of ``calib_sources`` (:mod:`upcycle.calibrate`; ``calib_tokens: 0`` skips it). ``remote_code``: also write
-    ``hybrid_lm_auto.py`` into each student (:func:`hybridlm.model.configuration.write_remote_code`)."""
-    import torch
-    from hybridlm.model import HybridForCausalLM
-    from hybridlm.utils.atomic import atomic_directory
-    from upcycle.init_mamba import init_student_from_teacher
-    from upcycle.init_mla import energy_ranks
-    from upcycle.kv_report import format_kv_report, kv_report
-    from upcycle.student import llama_shapes, student_config
-    from upcycle.teacher import load_teacher, load_teacher_tokenizer
-
-    teacher = load_teacher(teacher_spec, dtype=torch.float32)
-    tokenizer = load_teacher_tokenizer(teacher_spec)
-    s = llama_shapes(teacher.config)
-    ranks = {"q_lora_rank": q_rank or s["n_h"] * s["d_h"], "kv_lora_rank": kv_rank}
-    if energy is not None:  # one MLA shape for all layers: the largest rank any layer needs
-        ranks = energy_ranks([l.self_attn for l in teacher.model.layers], s["n_h"], s["n_kv"], s["d_h"],
-                             rope_dim, energy, rope_init)
-    out = Path(out)
-    summary = {"teacher": str(teacher_spec), "ranks": ranks, "rope_dim": rope_dim, "rope_init": rope_init,
-               "students": {}}
-    for kind in ("mla", linear_mixer):
-        kinds = [kind] * s["L"]
-        cfg = student_config(teacher.config, kinds, rope_dim=rope_dim, rope_init=rope_init, **ranks)
-        torch.manual_seed(seed)
-        student = HybridForCausalLM(cfg)
-        info = init_student_from_teacher(student, teacher, kinds, mla_options={"rope_init": rope_init})
-        if kind != "mla" and calib_tokens:
-            summary["calibration"] = _calibrate(student, teacher, tokenizer, kinds, calib_sources, calib_tokens,
-                                                calib_seq_len)
-        target = out / f"{kind}_student"
-        with atomic_directory(target, overwrite=overwrite) as tmp:
-            student.save_pretrained(tmp, remote_code=remote_code)
-            tokenizer.save_pretrained(tmp)
-        kv = kv_report(teacher.config, range(s["L"]) if kind == "mla" else [], ranks["kv_lora_rank"], rope_dim)
-        energy_kept = info["mla"]
-        summary["students"][kind] = {
-            "path": str(target), "params": sum(p.numel() for p in student.parameters()),
-            "kv_values_per_token": kv["hybrid_values_per_token"],
-            "teacher_kv_values_per_token": kv["teacher_values_per_token"], "kv_ratio": kv["ratio"],
-            "min_energy_kept": ({k: min(e[k] for e in energy_kept.values()) for k in ("q_energy", "kv_energy")}
-                                if energy_kept else None)}
-        print(f"{kind} student -> {target}")
-        print(format_kv_report(kv))
-    write_json(out / "init_report.json", summary)
-    return summary
-
-
-def _calibrate(student, teacher, tokenizer, kinds, sources, tokens, seq_len) -> dict:
-    """Fit the linear student's output scales (on the GPU when there is one) and summarise the fit."""
-    import torch
-    from upcycle.calibrate import calibrate_student, calibration_batch
-
-    if isinstance(sources, str):
-        sources = [sources]
-    ids = calibration_batch(tokenizer, list(sources), int(tokens), int(seq_len))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    teacher.to(device)
-    student.to(device)
-    try:
-        per_layer = calibrate_student(student, teacher, ids, kinds)
-    finally:
-        teacher.cpu()
-        student.cpu()
-    before = [r["rel_err_before"] for r in per_layer.values()]
-    after = [r["rel_err_after"] for r in per_layer.values()]
-    print(f"calibrated {len(per_layer)} mixers on {ids.numel()} tokens: relative error of the mixer output "
-          f"{sum(before) / len(before):.3g} -> {sum(after) / len(after):.3g} (mean over layers)", flush=True)
-    return {"sources": list(sources), "tokens": ids.numel(), "mean_rel_err_before": sum(before) / len(before),
-            "mean_rel_err_after": sum(after) / len(after), "layers": per_layer}
 
 
 def cmd_init(args) -> dict:
@@ -120,19 +47,10 @@ def cmd_init(args) -> dict:
 
 
 def cmd_run(args) -> dict:
-    from hybridlm.config.loader import load_config
-    from upcycle.route import ROUTE_SECTIONS, run_route
     return run_route(load_config(args.config, args.overrides, sections=ROUTE_SECTIONS))
 
 
-def cmd_ild(args) -> dict:
-    from hybridlm.config.loader import load_config
-    from upcycle.stage import STAGE_SECTIONS, run_ild
-    return run_ild(load_config(args.config, args.overrides, sections=STAGE_SECTIONS))
-
-
 def cmd_report(args) -> dict:
-    from upcycle.route_report import route_report
     data = args.data
     if data is None:  # the packed data ILD trained on, as the route recorded it
         cfg_file = Path(args.route_dir) / "route_config.json"
@@ -168,25 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (0: no calibration)")
     i.add_argument("--overwrite", action="store_true")
     i.add_argument("--remote-code", action="store_true",
-                   help="also write hybrid_lm_auto.py and an auto_map, so the folder loads with trust_remote_code=True "
-                   "without importing the toolkit; whoever loads it that way runs that .py "
-                   "(only for sharing with people who do not use the toolkit)")
+                   help=REMOTE_CODE_HELP)
     i.set_defaults(fn=cmd_init)
     r = sub.add_parser("run", help="the whole route: init, ILD of both students, SMART, compose, KD, DPO")
     r.add_argument("--config", required=True, help="route YAML: output_dir, teacher, init, ild, smart, kd, dpo")
     r.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     r.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. smart.n_mla=8")
     r.set_defaults(fn=cmd_run)
-    d = sub.add_parser("ild", help="Intermediate Layer Distillation of a student (teacher-forced, per layer)")
-    d.add_argument("--config", required=True, help="stage YAML: teacher, student, data, optim, run sections")
-    d.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    d.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. student.path=... optim.lr=1e-4")
-    d.set_defaults(fn=cmd_ild)
-    from distill import dpo_stage, kd
-    from upcycle.smart_stage import add_subcommands as add_smart_and_compose
+    add_distill_stages(sub)
     add_smart_and_compose(sub)
-    kd.add_subcommands(sub)
-    dpo_stage.add_subcommands(sub)
     rp = sub.add_parser("report", help="perplexity of the teacher and of the hybrid after each stage of a route")
     rp.add_argument("--route-dir", required=True, help="the output_dir of `upcycle run`")
     rp.add_argument("--data", default=None, help="packed data whose validation split is the held-out text "

@@ -32,24 +32,16 @@ from typing import Any, Dict, Iterable, List, Sequence, Tuple, Union
 import torch
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.config.layers import validate_layers
 from hybridlm.model import HybridConfig, HybridForCausalLM
-from hybridlm.model.pattern import SEQUENCE_MIXERS
-from hybridlm.utils.atomic import write_json
-from smart_select.selection import validate_layers
+from hybridlm.model.pattern import student_kinds
+from hybridlm.teacher import check_tokenizer_matches, load_teacher_tokenizer
+from hybridlm.utils.atomic import atomic_directory, write_json
+from upcycle.student import pattern_for
 
 PathLike = Union[str, os.PathLike]
 SHARED_KEYS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")  # frozen in ILD
 COMPOSE_INFO = "compose.json"
-
-
-# --------------------------------------------------------------------------------------- validation
-def student_kinds(cfg: HybridConfig, who: str) -> List[str]:
-    """The mixer kind of every teacher layer of a student (its plan must alternate mixer / MLP)."""
-    plan = list(cfg.layer_plan)
-    if len(plan) % 2 or any(k not in SEQUENCE_MIXERS for k in plan[0::2]) or any(k != "mlp" for k in plan[1::2]):
-        raise ConfigError(f"{who}: pattern {cfg.hybrid_override_pattern!r} is not an upcycled student "
-                          f"(expected alternating mixer / MLP sublayers, one pair per teacher layer)")
-    return plan[0::2]
 
 
 def check_students(mla_cfg: HybridConfig, mamba_cfg: HybridConfig) -> Tuple[int, str]:
@@ -90,7 +82,6 @@ def check_shared_weights(mla_student, mamba_student) -> None:
 # ---------------------------------------------------------------------------------------- composing
 def composed_config(mla_cfg: HybridConfig, mamba_cfg: HybridConfig, mla_layers: Sequence[int]) -> HybridConfig:
     """The hybrid's config: ``*`` at ``mla_layers``, the linear student's mixer elsewhere (``pattern_for``)."""
-    from upcycle.student import pattern_for
 
     L, linear = check_students(mla_cfg, mamba_cfg)
     chosen = set(check_layers(mla_layers, L))
@@ -174,8 +165,6 @@ def compose_from_dirs(mla_dir: PathLike, mamba_dir: PathLike, mla_layers: Sequen
     """Load both students, compose, write ``out_dir`` atomically (weights, config, the linear student's
     tokenizer, ``compose.json``; ``remote_code``: also ``hybrid_lm_auto.py``, see
     :func:`hybridlm.model.configuration.write_remote_code`); returns the compose.json dict."""
-    from hybridlm.utils.atomic import atomic_directory
-    from upcycle.teacher import check_tokenizer_matches, load_teacher_tokenizer
 
     out = Path(out_dir).expanduser()
     if out.exists() and not overwrite:

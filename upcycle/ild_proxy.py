@@ -31,7 +31,7 @@ from upcycle.calibrate import calibrate_student
 from upcycle.init_mamba import init_student_from_teacher
 from upcycle.init_variants import published_mamba2
 from upcycle.student import student_config
-from upcycle.teacher import load_teacher, load_teacher_tokenizer
+from hybridlm.teacher import load_teacher, load_teacher_tokenizer
 
 INITS = ("ours", "published", "random")
 

@@ -26,45 +26,12 @@ import inspect
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
-from torch import nn
 
-from hybridlm.config.errors import ConfigError
+from hybridlm.model.layers import GatedDeltaNet, KimiDeltaAttention, Mamba2
+from upcycle.init_mla import init_mla_from_attention
+from upcycle.teacher_attention import attention_shapes, attention_weights
 
 LINEAR_KINDS = ("mamba2", "gdn", "kda")
-
-
-# -------------------------------------------------------------------------------------- attention
-def attention_weights(attn) -> Dict[str, torch.Tensor]:
-    """W_q, W_k, W_v, W_o of a transformers Llama attention; refuses biases (no place for them)."""
-    out = {}
-    for n in "qkvo":
-        lin = getattr(attn, f"{n}_proj", None)
-        if not isinstance(lin, nn.Linear):
-            raise ConfigError(f"teacher attention: no {n}_proj linear layer (expected a Llama attention module)")
-        if lin.bias is not None:
-            raise ConfigError(f"teacher attention: {n}_proj has a bias; the linear-mixer mapping expects "
-                             f"bias-free projections (attention_bias false)")
-        out[n] = lin.weight.detach()
-    return out
-
-
-def attention_shapes(attn) -> Dict[str, int]:
-    """d, n_h, n_kv, d_h of a Llama attention module, read from its weights and ``head_dim``."""
-    w = attention_weights(attn)
-    d = w["q"].shape[1]
-    d_h = getattr(attn, "head_dim", None)
-    if d_h is None:
-        cfg = getattr(attn, "config", None)
-        d_h = getattr(cfg, "head_dim", None) or (cfg.hidden_size // cfg.num_attention_heads)
-    if w["q"].shape[0] % d_h or w["k"].shape[0] % d_h or w["v"].shape != w["k"].shape:
-        raise ValueError(f"teacher attention: q {tuple(w['q'].shape)}, k {tuple(w['k'].shape)}, "
-                         f"v {tuple(w['v'].shape)} do not split into heads of {d_h}")
-    n_h, n_kv = w["q"].shape[0] // d_h, w["k"].shape[0] // d_h
-    if n_h % n_kv:
-        raise ValueError(f"teacher attention: {n_h} query heads are not a multiple of {n_kv} kv heads")
-    if tuple(w["o"].shape) != (d, n_h * d_h):
-        raise ValueError(f"teacher attention: o_proj is {tuple(w['o'].shape)}, expected {(d, n_h * d_h)}")
-    return dict(d=d, n_h=n_h, n_kv=n_kv, d_h=d_h)
 
 
 def repeat_kv_rows(w: torch.Tensor, n_kv: int, n_h: int) -> torch.Tensor:
@@ -153,7 +120,6 @@ def init_linear_mixer_from_attention(mixer, attn, kind: str) -> None:
 
     ``kind`` is ``mamba2 | gdn | kda`` and must match the mixer's class; any shape that does not fit the
     teacher's heads raises ValueError."""
-    from hybridlm.model.layers import GatedDeltaNet, KimiDeltaAttention, Mamba2
 
     classes = {"mamba2": Mamba2, "gdn": GatedDeltaNet, "kda": KimiDeltaAttention}
     if kind not in classes:
@@ -168,8 +134,6 @@ def init_linear_mixer_from_attention(mixer, attn, kind: str) -> None:
 
 # ------------------------------------------------------------------------------------ whole student
 def _call_mla_init(mixer, attn, n_kv: int, options: Mapping[str, Any]):
-    from upcycle.init_mla import init_mla_from_attention  # lazy: the MLA mapping lives in its own module
-
     opts = dict(options)
     try:
         params = inspect.signature(init_mla_from_attention).parameters

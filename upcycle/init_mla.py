@@ -17,7 +17,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from hybridlm.config.errors import ConfigError
-from upcycle.init_mamba import attention_weights
+from upcycle.teacher_attention import attention_weights
 
 
 def rope_rows(d_h: int, rope_dim: int, rope_init: str) -> List[int]:

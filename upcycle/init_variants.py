@@ -25,7 +25,7 @@ from hybridlm.utils.atomic import json_text, write_json
 from upcycle.calibrate import calibrate_student
 from upcycle.init_mamba import init_student_from_teacher
 from upcycle.student import student_config
-from upcycle.teacher import load_teacher, load_teacher_tokenizer
+from hybridlm.teacher import load_teacher, load_teacher_tokenizer
 
 ROUTE_MLA_LAYERS = (0, 4, 9, 13, 17, 21, 25, 29)
 PIECES = ("identity_conv", "constant_gate", "calibrated", "silent")

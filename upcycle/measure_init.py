@@ -17,7 +17,7 @@ from hybridlm.model import HybridForCausalLM
 from hybridlm.utils.atomic import json_text, write_json
 from upcycle.init_mamba import init_student_from_teacher
 from upcycle.student import ROPE_INITS, student_config
-from upcycle.teacher import load_teacher, load_teacher_tokenizer
+from hybridlm.teacher import load_teacher, load_teacher_tokenizer
 
 
 def main(argv=None):

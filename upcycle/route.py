@@ -6,15 +6,26 @@ that stage's ``data`` / ``optim`` / ``run`` (and ``kd`` / ``dpo``) settings, as 
 """
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any, Dict
 
+from distill.dpo_stage import DPOConfig, PreferenceDataConfig, run_dpo
+from distill.kd import KDConfig, kd_data, run_kd
+from distill.stage import run_ild
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import build_dataclass, check_known_keys
 from hybridlm.data import DataConfig
-from hybridlm.engine import barrier, init_distributed
+from hybridlm.data.sft import SFTDataConfig
+from hybridlm.engine import OptimConfig, barrier, init_distributed
+from hybridlm.training import RunConfig
 from hybridlm.utils.atomic import write_json
+from upcycle.compose import compose_from_dirs
+from upcycle.init_students import init_students
+from upcycle.route_progress import RouteProgress, training_plan
+from upcycle.route_report import route_report
+from upcycle.smart_stage import layers_from_report, run_smart
 
 ROUTE_SECTIONS = ("output_dir", "teacher", "init", "ild", "smart", "kd", "dpo", "report")
 
@@ -34,14 +45,7 @@ SMART_KEYS = ("n_mla", "layers", "batches", "batch_size")
 def check_route(cfg: Dict[str, Any], stages: Dict[str, Dict[str, Any]]) -> None:
     """Every section of the route, before the first stage starts: a typo in ``dpo.optim`` must not surface
     after init, both ILD runs, SMART and KD have finished."""
-    import inspect
 
-    from distill.dpo_stage import DPOConfig, PreferenceDataConfig
-    from distill.kd import KDConfig, kd_data
-    from hybridlm.data.sft import SFTDataConfig
-    from hybridlm.engine import OptimConfig
-    from hybridlm.training import RunConfig
-    from upcycle.cli import init_students
 
     params = inspect.signature(init_students).parameters
     check_known_keys("init", cfg.get("init") or {},
@@ -64,13 +68,6 @@ def check_route(cfg: Dict[str, Any], stages: Dict[str, Dict[str, Any]]) -> None:
 
 
 def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    from distill.dpo_stage import run_dpo
-    from distill.kd import run_kd
-    from upcycle.cli import init_students
-    from upcycle.compose import compose_from_dirs
-    from upcycle.smart_stage import layers_from_report, run_smart
-    from upcycle.stage import run_ild
-
     if not isinstance(cfg.get("output_dir"), str) or not cfg["output_dir"]:
         raise ConfigError("output_dir: expected the directory the route writes every stage into")
     out = Path(cfg["output_dir"])
@@ -90,7 +87,6 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     }
     check_route(cfg, stages)
     dist = init_distributed()
-    from upcycle.route_progress import RouteProgress, training_plan
     ild_plans = {f"ild_{k}": training_plan("ild", {**stages["ild"], "run": {**stages["ild"]["run"],
                                                                               "output_dir": str(out / f"ild_{k}")}})
                  for k in ("mla", linear)}
@@ -140,7 +136,6 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
         progress.finished(name, summary[name])
     progress.start("report")
     if dist.rank == 0:
-        from upcycle.route_report import route_report
         ild_data = build_dataclass(DataConfig, (ild.get("data") or {}), "ild.data")
         summary["report"] = route_report(out, ild_data.path, device=dist.device, **report_opts)
         write_json(out / "route.json", summary, default=str)

@@ -16,6 +16,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+from distill.dpo_stage import PreferenceDataConfig
+from distill.kd import kd_data
+from hybridlm.config.structured import build_dataclass
+from hybridlm.data import DataConfig
+from hybridlm.engine import OptimConfig
+from hybridlm.training import RunConfig
+
 
 def minutes(seconds: float) -> str:
     """``42s``, ``12m``, ``1h05m``."""
@@ -37,23 +44,17 @@ def _steps_saved(output_dir: str) -> int:
 def training_plan(kind: str, sections: Dict[str, Any]) -> Dict[str, Any]:
     """What the estimate needs of one training stage: its kind, max_steps, the tokens of a step at most
     (ILD: global batch x seq_len; KD: x max_length; DPO: chosen + rejected, 2 x max_length) and its output."""
-    from hybridlm.config.structured import build_dataclass
-    from hybridlm.engine import OptimConfig
-    from hybridlm.training import RunConfig
 
     optim = build_dataclass(OptimConfig, sections.get("optim") or {}, f"{kind}.optim")
     run = build_dataclass(RunConfig, sections.get("run") or {}, f"{kind}.run")
     data = sections.get("data") or {}
     if kind == "ild":
-        from hybridlm.data import DataConfig
         length = build_dataclass(DataConfig, data, "ild.data").seq_len
     elif kind == "kd":
-        from distill.kd import kd_data
         data_class, _, data = kd_data(data)
         built = build_dataclass(data_class, data, "kd.data")
         length = getattr(built, "max_length", None) or built.seq_len  # chat records or packed windows
     else:
-        from distill.dpo_stage import PreferenceDataConfig
         length = 2 * build_dataclass(PreferenceDataConfig, data, "dpo.data").max_length
     return {"kind": kind, "max_steps": optim.max_steps, "tokens_per_step": optim.global_batch_size * length,
             "output_dir": run.output_dir}

@@ -9,39 +9,35 @@ Held-out text (a) is the validation split of the packed data that ILD trained on
 saw); (b) is ``report.heldout_sources`` (e.g. ``asset:sotu``), a source that no stage trains on. Perplexity is
 ``exp`` of the token-mean next-token NLL; KL is the token mean of ``sum_v p_t(v) (log p_t(v) - log p_m(v))`` in
 nats, both over the same targets (every token of each window but its first), computed by the KD loss's chunked
-loop (:func:`distill.kd.kd_loss`), so no ``[tokens, vocab]`` tensor is kept. "Init only" is the hybrid composed from the two un-distilled ``upcycle init`` students with the
+loop (:func:`distill.kd_loss.kd_loss`), so no ``[tokens, vocab]`` tensor is kept. "Init only" is the hybrid composed from the two un-distilled ``upcycle init`` students with the
 layers SMART chose, so that the ILD row differs from it by training alone.
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import numpy as np
 import torch
 
+from distill.kd_loss import kd_loss
 from hybridlm.config.errors import ConfigError
 from hybridlm.data.assets import corpus_path
-from hybridlm.data.packed import PackedTokens
+from hybridlm.data.packed import heldout_windows
 from hybridlm.eval.build_tasks import austen_cloze_items
 from hybridlm.eval.multiple_choice import multiple_choice_accuracy
-from hybridlm.eval.perplexity import perplexity
+from hybridlm.eval.perplexity import token_windows
+from hybridlm.model import HybridForCausalLM
+from hybridlm.teacher import load_teacher, load_teacher_tokenizer
 from hybridlm.utils.atomic import atomic_write_text, json_text, save_figure, write_json
+from upcycle.calibrate import calibration_text
+from upcycle.compose import compose_from_dirs
+from upcycle.smart_stage import layers_from_report
 
 STAGE_DIRS = (("ild_mla", "ILD (MLA student)"), ("ild_mamba2", "ILD (Mamba2 student)"),
               ("ild_gdn", "ILD (GDN student)"), ("ild_kda", "ILD (KDA student)"),
               ("kd", "KD-SFT"), ("dpo", "DPO"))
-
-
-def heldout_windows(data_path, seq_len: int, max_tokens: int) -> List[torch.Tensor]:
-    """Consecutive ``seq_len + 1`` token windows from the validation split, at most ``max_tokens`` targets."""
-    tokens = PackedTokens(data_path, "val")
-    n = min((len(tokens) - 1) // seq_len, max(1, max_tokens // seq_len))
-    if n < 1:
-        raise ConfigError(f"{data_path}: the validation split has fewer than {seq_len + 1} tokens")
-    stream = np.asarray(tokens.read(0, n * seq_len + 1), dtype=np.int64)
-    return [torch.from_numpy(stream[i * seq_len:(i + 1) * seq_len + 1].copy()) for i in range(n)]
 
 
 def _stage_row(out: Path, name: str, label: str) -> Optional[Dict[str, Any]]:
@@ -58,8 +54,6 @@ def _stage_row(out: Path, name: str, label: str) -> Optional[Dict[str, Any]]:
 
 def text_windows(tokenizer, sources, seq_len: int, max_tokens: int) -> List[torch.Tensor]:
     """``seq_len + 1`` token windows of the plain text of ``sources`` (held-out text (b))."""
-    from hybridlm.eval.perplexity import token_windows
-    from upcycle.calibrate import calibration_text
     windows = token_windows(tokenizer, calibration_text(list(sources), 16 * max_tokens), seq_len, max_tokens)
     if not windows:
         raise ConfigError(f"report.heldout_sources: fewer than {seq_len + 1} tokens in {list(sources)}")
@@ -69,8 +63,6 @@ def text_windows(tokenizer, sources, seq_len: int, max_tokens: int) -> List[torc
 @torch.no_grad()
 def score(model, teacher, windows: List[torch.Tensor], batch_size: int = 4) -> Dict[str, float]:
     """Token-mean NLL, perplexity and KL(teacher || model) over the windows (targets = window[1:])."""
-    import math
-    from distill.kd import kd_loss
     device = next(model.parameters()).device
     nll = kl = 0.0
     count = 0
@@ -90,10 +82,6 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
                  cloze_items: int = 0) -> Dict[str, Any]:
     """Measure every model the route has written so far; write ``report.json``, ``report.md`` and ``report.png``.
     ``cloze_items`` > 0 adds the ``austen_cloze`` accuracy (that many items) of every model."""
-    from hybridlm.model import HybridForCausalLM
-    from upcycle.compose import compose_from_dirs
-    from upcycle.smart_stage import layers_from_report
-    from upcycle.teacher import load_teacher, load_teacher_tokenizer
 
     out = Path(route_dir)
     route_cfg = out / "route_config.json"

@@ -10,7 +10,7 @@ windows (teacher tokenizer):
 
 KL is the token mean over every calibration position of ``sum_v p_t(v) (log p_t(v) - log p_s(v))`` from
 fp32 ``log_softmax`` of both models' logits (nats/token), computed by the KD loss's chunked loop
-(:func:`distill.kd.kl_sum`): the teacher contributes its final hidden states, and logits exist one chunk at a
+(:func:`distill.kd_loss.kl_sum`): the teacher contributes its final hidden states, and logits exist one chunk at a
 time.
 
 Swapping "layer i" moves the *whole* decoder layer (mixer sublayer ``2i`` and MLP sublayer ``2i + 1``,
@@ -41,12 +41,20 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from distill.kd import final_hidden, kl_sum
+from distill.kd_loss import final_hidden, kl_sum
 from hybridlm.config.errors import ConfigError
+from hybridlm.model.configuration import REMOTE_CODE_HELP
+from hybridlm.data import DataConfig, PackedTokens, ensure_prepared, load_tokenizer, read_meta, validation_batches
+from hybridlm.kv_report import kv_report
+from hybridlm.teacher import check_tokenizer_matches, load_teacher, load_teacher_tokenizer, resolve_teacher
 from hybridlm.utils.atomic import write_json
+from smart_select import report as smart_report
+from smart_select.selection import select_layers, sensitivities
+from upcycle.compose import (check_layers, check_shared_weights, check_students, compose_from_dirs, load_student,
+                             load_student_config)
 
 PathLike = Union[str, os.PathLike]
-KL_CHUNK_TOKENS = 1024  # tokens per chunk of both models' logits (distill.kd.kl_sum)
+KL_CHUNK_TOKENS = 1024  # tokens per chunk of both models' logits (distill.kd_loss.kl_sum)
 RUN_INFO = "smart_run.json"
 
 
@@ -110,8 +118,6 @@ def swapped_layer(mamba_student, mla_student, i: int):
 
 
 def _check_pair(mla_student, mamba_student) -> int:
-    from upcycle.compose import check_shared_weights, check_students
-
     L, _ = check_students(mla_student.config, mamba_student.config)
     check_shared_weights(mla_student, mamba_student)
     pa, pb = next(mla_student.parameters()), next(mamba_student.parameters())
@@ -163,8 +169,6 @@ def layer_sensitivities(teacher, mla_student, mamba_student, batches: Iterable,
 
 # ---------------------------------------------------------------------------------------- the stage
 def _check_selection(n_mla: Optional[int], layers: Optional[Sequence[int]], L: int) -> Tuple[int, Optional[List[int]]]:
-    from upcycle.compose import check_layers
-
     if (n_mla is None) == (layers is None):
         raise ConfigError("smart: give exactly one of --n-mla (choose by sensitivity) or --layers (explicit list)")
     if layers is not None:
@@ -179,8 +183,6 @@ def calibration_batches(data_cfg, teacher_tokenizer, teacher_path: Optional[Path
                         batch_size: int, split: str = "val") -> List[Dict[str, torch.Tensor]]:
     """The leading ``n_batches`` windows of ``split`` of the packed data (prepared with the teacher's
     tokenizer if missing; ConfigError if it was prepared with another tokenizer)."""
-    from hybridlm.data import PackedTokens, ensure_prepared, load_tokenizer, read_meta, validation_batches
-    from upcycle.teacher import check_tokenizer_matches, resolve_teacher
 
     if split not in ("train", "val"):
         raise ConfigError(f"--split: expected train or val, got {split!r}")
@@ -208,11 +210,6 @@ def run_smart(teacher, mla_dir: PathLike, mamba_dir: PathLike, data_cfg, n_mla: 
     ``layers`` (explicit, still measured and reported). The KV report uses the MLA student's ``r_kv`` and
     ``d_rope``. Returns a dict with ``kl_all``, ``kl``, ``sensitivity``, ``chosen``, ``kv``, ``paths``...
     """
-    from smart_select import report as smart_report
-    from smart_select.selection import select_layers, sensitivities
-    from upcycle.compose import check_students, load_student, load_student_config
-    from upcycle.kv_report import kv_report
-    from upcycle.teacher import load_teacher, load_teacher_tokenizer
 
     t_start = time.perf_counter()
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if verbose else None
@@ -296,8 +293,6 @@ def layers_from_report(path: PathLike) -> Tuple[List[int], Optional[int]]:
 
 
 def cmd_smart(args) -> Dict[str, Any]:
-    from hybridlm.data import DataConfig
-
     for flag, d in (("--mla-student", args.mla_student), ("--mamba-student", args.mamba_student)):
         if not Path(d).expanduser().is_dir():
             raise ConfigError(f"{flag}: {d} is not a directory")
@@ -310,8 +305,6 @@ def cmd_smart(args) -> Dict[str, Any]:
 
 
 def cmd_compose(args) -> Dict[str, Any]:
-    from upcycle.compose import compose_from_dirs
-
     for flag, d in (("--mla-student", args.mla_student), ("--mamba-student", args.mamba_student)):
         if not Path(d).expanduser().is_dir():
             raise ConfigError(f"{flag}: {d} is not a directory")
@@ -362,8 +355,6 @@ def add_subcommands(subparsers) -> None:
     c.add_argument("--out", required=True)
     c.add_argument("--overwrite", action="store_true")
     c.add_argument("--remote-code", action="store_true",
-                   help="also write hybrid_lm_auto.py and an auto_map, so the folder loads with trust_remote_code=True "
-                   "without importing the toolkit; whoever loads it that way runs that .py "
-                   "(only for sharing with people who do not use the toolkit)")
+                   help=REMOTE_CODE_HELP)
     c.set_defaults(fn=cmd_compose)
 

@@ -16,8 +16,17 @@ environment variable and the patches hold for the whole process):
 from __future__ import annotations
 
 import ast
+import json
 import os
 import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+from hybridlm.bench import loss_parity as LP
+from hybridlm.bench.peer_weights import MAPPERS, load_peer_weights
+from hybridlm.model import HybridConfig, HybridForCausalLM
 
 _DONE = False
 _LOOPS = {"range", "tl.range", "triton.language.range"}
@@ -93,7 +102,6 @@ class CpuFusedCrossEntropy:
 def _move_weights(model, seed: int) -> None:
     """Every weight moved by seeded noise (half its std, or 0.3 for constant tensors: norm weights, biases),
     so that gates, norms, A_log and dt_bias sit at no special value."""
-    import torch
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in sorted(model.named_parameters()):
@@ -128,14 +136,8 @@ def compare_causal_lm(family: str, seed: int = 0, batch: int = 2, seq: int = 64,
     ``HybridForCausalLM`` (torch path); one batch through both with grad enabled (fla's chunk kernels, as in
     training), the loss (fla: its default criterion in training, see :class:`CpuFusedCrossEntropy`) backward. Returns the differences of logits,
     loss, each sublayer's output, the final norm and every parameter's gradient (ours vs fla)."""
-    import time
-    from types import SimpleNamespace
 
-    import torch
 
-    from hybridlm.bench import loss_parity as LP
-    from hybridlm.bench.peer_weights import MAPPERS, load_peer_weights
-    from hybridlm.model import HybridConfig, HybridForCausalLM
 
     enable()
     values = dict(
@@ -202,6 +204,5 @@ def compare_causal_lm(family: str, seed: int = 0, batch: int = 2, seq: int = 64,
 
 
 if __name__ == "__main__":  # python -m hybridlm.bench.fla_interpret gdn|kda  -> one JSON line
-    import json
     enable()
     print(json.dumps(compare_causal_lm(sys.argv[1])))

@@ -9,7 +9,7 @@
 **Models.** The hybrid is loaded with ``HybridForCausalLM.from_pretrained`` (its own backend: fla's Triton
 kernels on CUDA) and decodes with its :class:`~hybridlm.model.cache.HybridCache` (MLA layers cache the latent
 + RoPE key only, mixers a constant recurrent + conv state). The teacher is loaded by
-:func:`upcycle.teacher.load_teacher` (transformers ``LlamaForCausalLM``, ``sdpa`` attention) and decodes with
+:func:`hybridlm.teacher.load_teacher` (transformers ``LlamaForCausalLM``, ``sdpa`` attention) and decodes with
 transformers' default ``DynamicCache``. Both run in ``--dtype`` (bf16 by default on CUDA, fp32 on CPU).
 The models are measured one after the other; only one is on the device at a time.
 
@@ -45,7 +45,7 @@ change the amount of work, only the prompt length does.
   length) and ``cache_bytes_recurrent`` (constant states); the teacher's sum of the DynamicCache key / value
   tensors' bytes (all of it ``cache_bytes_kv``); ``cache_bytes_per_token_per_seq`` and
   ``cache_bytes_kv_per_token_per_seq`` divide by ``B * cached_tokens``; ``predicted_cache_bytes_kv`` from
-  :func:`upcycle.kv_report.kv_report` of the hybrid's MLA layers.
+  :func:`hybridlm.kv_report.kv_report` of the hybrid's MLA layers.
 
 An out-of-memory error (``torch.cuda.OutOfMemoryError``, or a RuntimeError saying so) makes the entry
 ``status: "oom"`` (with the phase) and stops the larger batches of that model and prompt length.
@@ -76,6 +76,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hybridlm.bench.common import free_memory, is_oom, merge_reports, versions, write_report
+from hybridlm.kv_report import kv_report, load_teacher_config
+from hybridlm.model import HybridConfig, HybridForCausalLM
+from hybridlm.model.cache import HybridCache
+from hybridlm.model.generate import greedy_generate
+from hybridlm.model.graphs import GraphedDecoder
+from hybridlm.model.pattern import student_kinds
+from hybridlm.ops.backend import use_triton
+from hybridlm.teacher import load_teacher, resolve_teacher
 from hybridlm.utils.atomic import save_figure
 
 MODELS = ("hybrid", "teacher")
@@ -107,14 +115,12 @@ def weight_bytes(model: torch.nn.Module) -> int:
 # ------------------------------------------------------------------------------------------ models
 
 def load_hybrid(path: str, dtype: torch.dtype, device: torch.device):
-    from hybridlm.model import HybridForCausalLM
     model = HybridForCausalLM.from_pretrained(str(Path(path).expanduser()), dtype=dtype)
     return model.to(device=device, dtype=dtype).eval()
 
 
 def load_teacher_model(spec: str, dtype: torch.dtype, device: torch.device):
     """The Llama teacher through the project's strict loader, with transformers' sdpa attention."""
-    from upcycle.teacher import load_teacher
     model = load_teacher(spec, dtype=dtype)
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         model.set_attn_implementation("sdpa")
@@ -133,7 +139,6 @@ def _output_cache(out):
 
 def cache_stats(cache) -> Dict[str, int]:
     """Bytes held by a HybridCache (split into KV latents and recurrent states) or a transformers KV cache."""
-    from hybridlm.model.cache import HybridCache
     if isinstance(cache, HybridCache):
         kv, rec = cache.memory_bytes("mla"), cache.memory_bytes("recurrent")
         return {"cache_bytes": cache.memory_bytes(), "cache_bytes_kv": kv, "cache_bytes_recurrent": rec}
@@ -166,7 +171,6 @@ class DecodeRun:
 
 
 def _is_hybrid(model) -> bool:
-    from hybridlm.model import HybridForCausalLM
     return isinstance(model, HybridForCausalLM)
 
 
@@ -201,7 +205,6 @@ def greedy_decode(model, input_ids: torch.LongTensor, new_tokens: int, run: Opti
     sync(device)
     t0 = time.perf_counter()
     if cuda_graph:
-        from hybridlm.model.cache import HybridCache
         cache = HybridCache(model.config, max_length=input_ids.shape[1] + new_tokens - 1, batch_size=B,
                             dtype=model.dtype, device=device)
         out = model(input_ids=input_ids, cache=cache, logits_to_keep=1)
@@ -219,7 +222,6 @@ def greedy_decode(model, input_ids: torch.LongTensor, new_tokens: int, run: Opti
 
     run.phase = "decode"
     if cuda_graph:
-        from hybridlm.model.graphs import GraphedDecoder
         run.phase = "graph capture"
         decoder = GraphedDecoder(model, cache)
         if new_tokens > 1:
@@ -275,7 +277,6 @@ def check_tokens(model, input_ids: torch.LongTensor, tokens: torch.LongTensor) -
     """The loop's ``tokens [B, N]`` against ``model.generate`` (greedy, same cache path) and against N full
     forwards without any cache (:func:`hybridlm.model.generate.greedy_generate`). In bf16 the uncached path
     may drift from the cached one after some tokens (different kernels), hence counts, not only a flag."""
-    from hybridlm.model.generate import greedy_generate
     n = tokens.shape[1]
     gen = leading_agreement(generate_reference(model, input_ids, n), tokens)
     full = leading_agreement(greedy_generate(model, input_ids, n)[:, input_ids.shape[1]:], tokens)
@@ -292,13 +293,11 @@ def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int, device: tor
 
 def mla_teacher_layers(hybrid_cfg) -> List[int]:
     """Teacher-layer indices whose mixer is MLA in an upcycled hybrid (mixer 2i + MLP 2i+1 per teacher layer)."""
-    from upcycle.compose import student_kinds
     return [i for i, k in enumerate(student_kinds(hybrid_cfg, "hybrid")) if k == "mla"]
 
 
 def predict_kv(hybrid_cfg, teacher_cfg, bytes_per_value: int) -> Dict[str, Any]:
-    """``upcycle.kv_report`` of the hybrid's MLA layers against the teacher (bytes per token per sequence)."""
-    from upcycle.kv_report import kv_report
+    """``hybridlm.kv_report`` of the hybrid's MLA layers against the teacher (bytes per token per sequence)."""
     try:
         a = hybrid_cfg.mixer_args("mla")
         rep = kv_report(teacher_cfg, mla_teacher_layers(hybrid_cfg), a.kv_lora_rank, a.qk_rope_head_dim,
@@ -312,8 +311,6 @@ def predict_kv(hybrid_cfg, teacher_cfg, bytes_per_value: int) -> Dict[str, Any]:
 def _teacher_config(spec: str):
     """The teacher's LlamaConfig without loading its weights (None where only loading would tell)."""
     try:
-        from upcycle.kv_report import load_teacher_config
-        from upcycle.teacher import resolve_teacher
         return load_teacher_config(resolve_teacher(spec))
     except Exception:  # noqa: BLE001 - e.g. a .gguf file: the config comes with the loaded model
         return None
@@ -601,7 +598,6 @@ def main(argv=None) -> Dict[str, Any]:
     teacher_cfg = _teacher_config(args.teacher) if args.teacher else None
     hybrid_cfg = None
     if args.hybrid:
-        from hybridlm.model import HybridConfig
         hybrid_cfg = HybridConfig.from_pretrained(str(Path(args.hybrid).expanduser()))
 
     def predict(tcfg) -> None:
@@ -627,7 +623,6 @@ def main(argv=None) -> Dict[str, Any]:
         print(f"[{time.perf_counter() - t0:6.0f}s] loading {name}", flush=True)
         if name == "hybrid":
             model = load_hybrid(args.hybrid, dtype, device)
-            from hybridlm.ops.backend import use_triton
             probe = torch.empty(1, device=device)
             info = {"path": args.hybrid, "pattern": model.config.hybrid_override_pattern,
                     "backend": model.config.backend,

@@ -9,14 +9,14 @@
 {gdn,kda,mamba2}_300m.yaml``; ``--model-override key=value`` changes shapes, e.g. for small CPU runs).
 ``--ours-init`` lists init variants, each trained as one more "ours" run against the same peer runs (the
 ablation table): ``fla`` (the default: fla's statistics), ``legacy`` (everything this toolkit did before,
-:func:`hybridlm.model.layers.init.apply_legacy_init`), ``legacy:PART+PART`` (only those parts back to the
+:func:`hybridlm.model.legacy_init.apply_legacy_init`), ``legacy:PART+PART`` (only those parts back to the
 old init; parts ``conv``, ``conv_bias``, ``mamba2_out_proj``) or ``peer`` (the exact initial weights of the peer
 built with that run's seed, copied tensor by tensor: :mod:`hybridlm.bench.peer_weights`; a ``peer`` run that
 follows the peer's curve puts a gap on the initialisation, one that follows ours' on the rest: forward numerics,
 parameterisation).
 
 **Peers** (``--peer``, default ``fla``), built with the shapes of ours (the parameter counts are printed and
-must match): fla's ``GatedDeltaNetForCausalLM`` / ``KDAForCausalLM`` (as in :mod:`hybridlm.bench.train_speed`)
+must match): fla's ``GatedDeltaNetForCausalLM`` / ``KDAForCausalLM`` (as in :mod:`hybridlm.bench.peers`)
 and fla's ``Mamba2ForCausalLM``; ``hf``: transformers' ``Mamba2ForCausalLM`` (mamba2 only; its own init);
 ``ours``: our model again with the peer seeds (``--peer-init``, a variant as above, picks its init), the
 peer that runs on a CPU. fla's models run Triton kernels and need CUDA. fla's and transformers' Mamba2 blocks
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import math
 import statistics
 import sys
@@ -55,8 +56,17 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from hybridlm.bench.common import free_memory, versions, write_report
-from hybridlm.bench.train_speed import DEFAULT_DATA, DEFAULT_SOURCES, DEFAULT_TOKENIZER, model_section
+from hybridlm.bench.common import (DEFAULT_DATA, DEFAULT_SOURCES, DEFAULT_TOKENIZER, free_memory, model_section,
+                                   versions, write_report)
+from hybridlm.bench.peer_weights import fla_mamba2_reads_groups_tiled, load_peer_weights
+from hybridlm.bench.peers import build_peer as speed_peer
+from hybridlm.data import DataConfig, PackedBatches, PackedTokens, ensure_prepared, read_meta, validation_batches
+from hybridlm.engine import Engine, OptimConfig, build_param_groups
+from hybridlm.engine.config import PRECISIONS
+from hybridlm.engine.schedule import lr_lambda
+from hybridlm.model import HybridForCausalLM
+from hybridlm.model.configuration import resolve_model_config
+from hybridlm.model.legacy_init import LEGACY_PARTS, apply_legacy_init, check_legacy_parts
 from hybridlm.utils.atomic import save_figure
 
 FAMILIES = ("gdn", "kda", "mamba2")
@@ -73,8 +83,6 @@ def resolve_config(args, data_dir: Path, name: Optional[str] = None, overrides: 
     ``--model-override``), vocabulary from the data; for ``mamba2`` against a Mamba2-only peer, one mixer per
     sublayer. Its sequence mixers must be ``--family``, with MLA allowed beside it when the run compares two
     architectures of ours (``--peer-config``)."""
-    from hybridlm.data import read_meta
-    from pretrain.train import resolve_model_config
 
     name = name or args.config
     overrides = args.model_override if overrides is None else overrides
@@ -98,7 +106,6 @@ def resolve_config(args, data_dir: Path, name: Optional[str] = None, overrides: 
 def parse_variant(text: str):
     """``fla`` and ``peer`` -> no legacy parts; ``legacy`` -> all of them; ``legacy:conv+mamba2_out_proj`` ->
     those."""
-    from hybridlm.model.layers.init import LEGACY_PARTS, check_legacy_parts
     kind, _, parts = text.partition(":")
     if kind in ("fla", PEER_INIT) and not parts:
         return []
@@ -110,8 +117,6 @@ def parse_variant(text: str):
 def build_ours(config, seed: int, variant: str = "fla", args=None):
     """(our model, description) with the init ``variant``; ``peer`` needs ``args`` (``--peer``, ``--family``
     and the peer's options) to build the peer whose weights it copies."""
-    from hybridlm.model import HybridForCausalLM
-    from hybridlm.model.layers.init import apply_legacy_init
 
     if variant == PEER_INIT:
         return ours_from_peer(config, seed, args)
@@ -126,8 +131,6 @@ def build_ours(config, seed: int, variant: str = "fla", args=None):
 def ours_from_peer(config, seed: int, args):
     """Our model holding the initial weights of the peer built with ``seed`` (the ``peer`` variant): the same
     starting point, so what still differs is the forward and the parameterisation."""
-    from hybridlm.bench.peer_weights import load_peer_weights
-    from hybridlm.model import HybridForCausalLM
 
     if args is None:
         raise ValueError("init variant 'peer' copies the peer's weights: build_ours needs the bench's args")
@@ -151,7 +154,6 @@ def build_peer(kind: str, family: str, config, seed: int, args):
     if family in ("gdn", "kda"):
         if kind != "fla":
             raise SystemExit(f"--peer {kind}: the {family} peers are fla (CUDA) or ours")
-        from hybridlm.bench.train_speed import build_peer as speed_peer
         shim = SimpleNamespace(seq=args.seq, fla_fused_linear_ce=False)
         model, _, cfg = speed_peer("fla_gdn" if family == "gdn" else "fla_kda", config, shim)
         return model, {"class": type(model).__name__, "config": cfg, "init": "its own (_init_weights)"}
@@ -177,7 +179,6 @@ def build_peer(kind: str, family: str, config, seed: int, args):
     info = {"class": f"{'fla' if kind == 'fla' else 'transformers'}.{type(model).__name__}",
             "config": cfg.to_diff_dict(), "init": "its own (_init_weights)"}
     if kind == "fla":
-        from hybridlm.bench.peer_weights import fla_mamba2_reads_groups_tiled
         if fla_mamba2_reads_groups_tiled(model):
             info["note"] = ("without mamba_ssm fla's torch SSD gives head h the B / C of group h % n_groups, ours "
                             "of group h // (heads per group): the same weights compute another function "
@@ -197,12 +198,10 @@ def batch_hash(ids: torch.Tensor) -> str:
 
 def train_batches(data_dir: Path, seq: int, micro_batch: int):
     """The training loader's batches in its order (the data seed, not the model seed, fixes it)."""
-    from hybridlm.data import DataConfig, PackedBatches, PackedTokens
     return PackedBatches(PackedTokens(data_dir, "train"), seq, micro_batch, 0, 1, DataConfig.seed)
 
 
 def val_batches(data_dir: Path, seq: int, micro_batch: int, n: int) -> List[Dict[str, torch.Tensor]]:
-    from hybridlm.data import PackedTokens, validation_batches
     return validation_batches(PackedTokens(data_dir, "val"), seq, micro_batch, n)
 
 
@@ -221,8 +220,6 @@ def evaluate(model, batches, device, bf16: bool) -> float:
 
 def train_run(model, args, data_dir: Path, device: torch.device, val, label: str) -> Dict[str, Any]:
     """One model through the shared loop; per-step loss, lr, grad norm, batch hash and first tokens."""
-    from hybridlm.engine import build_param_groups
-    from hybridlm.engine.schedule import lr_lambda
 
     cuda = device.type == "cuda"
     bf16 = args.precision == "bf16"
@@ -273,7 +270,6 @@ def engine_run(model, args, data_dir: Path, val, label: str, precision: str) -> 
     """One model through the training engine every stage uses (``pretrain.py``'s DeepSpeed ZeRO-1 at
     ``precision``), with the bench's batches, loss, optimizer settings and schedule; the same record as
     :func:`train_run`."""
-    from hybridlm.engine import Engine, OptimConfig, build_param_groups
 
     groups = [{"weight_decay": g["weight_decay"], "tensors": len(g["params"]),
                "numel": sum(p.numel() for p in g["params"])} for g in build_param_groups(model, args.weight_decay)]
@@ -430,7 +426,6 @@ def write(report: Dict[str, Any], out: Path, chart: bool = True) -> None:
 
 def replot(out: Path) -> None:
     """Redraw ``out/loss_parity.png`` from ``out/loss_parity.json`` (e.g. of a run cut off before the end)."""
-    import json
     plot(json.loads((out / "loss_parity.json").read_text()), out / "loss_parity.png")
 
 
@@ -453,7 +448,6 @@ def run_name(args, role: str, variant: Optional[str], engine_precision: Optional
 
 def resumable_runs(report: Dict[str, Any], out: Path) -> Dict[Any, Dict[str, Any]]:
     """The finished runs of ``out/loss_parity.json`` by (name, seed), if it was made with the same settings."""
-    import json
     path = out / "loss_parity.json"
     if not path.is_file():
         return {}
@@ -533,7 +527,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             parse_variant(v)
     except ValueError as e:
         p.error(str(e))
-    from hybridlm.engine.config import PRECISIONS
     for prec in args.ours_engine:
         if prec not in PRECISIONS:
             p.error(f"--ours-engine {prec}: expected one of {', '.join(PRECISIONS)}")
@@ -553,8 +546,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> Dict[str, Any]:
-    from hybridlm.data import DataConfig, ensure_prepared
-
     args = parse_args(argv)
     out = Path(args.out)
     if args.replot:

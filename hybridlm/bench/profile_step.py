@@ -1,6 +1,6 @@
 """Where a training step's time goes: torch.profiler over a few steps, kernels grouped into categories.
 
-Used by ``python -m hybridlm.bench.train_speed --profile N``: after the timed steps, N more steps run under
+Used by ``python -m pretrain.train_speed --profile N``: after the timed steps, N more steps run under
 the profiler (its overhead stays out of the timing); each entry of ``train_speed.json`` then has a
 ``profile`` with the device time per category and the top kernels. Categories are matched on kernel names,
 first match wins.
@@ -11,6 +11,7 @@ import re
 from typing import Any, Dict, List, Optional
 
 import torch
+from torch.profiler import ProfilerActivity, profile, schedule
 
 CATEGORIES = [  # (category, regex on the kernel / op name), first match wins
     ("nccl / communication", r"nccl|all_reduce|allreduce|reduce_scatter|all_gather|broadcast|gloo"),
@@ -46,7 +47,6 @@ class StepProfiler:
     """An ``on_step``-style hook: profiles steps ``skip + 1 .. skip + active`` (1-based) of a run."""
 
     def __init__(self, skip: int, active: int, device: torch.device):
-        from torch.profiler import ProfilerActivity, profile, schedule
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self.device, self.active = device, active
         self.prof = profile(activities=activities, schedule=schedule(wait=skip, warmup=0, active=active, repeat=1),

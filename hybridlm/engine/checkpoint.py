@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from hybridlm.config.errors import ConfigError
-from hybridlm.utils.atomic import TMP_PREFIX, atomic_write_text, fsync_dir, write_json  # noqa: F401  (re-exported)
+from hybridlm.utils.atomic import TMP_PREFIX, fsync_dir, write_json
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -189,7 +190,6 @@ _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")  # torch names the refused class / f
 def safe_load(path: str, map_location: Any = "cpu") -> Any:
     """``torch.load(path, weights_only=True)`` with DeepSpeed's records allowed: a file that names any other
     class or function (a pickle that could run code) is a CheckpointError naming the file and the name."""
-    import pickle
 
     try:
         with torch.serialization.safe_globals(_deepspeed_safe_globals()):

@@ -14,6 +14,7 @@ the CPU accelerator.  Calling it again returns the same :class:`DistInfo`.
 from __future__ import annotations
 
 import atexit
+import datetime
 import os
 import socket
 from dataclasses import dataclass
@@ -96,7 +97,6 @@ def init_distributed(timeout_minutes: int = 30) -> DistInfo:
         backend = "gloo"
 
     _disable_shm_comm_build()
-    import datetime
 
     import deepspeed
 

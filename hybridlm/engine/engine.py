@@ -46,6 +46,7 @@ from hybridlm.engine.checkpoint import CheckpointError
 from hybridlm.engine.config import OptimConfig
 from hybridlm.engine.distributed import DistInfo, barrier, init_distributed
 from hybridlm.engine.schedule import lr_lambda_from_config
+from hybridlm.utils.atomic import TMP_PREFIX, atomic_write_text
 from hybridlm.utils.faults import kill_in
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class EvalResult:
     loss: float
     tokens: int
     metrics: Dict[str, float] = field(default_factory=dict)
+    weight: Optional[float] = None  # the loss's own "eval_weight" (e.g. DPO's pairs); None: weigh by tokens
 
 
 # ------------------------------------------------------------------------------ parameter groups
@@ -401,12 +403,15 @@ class Engine:
             engine.train(was_training)
         metrics = dict(metrics or {})
         n_tok = metrics.pop("tokens", None)
+        weight = metrics.pop("eval_weight", None)
         keys = sorted(metrics)
         vals = torch.stack(
-            [_scalar(loss, self.device), _scalar(n_tok if n_tok is not None else _tokens_of(batch), self.device)]
+            [_scalar(loss, self.device), _scalar(n_tok if n_tok is not None else _tokens_of(batch), self.device),
+             _scalar(weight if weight is not None else 0, self.device)]
             + [_scalar(metrics[k], self.device) for k in keys]
         ).tolist()
-        return EvalResult(loss=vals[0], tokens=int(round(vals[1])), metrics={k: vals[2 + j] for j, k in enumerate(keys)})
+        return EvalResult(loss=vals[0], tokens=int(round(vals[1])), weight=vals[2] if weight is not None else None,
+                          metrics={k: vals[3 + j] for j, k in enumerate(keys)})
 
     # ------------------------------------------------------------------------------ checkpoints
 
@@ -436,7 +441,7 @@ class Engine:
             raise ConfigError(f"keep_last: expected a positive integer, got {keep_last!r}")
         save_dir = os.path.abspath(os.fspath(save_dir))
         tag = ckpt.step_tag(step)
-        tmp_tag = ckpt.TMP_PREFIX + tag
+        tmp_tag = TMP_PREFIX + tag
         tmp_dir = os.path.join(save_dir, tmp_tag)
         final_dir = os.path.join(save_dir, tag)
         rank = self.dist.rank
@@ -466,7 +471,7 @@ class Engine:
                 ckpt.remove_tree(final_dir)
             os.rename(tmp_dir, final_dir)
             ckpt.fsync_dir(save_dir)
-            ckpt.atomic_write_text(os.path.join(save_dir, ckpt.LATEST), tag + "\n")
+            atomic_write_text(os.path.join(save_dir, ckpt.LATEST), tag + "\n")
             if keep_last is not None:
                 ckpt.prune(save_dir, keep_last, protect=tag)
         barrier()

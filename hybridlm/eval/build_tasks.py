@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.data.assets import cache_dir, corpus_path, resolve_source
 from hybridlm.utils.atomic import json_text
 
 AUSTEN_TASK = "austen_cloze"
@@ -86,7 +87,7 @@ def _candidates(corpus_dir: Path) -> Iterator[Tuple[str, str, str, str]]:
     """(id, book, context, answer) for every usable sentence, in corpus order (books sorted by name)."""
     books = sorted(corpus_dir.glob("*.txt"))
     if not books:
-        raise ConfigError(f"{corpus_dir}: no .txt books (fetch the corpus: python -m hybridlm.data.assets fetch)")
+        raise ConfigError(f"{corpus_dir}: no .txt books (fetch the corpus: python -m hybridlm.data fetch)")
     for book in books:
         paragraphs = re.split(r"\n[ \t]*\n", book.read_text(encoding="utf-8"))
         for p_idx, paragraph in enumerate(paragraphs):
@@ -131,8 +132,6 @@ def austen_cloze_items(corpus_dir, n_items: int = DEFAULT_ITEMS, seed: int = DEF
 def build_austen_cloze(out_dir, corpus_dir=None, n_items: int = DEFAULT_ITEMS, seed: int = DEFAULT_SEED) -> Path:
     """Write ``<out_dir>/austen_cloze/{austen_cloze.yaml, austen_cloze.jsonl}``; returns the task folder."""
     if corpus_dir is None:
-        from hybridlm.data.assets import corpus_path
-
         corpus_dir = corpus_path()
     items = austen_cloze_items(corpus_dir, n_items, seed)
     task_dir = Path(out_dir).expanduser().resolve() / AUSTEN_TASK
@@ -152,7 +151,6 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def default_tasks_dir() -> Path:
     """Where ``hybrid-eval lm-eval`` keeps the built local tasks: ``<asset cache>/eval_tasks/v<version>``."""
-    from hybridlm.data.assets import cache_dir
 
     return cache_dir() / "eval_tasks" / f"v{AUSTEN_VERSION}"
 
@@ -183,8 +181,6 @@ def main(argv=None) -> int:
     try:
         corpus = None
         if args.corpus is not None:
-            from hybridlm.data.assets import resolve_source
-
             corpus = resolve_source(args.corpus)
         task_dir = build_austen_cloze(args.out if args.out is not None else default_tasks_dir(), corpus,
                                       args.items, args.seed)

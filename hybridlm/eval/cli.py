@@ -27,7 +27,16 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+import torch
+
+import hybridlm.model  # noqa: F401  (registers hybrid_lm with the Auto classes: AutoTokenizer / AutoModel read config.json)
 from hybridlm.config.errors import ConfigError, last_line, weight_load_errors
+from hybridlm.data.assets import ASSET_PREFIX, TOKENIZER_NAME, load_tokenizer
+from hybridlm.data.packed import heldout_windows, read_meta
+from hybridlm.data.prepare import _record_text, iter_documents
+from hybridlm.eval.harness import run_harness
+from hybridlm.eval.perplexity import perplexity, token_stream, windows_from_ids
+from hybridlm.teacher import load_teacher, load_teacher_tokenizer, resolve_teacher
 from hybridlm.utils.atomic import json_text, write_json
 
 DTYPES = ("fp32", "bf16")
@@ -39,11 +48,8 @@ def resolve_model(spec: str) -> Tuple[str, Path, Optional[str]]:
     """(kind, directory, gguf file name or None) for ``--model``; kind is ``hybrid`` or ``llama``.
 
     Only reads config.json: every check that needs no weights happens before anything heavy is loaded."""
-    from hybridlm.data.assets import ASSET_PREFIX
 
     if spec.startswith(ASSET_PREFIX):
-        from upcycle.teacher import resolve_teacher
-
         return "llama", resolve_teacher(spec), None
     p = Path(spec).expanduser()
     if not p.exists():
@@ -68,14 +74,10 @@ def resolve_model(spec: str) -> Tuple[str, Path, Optional[str]]:
 
 
 def torch_dtype(name: str):
-    import torch
-
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
 def resolve_device(spec: str):
-    import torch
-
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -90,13 +92,10 @@ def resolve_device(spec: str):
 def load_model(kind: str, path: Path, gguf: Optional[str], dtype: str, device):
     """The model in eval mode on ``device``. Hybrids load through ``AutoModelForCausalLM`` (the type is
     registered on ``import hybridlm.model``), whose ``from_pretrained`` is strict; Llama teachers through
-    :func:`upcycle.teacher.load_teacher` (strict too)."""
+    :func:`hybridlm.teacher.load_teacher` (strict too)."""
     if kind == "llama":
-        from upcycle.teacher import load_teacher
-
         model = load_teacher(path / gguf if gguf else path, dtype=torch_dtype(dtype))
     else:
-        import hybridlm.model  # noqa: F401  (registers the hybrid with the Auto classes)
         from transformers import AutoModelForCausalLM
 
         try:
@@ -108,10 +107,6 @@ def load_model(kind: str, path: Path, gguf: Optional[str], dtype: str, device):
 
 def load_eval_tokenizer(path: Path, gguf: Optional[str], override: Optional[str]):
     """The model's own tokenizer, or ``override``: ``asset:llama3.2``, a tokenizer.json, or a model directory."""
-    import hybridlm.model  # noqa: F401  (AutoTokenizer reads config.json: hybrid_lm must be a known type)
-    from hybridlm.data.assets import ASSET_PREFIX, TOKENIZER_NAME, load_tokenizer
-    from upcycle.teacher import load_teacher_tokenizer
-
     if override:
         p = Path(override).expanduser()
         if override == ASSET_PREFIX + TOKENIZER_NAME or p.is_file() or (p.is_dir() and not (p / "tokenizer_config.json").is_file()):
@@ -126,8 +121,6 @@ def load_eval_tokenizer(path: Path, gguf: Optional[str], override: Optional[str]
 # -------------------------------------------------------------------------------------------- text
 def text_documents(specs: List[str], text_field: str) -> Iterator[str]:
     """Documents of ``--text`` sources; each must exist (a missing path is never taken for a dataset name)."""
-    from hybridlm.data.assets import ASSET_PREFIX
-    from hybridlm.data.prepare import iter_documents
 
     for spec in specs:  # an asset: name (e.g. asset:sotu, the held-out corpus) is checked by resolve_source
         if not spec.startswith(ASSET_PREFIX) and not Path(spec).expanduser().exists():
@@ -139,7 +132,6 @@ def dataset_documents(spec: str, text_field: str, config: Optional[str] = None) 
     """Documents of ``NAME[:split]`` (split default ``train``): a ``save_to_disk`` folder, a folder of data
     files, or a dataset name for ``datasets.load_dataset``. Records become text as in ``hybrid-prepare``."""
     import datasets
-    from hybridlm.data.prepare import _record_text
 
     name, _, split = spec.partition(":")
     split = split or "train"
@@ -165,8 +157,6 @@ def dataset_documents(spec: str, text_field: str, config: Optional[str] = None) 
 
 # --------------------------------------------------------------------------------------------- ppl
 def run_ppl(args) -> Dict[str, Any]:
-    from hybridlm.eval.perplexity import perplexity, token_stream, windows_from_ids
-
     if args.seq_len < 1 or args.batch_size < 1 or args.max_tokens < 0:
         raise ConfigError("--seq-len and --batch-size must be >= 1, --max-tokens >= 0 (0 = all text)")
     kind, path, gguf = resolve_model(args.model)
@@ -210,10 +200,8 @@ def run_ppl(args) -> Dict[str, Any]:
 
 
 def packed_windows(data_path: str, tok, seq_len: int, max_tokens: int):
-    """Windows of the validation split of ``hybrid-prepare`` output (:func:`upcycle.route_report.heldout_windows`),
+    """Windows of the validation split of ``hybrid-prepare`` output (:func:`hybridlm.data.packed.heldout_windows`),
     after checking that it was tokenized with the model's tokenizer (vocabulary size and EOS id)."""
-    from hybridlm.data.packed import read_meta
-    from upcycle.route_report import heldout_windows
 
     if not Path(data_path).expanduser().is_dir():
         raise ConfigError(f"packed {data_path!r}: no such directory")
@@ -227,8 +215,6 @@ def packed_windows(data_path: str, tok, seq_len: int, max_tokens: int):
 
 # ------------------------------------------------------------------------------------------ lm-eval
 def run_lm_eval(args) -> Dict[str, Any]:
-    from hybridlm.eval.harness import run_harness
-
     tasks = [t for spec in args.tasks for t in spec.split(",") if t]
     if not tasks:
         raise ConfigError("--tasks: name at least one task")

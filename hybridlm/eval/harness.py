@@ -19,10 +19,13 @@ Local tasks (``austen_cloze``) are built on first use into the asset cache
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import hybridlm.model  # noqa: F401  (registers hybrid_lm with AutoConfig / AutoModelForCausalLM for lm_eval's "hf")
 from hybridlm.config.errors import ConfigError, last_line
+from hybridlm.eval.build_tasks import LOCAL_TASKS, ensure_local_tasks
 
 LM_EVAL_HINT = "pip install -e '.[eval]'"
 HF_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -69,9 +72,6 @@ def run_harness(kind: str, path: Path, gguf: Optional[str], tasks: List[str], in
                 seed: int = 1234) -> Dict[str, Any]:
     """Run ``lm_eval.simple_evaluate`` with ``model="hf"`` on the saved model; returns :func:`summarize`'s dict."""
     lm_eval, TaskManager = _import_lm_eval()
-    import hybridlm.model  # noqa: F401  (registers hybrid_lm with AutoConfig / AutoModelForCausalLM)
-    from hybridlm.eval.build_tasks import LOCAL_TASKS, ensure_local_tasks
-
     paths = [str(Path(p).expanduser()) for p in include_paths]
     local = [t for t in tasks if t in LOCAL_TASKS and not _has_task_yaml(paths, t)]
     built = ensure_local_tasks(local)
@@ -110,7 +110,6 @@ def run_harness(kind: str, path: Path, gguf: Optional[str], tasks: List[str], in
     out["lm_eval_version"] = getattr(lm_eval, "__version__", None)
     try:
         from lm_eval.utils import make_table
-        import sys
 
         print(make_table(results), file=sys.stderr)
     except Exception:  # the table is a courtesy for humans; the JSON line is the result

@@ -3,7 +3,7 @@
 * MLA (``*``): per token only the compressed KV latent (``kv_lora_rank`` values, after ``kv_a_norm``) and the
   rotated decoupled RoPE key (``qk_rope_head_dim`` values, one head shared by all heads). Decoding attends
   against the latent directly (W_UK absorbed into the query, W_UV into the output), so nothing per head is
-  ever cached: ``r_kv + d_rope`` values per token per MLA layer, as ``upcycle/kv_report.py`` counts.
+  ever cached: ``r_kv + d_rope`` values per token per MLA layer, as ``hybridlm/kv_report.py`` counts.
 * GDN / KDA / Mamba2: the recurrent state ``[B, H, K, V]`` (fp32) and the last ``conv_size`` inputs of each
   short convolution -- a constant size, whatever the sequence length.
 * MLP (``-``): nothing.
@@ -33,6 +33,8 @@ from typing import Callable, Dict, Optional
 import torch
 from transformers.cache_utils import Cache
 
+from hybridlm.model.layers import SUBLAYERS
+from hybridlm.model.layers.rope import rope_cos_sin
 from hybridlm.model.pattern import MIXERS
 
 
@@ -255,7 +257,6 @@ def static_shapes(config, kind: str) -> Optional[dict]:
     arithmetic. MLA: ``kv_lora_rank`` + ``rope`` per position; mixers: ``state`` and named ``conv`` shapes."""
     if kind != "mla" and kind not in MIXERS:
         return None
-    from hybridlm.model.layers import SUBLAYERS  # the layers import this module's context class
 
     with torch.device("meta"):
         return SUBLAYERS[kind](config).cache_shapes()
@@ -463,7 +464,6 @@ class InferenceContext:
         layer of that shape (decoding would otherwise rebuild them in each layer at each step)."""
         key = (dim, float(theta))
         if key not in self._rope:
-            from hybridlm.model.layers.rope import rope_cos_sin
             self._rope[key] = rope_cos_sin(self.positions, dim, theta)
         return self._rope[key]
 

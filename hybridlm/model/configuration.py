@@ -6,10 +6,11 @@ stays plain JSON; :meth:`HybridConfig.mixer_args` returns them as validated data
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from transformers import PretrainedConfig
 
@@ -122,6 +123,12 @@ AUTO_MODULE_SOURCE = (
 AUTO_MAP = {"AutoConfig": f"{AUTO_MODULE}.HybridConfig", "AutoModelForCausalLM": f"{AUTO_MODULE}.HybridForCausalLM"}
 
 
+# the --remote-code flag of every command that saves a model folder
+REMOTE_CODE_HELP = ("also write hybrid_lm_auto.py and an auto_map, so the folder loads with trust_remote_code=True "
+                    "without importing the toolkit; whoever loads it that way runs that .py "
+                    "(only for sharing with people who do not use the toolkit)")
+
+
 def write_remote_code(directory) -> None:
     """Opt-in: make a saved model directory loadable with ``trust_remote_code=True`` without importing the
     toolkit first (it must still be installed): writes ``hybrid_lm_auto.py`` and an ``auto_map`` in its
@@ -218,7 +225,6 @@ class HybridConfig(PretrainedConfig):
     @classmethod
     def from_user_dict(cls, values: dict, where: str = "model") -> "HybridConfig":
         """Build from a YAML model section; an unknown key is an error rather than a silent extra attribute."""
-        import inspect
         check_known_keys(where, values, set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"})
         if values.get("hybrid_override_pattern") is None and values.get("hybrid_attention_ratio") is None:
             raise ConfigError(f"{where}.hybrid_override_pattern: missing; give a pattern such as '*-M-M-M-' "
@@ -255,3 +261,18 @@ class HybridConfig(PretrainedConfig):
 
 
 __all__ = ["HybridConfig", "write_remote_code", "MLAArgs", "DeltaRuleArgs", "Mamba2Args", "MIXERS"]
+
+
+def resolve_model_config(model_section: Dict[str, Any], meta: Dict[str, Any], data_path: Path) -> HybridConfig:
+    """The model config, with ``vocab_size: auto`` (or absent) taken from the tokenizer of the data."""
+    values = dict(model_section)
+    tok = meta.get("tokenizer", {})
+    data_vocab = int(tok.get("vocab_size", 0))
+    if values.get("vocab_size", "auto") == "auto":
+        values["vocab_size"] = data_vocab
+    elif int(values["vocab_size"]) < data_vocab:
+        raise ConfigError(f"model.vocab_size: {values['vocab_size']} is smaller than the tokenizer vocabulary "
+                          f"({data_vocab}) of the data in {data_path}")
+    values.setdefault("eos_token_id", tok.get("eos_id"))
+    values.setdefault("bos_token_id", tok.get("bos_id"))
+    return HybridConfig.from_user_dict(values)

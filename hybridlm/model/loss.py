@@ -1,6 +1,6 @@
 """Causal-LM cross-entropy that never materialises the full ``[tokens, vocab]`` logits.
 
-:class:`ChunkedLinearCrossEntropy` walks the tokens in contiguous chunks and computes each chunk's gradient
+:class:`ChunkedLinearHead` walks the tokens in contiguous chunks and computes each chunk's gradient
 during the forward pass, so at most one chunk of logits exists at a time. Per chunk:
 
 * logits = hidden @ weight.T in the activations' dtype (bf16 GEMM on tensor cores in training);
@@ -15,67 +15,80 @@ default): 55 % of a GDN-300M training step on an H200 (BENCHMARKS.md, "Training 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 IGNORE_INDEX = -100
 
 
-def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, inv_n: torch.Tensor, triton: bool,
-                         need_grad: bool = True):
-    """Summed loss of one chunk (fp32) and d (loss / n_valid) / d logits, written over ``logits`` (None without
-    ``need_grad``)."""
-    if triton:
-        from fla.modules.fused_cross_entropy import cross_entropy_loss
+class ChunkedLinearHead(torch.autograd.Function):
+    """The one chunked loop of every loss over the vocabulary (cross-entropy here, KD's KL in
+    ``distill/kd_loss.py``, SMART's KL measurement through it): ``logits = hidden @ weight.T`` one chunk of rows
+    at a time, in the activations' dtype; ``chunk_loss(logits, rows, need_grad)`` returns the chunk's share of
+    the loss (fp32) and d loss / d logits (None without ``need_grad``), which is folded into the hidden-state and
+    weight gradients right away (the weight's summed in fp32). Gradients flow to ``hidden`` and ``weight``."""
 
-        if not need_grad:
-            return cross_entropy_loss(logits, target, ignore_index=IGNORE_INDEX)[0].sum(), None
-        with torch.enable_grad():
-            leaf = logits.detach().requires_grad_()
-            losses = cross_entropy_loss(leaf, target, ignore_index=IGNORE_INDEX, inplace_backward=True)[0]
-            (grad,) = torch.autograd.grad(losses, leaf, grad_outputs=inv_n.expand_as(losses))
-        return losses.sum(), grad
-    valid = target != IGNORE_INDEX
-    safe = target.masked_fill(~valid, 0).unsqueeze(-1)
-    logits32 = logits.float()
-    lse = torch.logsumexp(logits32, dim=-1, keepdim=True)
-    loss = ((lse - logits32.gather(-1, safe)).squeeze(-1) * valid).sum()
-    if not need_grad:
-        return loss, None
-    probs = logits32.sub_(lse).exp_()  # in place: one fp32 chunk alive
-    probs.scatter_add_(-1, safe, -torch.ones_like(safe, dtype=probs.dtype))
-    probs.mul_((valid.to(probs.dtype) * inv_n).unsqueeze(-1))
-    return loss, probs.to(logits.dtype)
-
-
-class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, num_chunks: int, triton: bool = False, grad_enabled: bool = True):
-        n_valid = (labels != IGNORE_INDEX).sum().clamp(min=1)
-        inv_n = n_valid.float().reciprocal()
+    def forward(ctx, hidden, weight, chunk_loss: Callable, chunk_rows: int, grad_enabled: bool = True):
         # the forward runs without grad mode, so the caller's (an evaluation under no_grad) comes as an argument
         need_grad = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
         total = hidden.new_zeros((), dtype=torch.float32)
         w = weight.to(hidden.dtype)
-        size = -(-hidden.shape[0] // max(1, num_chunks))
+        size = max(1, int(chunk_rows))
         for start in range(0, hidden.shape[0], size):
-            h, y = hidden[start:start + size], labels[start:start + size]
-            loss, dlogits = _chunk_loss_and_grad(h @ w.t(), y, inv_n, triton, need_grad)
+            h = hidden[start:start + size]
+            loss, dlogits = chunk_loss(h @ w.t(), slice(start, start + h.shape[0]), need_grad)
             total = total + loss
             if need_grad:
+                dlogits = dlogits.to(h.dtype)
                 grad_hidden[start:start + size] = dlogits @ w
                 grad_weight += (dlogits.t() @ h).float()
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
-        return total * inv_n
+        return total
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_out.to(grad_hidden.dtype) if ctx.needs_input_grad[0] else None
         gw = (grad_weight * grad_out).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None
+
+
+class CrossEntropyChunk:
+    """Per-chunk mean token cross-entropy for :class:`ChunkedLinearHead`: loss and d (loss / n_valid) / d logits,
+    written over the chunk's logits: fla's fused Triton kernel (``triton``) or torch ops."""
+
+    def __init__(self, labels: torch.Tensor, triton: bool = False):
+        self.labels, self.triton = labels, triton
+        self.inv_n = (labels != IGNORE_INDEX).sum().clamp(min=1).float().reciprocal()
+
+    def __call__(self, logits: torch.Tensor, rows: slice, need_grad: bool):
+        target, inv_n = self.labels[rows], self.inv_n
+        if self.triton:
+            from fla.modules.fused_cross_entropy import cross_entropy_loss
+
+            if not need_grad:
+                return cross_entropy_loss(logits, target, ignore_index=IGNORE_INDEX)[0].sum() * inv_n, None
+            with torch.enable_grad():
+                leaf = logits.detach().requires_grad_()
+                losses = cross_entropy_loss(leaf, target, ignore_index=IGNORE_INDEX, inplace_backward=True)[0]
+                (grad,) = torch.autograd.grad(losses, leaf, grad_outputs=inv_n.expand_as(losses))
+            return losses.sum() * inv_n, grad
+        valid = target != IGNORE_INDEX
+        safe = target.masked_fill(~valid, 0).unsqueeze(-1)
+        logits32 = logits.float()
+        lse = torch.logsumexp(logits32, dim=-1, keepdim=True)
+        loss = ((lse - logits32.gather(-1, safe)).squeeze(-1) * valid).sum() * inv_n
+        if not need_grad:
+            return loss, None
+        probs = logits32.sub_(lse).exp_()  # in place: one fp32 chunk alive
+        probs.scatter_add_(-1, safe, -torch.ones_like(safe, dtype=probs.dtype))
+        probs.mul_((valid.to(probs.dtype) * inv_n).unsqueeze(-1))
+        return loss, probs.to(logits.dtype)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -85,4 +98,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     hidden ``[N, d]``, weight ``[V, d]``, labels ``[N]`` (already aligned: label i is the target of row i).
     ``triton``: fla's fused cross-entropy kernel per chunk (CUDA, or the Triton interpreter).
     """
-    return ChunkedLinearCrossEntropy.apply(hidden, weight, labels, num_chunks, triton, torch.is_grad_enabled())
+    rows = -(-hidden.shape[0] // max(1, num_chunks))
+    return ChunkedLinearHead.apply(hidden, weight, CrossEntropyChunk(labels, triton), rows, torch.is_grad_enabled())

@@ -71,3 +71,13 @@ def parse_pattern(pattern: str, num_layers: Optional[int], mixer: str,
     if not any(kind in SEQUENCE_MIXERS for kind in plan):
         raise ConfigError("hybrid_override_pattern: has no sequence mixer (*, M, G, K or S); tokens could not interact")
     return plan
+
+
+# --------------------------------------------------------------------------------------- validation
+def student_kinds(cfg, who: str) -> List[str]:
+    """The mixer kind of every teacher layer of a student (its plan must alternate mixer / MLP)."""
+    plan = list(cfg.layer_plan)
+    if len(plan) % 2 or any(k not in SEQUENCE_MIXERS for k in plan[0::2]) or any(k != "mlp" for k in plan[1::2]):
+        raise ConfigError(f"{who}: pattern {cfg.hybrid_override_pattern!r} is not an upcycled student "
+                          f"(expected alternating mixer / MLP sublayers, one pair per teacher layer)")
+    return plan[0::2]

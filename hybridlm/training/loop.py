@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from tqdm.auto import tqdm
+
 from hybridlm.config.errors import ConfigError
 from hybridlm.engine import Engine, NonFiniteLossError, StepResult, all_reduce_sum, barrier, is_main
 from hybridlm.training.cold_start import first_step_done, first_step_notice
-from hybridlm.utils.faults import kill_if_requested
 from hybridlm.training.preempt import Preempted, PreemptionFlag, preemption_flag
+from hybridlm.utils.faults import kill_if_requested
 from hybridlm.utils.metrics import MetricsLogger, plot_curves, read_jsonl
 
 
@@ -77,25 +79,39 @@ class TrainingOutcome:
     # autotuning); None when fewer than two steps ran here
     seconds_per_step: Optional[float] = None
     history: List[Dict[str, Any]] = field(default_factory=list)
+    val: Dict[str, float] = field(default_factory=dict)  # the final evaluation (evaluate's keys)
 
 
 def evaluate(engine: Engine, batches: Sequence[Dict[str, Any]], loss_is_nll: bool = True) -> Dict[str, float]:
-    """Token-weighted mean validation loss over all ranks, and its perplexity when the loss is a next-token
-    NLL (a distillation loss's exp means nothing: ILD's sum of norms gave 'val_ppl 5e21')."""
-    loss_sum, tokens = 0.0, 0.0
+    """Validation means over all ranks: ``val_loss`` and ``val_<name>`` of every metric the loss returns, weighted
+    by tokens or by the loss's own ``eval_weight`` (DPO: pairs), ``val_count`` the total weight, and the
+    perplexity when the loss is a next-token NLL (a distillation loss's exp means nothing: ILD's sum of norms
+    gave 'val_ppl 5e21')."""
+    keys: List[str] = []
+    sums: List[float] = [0.0, 0.0]  # loss, weight, then one per metric
     for batch in batches:
         r = engine.eval_step(batch)
-        loss_sum += r.loss * r.tokens
-        tokens += r.tokens
-    loss_sum, tokens = all_reduce_sum([loss_sum, tokens])
-    loss = loss_sum / max(tokens, 1.0)
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))} if loss_is_nll else {"val_loss": loss}
+        if not keys and r.metrics:
+            keys = sorted(r.metrics)
+            sums += [0.0] * len(keys)
+        w = r.weight if r.weight is not None else r.tokens
+        sums[0] += r.loss * w
+        sums[1] += w
+        for j, k in enumerate(keys):
+            sums[2 + j] += r.metrics.get(k, 0.0) * w
+    # every rank evaluates (the same metric names) so that the reduction lines up
+    sums = all_reduce_sum(sums)
+    total = max(sums[1], 1e-12)
+    out = {"val_loss": sums[0] / total, **{f"val_{k}": sums[2 + j] / total for j, k in enumerate(keys)},
+           "val_count": sums[1]}
+    if loss_is_nll:
+        out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
+    return out
 
 
 def _progress(enabled: bool, total: int, initial: int):
     if not enabled:
         return None
-    from tqdm.auto import tqdm
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=1.0, desc="train")
 
 
@@ -237,6 +253,6 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
     barrier()
     return TrainingOutcome(
         steps=engine.global_step, tokens=state["tokens"], final_loss=last.get("loss"),
-        val_loss=val.get("val_loss"), skipped_steps=engine.skipped_steps,
+        val_loss=val.get("val_loss"), val=dict(val), skipped_steps=engine.skipped_steps,
         max_loss_increase=state["max_loss_increase"], seconds=state["seconds"], history=history,
         seconds_per_step=(t_mark - t_steady) / steady_steps if steady_steps else None)

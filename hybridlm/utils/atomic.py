@@ -9,6 +9,7 @@ readers reject. :func:`json_text` is that encoding as a string (for printed line
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
@@ -81,7 +82,6 @@ def atomic_write_bytes(path, data: bytes) -> None:
 def save_figure(fig, path, dpi: int = 120) -> Path:
     """Write a matplotlib figure as a PNG atomically (rendered in memory, then :func:`atomic_write_bytes`) and
     close it: a report's picture is the old one or the new one, never half a file."""
-    import io
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)

@@ -75,7 +75,7 @@ fi
 wait
 stamp "one-GPU phases done"
 if [ "${TWO_GPU:-0}" = 1 ] && [ "$(left)" -gt 90 ] && [ -f "$LOGS/speed_gdn/train_speed.json" ]; then
-  timeout $(left) python3 -m torch.distributed.run --nproc_per_node 2 -m hybridlm.bench.train_speed --out "$LOGS/speed_2gpu" \
+  timeout $(left) python3 -m torch.distributed.run --nproc_per_node 2 -m pretrain.train_speed --out "$LOGS/speed_2gpu" \
     --data data_cache/janeausten-llama3.2 --seq 2048 --micro-batch 64 --steps 10 --warmup 3 --configs gdn_300m --peers \
     --compare-to "$LOGS/speed_gdn/train_speed.json" > "$LOGS/speed_2gpu.log" 2>&1
   stamp "2-GPU train_speed: exit $?"

@@ -11,8 +11,8 @@ for d in /.xfer/ /.xfer_a/ /.xfer_b/; do grep -qx "$d" .git/info/exclude || echo
 PY=${PYTHON:-.venv/bin/python}
 CACHE=$($PY -c "from hybridlm.data.assets import cache_dir; print(cache_dir())")
 export DS_ACCELERATOR=cpu
-TEACHER=$($PY -m upcycle.teacher fetch | tail -n 1)   # the path is the last line (a library may log above it)
-$PY -m hybridlm.data.assets fetch --what sotu > /dev/null   # the report's held-out text (b): in no stage's sources
+TEACHER=$($PY -m hybridlm.teacher fetch | tail -n 1)   # the path is the last line (a library may log above it)
+$PY -m hybridlm.data fetch --what sotu > /dev/null   # the report's held-out text (b): in no stage's sources
 $PY - <<PYEOF
 from hybridlm.config.loader import load_config
 from hybridlm.config.structured import build_dataclass

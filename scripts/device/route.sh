@@ -15,7 +15,7 @@ mkdir -p /tmp/wheels && cat /tmp/xfer/part_00 /tmp/xfer/part_01 > "/tmp/wheels/$
 python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/xfer/gguf-*.whl
 tar xJf /tmp/xfer/route_data.tar.xz && relocate_meta
 export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/wheels
-python3 -m upcycle.teacher fetch || exit 4
+python3 -m hybridlm.teacher fetch || exit 4
 echo "[$((SECONDS - START))s] teacher ready"
 if [ "${GEN_BENCH:-0}" = 1 ]; then  # the generation benchmark on the second GPU while the route trains on the first
   export CUDA_VISIBLE_DEVICES=0

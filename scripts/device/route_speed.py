@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from distill.ild import ild_loss
-from distill.kd import kd_loss
+from distill.kd_loss import kd_loss
 from hybridlm.engine import Engine, OptimConfig, init_distributed
 from hybridlm.model import HybridForCausalLM
 from hybridlm.utils.atomic import json_text, write_json

@@ -21,7 +21,7 @@ for fam in ${FAMILIES:-gdn mamba2 kda mb16 1b}; do
   [ "$left" -lt 30 ] && { echo "train_speed: no time left for $fam"; break; }
   echo "[$(date +%T)] train_speed $fam (${left}s left)"
   tag=$fam${PRECISION:+_$PRECISION}
-  CUDA_VISIBLE_DEVICES=${GPU:-1} timeout "$left" python3 -m hybridlm.bench.train_speed --out "$LOGS/speed_$tag" \
+  CUDA_VISIBLE_DEVICES=${GPU:-1} timeout "$left" python3 -m pretrain.train_speed --out "$LOGS/speed_$tag" \
     --data data_cache/janeausten-llama3.2 --seq 2048 --steps ${STEPS:-10} --warmup 3 --profile ${PROFILE:-3} \
     --precision "${PRECISION:-bf16}" ${FAMILY[$fam]} > "$LOGS/speed_$tag.log" 2>&1
   echo "[$(date +%T)] train_speed $tag: exit $?"

@@ -1,10 +1,10 @@
 """Training throughput of the real pre-training step, and of peers in a plain PyTorch loop (BENCHMARKS.md, "Training throughput").
 
-    python -m hybridlm.bench.train_speed --out DIR \\
+    python -m pretrain.train_speed --out DIR \\
         [--configs gdn_300m kda_300m mamba2_300m gdn_300m_hybrid mamba2_300m_hybrid gdn_1b] \\
         [--peers fla_gdn fla_kda llama] [--micro-batch 32 | --find-max-batch] [--seq 2048] \\
         [--steps 12] [--warmup 3] [--data data_cache/janeausten-llama3.2] [--peak-tflops 989.5]
-    deepspeed --num_gpus 2 -m hybridlm.bench.train_speed --out DIR ...   # ZeRO-1 data parallel
+    deepspeed --num_gpus 2 -m pretrain.train_speed --out DIR ...   # ZeRO-1 data parallel
 
 **Ours** is ``pretrain.py``'s job itself: :func:`pretrain.train.prepare_pretraining` (packed shards, the
 rank-sharded ``PackedBatches`` loader), :func:`pretrain.train.build_engine` (the model in the DeepSpeed
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import shutil
 import statistics
 import sys
@@ -39,41 +40,32 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from hybridlm.bench import flops as F
-from hybridlm.bench.common import free_memory, is_oom, merge_reports, versions, write_report
+from hybridlm.bench.common import (DEFAULT_DATA, DEFAULT_SOURCES, DEFAULT_TOKENIZER, free_memory, is_oom,
+                                   merge_reports, model_section, versions, write_report)
+from hybridlm.bench.peers import PEER_BASE, build_peer
+from hybridlm.bench.profile_step import StepProfiler, format_profile
+from hybridlm.data import DataConfig, PackedBatches, PackedTokens, ensure_prepared, read_meta
+from hybridlm.engine import barrier, init_distributed
 from hybridlm.engine.config import PRECISIONS
+from hybridlm.model.configuration import resolve_model_config
+from hybridlm.model.summary import build_on_meta, model_summary
+from hybridlm.training import train_loop
 from hybridlm.utils.atomic import save_figure
+from pretrain.train import build_engine, prepare_pretraining
 
-REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIGS = ["gdn_300m", "kda_300m", "mamba2_300m", "gdn_300m_hybrid", "mamba2_300m_hybrid", "gdn_1b"]
 DEFAULT_PEERS = ["fla_gdn", "fla_kda", "llama"]
-PEER_BASE = {"fla_gdn": "gdn_300m", "fla_kda": "kda_300m", "llama": "gdn_300m"}
-DEFAULT_DATA = "data_cache/janeausten-llama3.2"
-DEFAULT_SOURCES = ["asset:janeausten"]
-DEFAULT_TOKENIZER = "asset:llama3.2"
 OOM = "out of memory"
 PRECISION_RECIPE = {"bf16": "bf16 weights, fp32 master + grad accumulation",
                     "bf16-mixed": "fp32 weights, bf16 autocast", "fp32": "fp32"}
 
 
 # ----------------------------------------------------------------------------------------- helpers
-
-def config_path(name: str) -> Path:
-    """A model YAML by name (``configs/models/NAME.yaml``) or path."""
-    p = Path(name).expanduser()
-    if p.suffix in (".yaml", ".yml") or p.exists():
-        return p
-    return REPO / "configs" / "models" / f"{name}.yaml"
-
-
-def model_section(name: str, overrides: Sequence[str]) -> Dict[str, Any]:
-    from hybridlm.config.loader import load_config
-    return load_config(str(config_path(name)), [f"model.{o}" for o in overrides])["model"]
-
 
 class StepTimer:
     """``on_step`` hook: wall time at the end of every step (after a device sync), peak memory from the
@@ -117,7 +109,6 @@ class StepTimer:
             out["peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
         else:
-            import resource
             out["peak_gib"] = None
             out["process_max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         return out
@@ -127,7 +118,6 @@ def make_profiler(args, device: torch.device):
     """A StepProfiler over the ``--profile`` steps that follow the timed ones (None without ``--profile``)."""
     if not args.profile:
         return None
-    from hybridlm.bench.profile_step import StepProfiler
     return StepProfiler(skip=args.warmup + args.steps, active=args.profile, device=device)
 
 
@@ -139,9 +129,6 @@ def profile_result(profiler) -> Dict[str, Any]:
 
 def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[str, Any]:
     """One config through pretrain.py's own setup, engine and training loop."""
-    from hybridlm.model.summary import build_on_meta, model_summary
-    from hybridlm.training import train_loop
-    from pretrain.train import build_engine, prepare_pretraining
 
     cuda = torch.cuda.is_available()
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -185,54 +172,11 @@ def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[s
 # ------------------------------------------------------------------------------------- peers
 
 def resolved_base(name: str, args, data_dir: Path):
-    from hybridlm.data import read_meta
-    from pretrain.train import resolve_model_config
     return resolve_model_config(model_section(name, args.model_override), read_meta(data_dir), data_dir)
-
-
-def num_blocks(config) -> int:
-    """Sequence-mixer sublayers of a pattern: each peer block is one mixer + one MLP."""
-    return sum(1 for k in config.layer_plan if k != "mlp")
-
-
-def build_peer(kind: str, base, args) -> Tuple[torch.nn.Module, List[F.MixerSpec], Dict[str, Any]]:
-    """(model, mixers, its config as a dict) of a peer with ``base``'s shapes."""
-    common = dict(hidden_size=base.hidden_size, intermediate_size=base.intermediate_size,
-                  num_hidden_layers=num_blocks(base), vocab_size=base.vocab_size,
-                  tie_word_embeddings=base.tie_word_embeddings, initializer_range=base.initializer_range,
-                  bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id, use_cache=False)
-    if kind in ("fla_gdn", "fla_kda"):
-        mixer = "gdn" if kind == "fla_gdn" else "kda"
-        a = base.mixer_args(mixer)
-        shape = dict(num_heads=a.num_heads, head_dim=a.head_dim, num_v_heads=a.num_v_heads,
-                     expand_v=a.head_v_dim / a.head_dim, conv_size=a.conv_size, use_short_conv=True,
-                     hidden_act="swish", norm_eps=base.rms_norm_eps, max_position_embeddings=args.seq,
-                     fuse_cross_entropy=not args.fla_fused_linear_ce,
-                     fuse_linear_cross_entropy=args.fla_fused_linear_ce)
-        if kind == "fla_gdn":
-            from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
-            cfg = GatedDeltaNetConfig(use_gate=True, **shape, **common)
-            model = GatedDeltaNetForCausalLM(cfg)
-        else:
-            from fla.models import KDAConfig, KDAForCausalLM
-            cfg = KDAConfig(**shape, **common)
-            model = KDAForCausalLM(cfg)
-        return model, F.fla_delta_rule_mixers(cfg), cfg.to_diff_dict()
-    if kind == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-        heads = max(1, base.hidden_size // 64)
-        kv = heads // 4 if heads % 4 == 0 else heads
-        cfg = LlamaConfig(num_attention_heads=heads, num_key_value_heads=kv, head_dim=base.hidden_size // heads,
-                          max_position_embeddings=args.seq, rms_norm_eps=base.rms_norm_eps,
-                          attn_implementation="sdpa", **common)
-        model = LlamaForCausalLM(cfg)
-        return model, F.llama_mixers(cfg), cfg.to_diff_dict()
-    raise ValueError(f"unknown peer {kind!r}; expected one of {', '.join(PEER_BASE)}")
 
 
 def run_peer(spec: str, mb: int, args, data_dir: Path, device: torch.device) -> Dict[str, Any]:
     """A peer in the plain loop a user would write: fp32 params, bf16 autocast, fused AdamW, clipping."""
-    from hybridlm.data import DataConfig, PackedBatches, PackedTokens
     kind, _, base_name = spec.partition(":")
     base = resolved_base(base_name or PEER_BASE[kind], args, data_dir)
     torch.manual_seed(42)
@@ -362,7 +306,7 @@ def merge(paths: Sequence[str], out: Path) -> Dict[str, Any]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hybridlm.bench.train_speed", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pretrain.train_speed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory for train_speed.json and train_speed.png")
     p.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS,
@@ -408,8 +352,6 @@ def main(argv=None) -> Dict[str, Any]:
     out = Path(args.out)
     if args.merge:
         return merge(args.merge, out)
-    from hybridlm.data import DataConfig, ensure_prepared
-    from hybridlm.engine import barrier, init_distributed
 
     t0 = time.perf_counter()
     dist = init_distributed()
@@ -453,7 +395,6 @@ def main(argv=None) -> Dict[str, Any]:
         if main_rank:
             print(progress_line(entry, t0), flush=True)
             if entry.get("profile"):
-                from hybridlm.bench.profile_step import format_profile
                 print(format_profile(entry["profile"]), flush=True)
             write(report, out)
 

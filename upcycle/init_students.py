@@ -1,0 +1,84 @@
+"""``upcycle init``: build, calibrate and save the pure-MLA and pure linear-mixer students of a Llama teacher."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hybridlm.kv_report import format_kv_report, kv_report
+from hybridlm.model import HybridForCausalLM
+from hybridlm.teacher import load_teacher, load_teacher_tokenizer
+from hybridlm.utils.atomic import atomic_directory, write_json
+from upcycle.calibrate import calibrate_student, calibration_batch
+from upcycle.init_mamba import init_student_from_teacher
+from upcycle.init_mla import energy_ranks
+from upcycle.student import llama_shapes, student_config
+
+
+def init_students(teacher_spec, out, *, q_rank=None, kv_rank=128, energy=None, rope_dim=32,
+                  rope_init="frequency_matched", linear_mixer="mamba2", seed=0,
+                  calib_sources=("asset:janeausten",), calib_tokens=4096, calib_seq_len=512,
+                  overwrite=False, remote_code=False) -> dict:
+    """Build and save the pure-MLA and pure linear-mixer students of a Llama teacher (``upcycle init``).
+
+    The linear mixers' output scales are fitted to the teacher's attention outputs on ``calib_tokens`` tokens
+    of ``calib_sources`` (:mod:`upcycle.calibrate`; ``calib_tokens: 0`` skips it). ``remote_code``: also write
+    ``hybrid_lm_auto.py`` into each student (:func:`hybridlm.model.configuration.write_remote_code`)."""
+
+    teacher = load_teacher(teacher_spec, dtype=torch.float32)
+    tokenizer = load_teacher_tokenizer(teacher_spec)
+    s = llama_shapes(teacher.config)
+    ranks = {"q_lora_rank": q_rank or s["n_h"] * s["d_h"], "kv_lora_rank": kv_rank}
+    if energy is not None:  # one MLA shape for all layers: the largest rank any layer needs
+        ranks = energy_ranks([l.self_attn for l in teacher.model.layers], s["n_h"], s["n_kv"], s["d_h"],
+                             rope_dim, energy, rope_init)
+    out = Path(out)
+    summary = {"teacher": str(teacher_spec), "ranks": ranks, "rope_dim": rope_dim, "rope_init": rope_init,
+               "students": {}}
+    for kind in ("mla", linear_mixer):
+        kinds = [kind] * s["L"]
+        cfg = student_config(teacher.config, kinds, rope_dim=rope_dim, rope_init=rope_init, **ranks)
+        torch.manual_seed(seed)
+        student = HybridForCausalLM(cfg)
+        info = init_student_from_teacher(student, teacher, kinds, mla_options={"rope_init": rope_init})
+        if kind != "mla" and calib_tokens:
+            summary["calibration"] = _calibrate(student, teacher, tokenizer, kinds, calib_sources, calib_tokens,
+                                                calib_seq_len)
+        target = out / f"{kind}_student"
+        with atomic_directory(target, overwrite=overwrite) as tmp:
+            student.save_pretrained(tmp, remote_code=remote_code)
+            tokenizer.save_pretrained(tmp)
+        kv = kv_report(teacher.config, range(s["L"]) if kind == "mla" else [], ranks["kv_lora_rank"], rope_dim)
+        energy_kept = info["mla"]
+        summary["students"][kind] = {
+            "path": str(target), "params": sum(p.numel() for p in student.parameters()),
+            "kv_values_per_token": kv["hybrid_values_per_token"],
+            "teacher_kv_values_per_token": kv["teacher_values_per_token"], "kv_ratio": kv["ratio"],
+            "min_energy_kept": ({k: min(e[k] for e in energy_kept.values()) for k in ("q_energy", "kv_energy")}
+                                if energy_kept else None)}
+        print(f"{kind} student -> {target}")
+        print(format_kv_report(kv))
+    write_json(out / "init_report.json", summary)
+    return summary
+
+
+def _calibrate(student, teacher, tokenizer, kinds, sources, tokens, seq_len) -> dict:
+    """Fit the linear student's output scales (on the GPU when there is one) and summarise the fit."""
+
+    if isinstance(sources, str):
+        sources = [sources]
+    ids = calibration_batch(tokenizer, list(sources), int(tokens), int(seq_len))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    teacher.to(device)
+    student.to(device)
+    try:
+        per_layer = calibrate_student(student, teacher, ids, kinds)
+    finally:
+        teacher.cpu()
+        student.cpu()
+    before = [r["rel_err_before"] for r in per_layer.values()]
+    after = [r["rel_err_after"] for r in per_layer.values()]
+    print(f"calibrated {len(per_layer)} mixers on {ids.numel()} tokens: relative error of the mixer output "
+          f"{sum(before) / len(before):.3g} -> {sum(after) / len(after):.3g} (mean over layers)", flush=True)
+    return {"sources": list(sources), "tokens": ids.numel(), "mean_rel_err_before": sum(before) / len(before),
+            "mean_rel_err_after": sum(after) / len(after), "layers": per_layer}
