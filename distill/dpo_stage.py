@@ -30,14 +30,13 @@ import torch
 
 from distill.dpo import METRIC_KEYS, dpo_loss, sequence_logps
 from distill.preference_data import collate_pairs, load_preference_data, tokenize_pair
-from distill.stage import StudentConfig, amend_stage_result, run_stage
+from distill.stage import amend_stage_result, run_stage, stage_configs
 from hybridlm.config.errors import ConfigError
-from hybridlm.config.structured import build_dataclass, to_dict
+from hybridlm.config.structured import to_dict
 from hybridlm.data.sft import ExampleBatches, _validate_common, pad_token_id, split_records, validation_example_batches
-from hybridlm.engine import OptimConfig, init_distributed
+from hybridlm.engine import init_distributed
 from hybridlm.engine.config import COMPUTE_DTYPES
 from hybridlm.model import HybridForCausalLM
-from hybridlm.training import RunConfig
 
 DPO_SECTIONS = ("student", "data", "optim", "run", "dpo")
 EVAL_KEYS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
@@ -113,17 +112,19 @@ class DPOLoss:
         return loss, {**{k: metrics[k] for k in METRIC_KEYS}, "tokens": tokens, "eval_weight": n}
 
 
+def dpo_configs(sections: Dict[str, Any], where: str = "") -> Dict[str, Any]:
+    """A DPO stage's sections built (:func:`distill.stage.stage_configs`); it has no ``teacher``."""
+    if sections.get("teacher"):
+        raise ConfigError(f"{where}teacher: DPO has no teacher (the reference is a frozen copy of student.path); "
+                          "remove the teacher section")
+    return stage_configs(sections, PreferenceDataConfig, {"dpo": DPOConfig}, teacher=False, where=where)
+
+
 def run_dpo(sections: Dict[str, Any]) -> Dict[str, Any]:
     """DPO of the student directory against a frozen copy of itself; every policy parameter trains."""
 
-    sections = dict(sections)
-    cfg = build_dataclass(DPOConfig, sections.pop("dpo", None) or {}, "dpo")
-    if sections.get("teacher"):
-        raise ConfigError("teacher: DPO has no teacher (the reference is a frozen copy of student.path); "
-                          "remove the teacher section")
-    student = build_dataclass(StudentConfig, sections.get("student") or {}, "student")
-    optim = build_dataclass(OptimConfig, sections.get("optim") or {}, "optim")
-    run = build_dataclass(RunConfig, sections.get("run") or {}, "run")
+    configs = dpo_configs(sections)
+    cfg, student, optim, run = configs["dpo"], configs["student"], configs["optim"], configs["run"]
 
     def make_loss(_none):
         dist = init_distributed()
@@ -132,8 +133,8 @@ def run_dpo(sections: Dict[str, Any]) -> Dict[str, Any]:
         reference.requires_grad_(False)
         return DPOLoss(reference, cfg.beta)
 
-    result = run_stage("dpo", sections, make_loss, lambda policy: policy.parameters(),
-                       make_batches=make_preference_batches, data_class=PreferenceDataConfig, teacher_required=False)
+    result = run_stage("dpo", configs, make_loss, lambda policy: policy.parameters(),
+                       make_batches=make_preference_batches)
     extra: Dict[str, Any] = {"reference": student.path}
     val = result.get("val") or {}
     if val.get("val_count"):  # the loop's final evaluation (logged to metrics.jsonl as val_* by its logger)

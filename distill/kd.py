@@ -24,12 +24,11 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from distill.kd_loss import kd_loss
-from distill.stage import amend_stage_result, packed_lm_batches, run_stage
+from distill.stage import amend_stage_result, packed_lm_batches, run_stage, stage_configs
 from hybridlm.config.errors import ConfigError
-from hybridlm.config.structured import build_dataclass, to_dict
+from hybridlm.config.structured import to_dict
 from hybridlm.data import DataConfig
 from hybridlm.data.sft import SFTDataConfig, make_sft_batches
-from hybridlm.training import RunConfig
 
 IGNORE_INDEX = -100
 KD_SECTIONS = ("teacher", "student", "data", "optim", "run", "kd")
@@ -113,22 +112,26 @@ def kd_data(data_section: Optional[Dict[str, Any]]) -> Tuple[type, Any, Dict[str
     return SFTDataConfig, make_sft_batches, section
 
 
+def kd_configs(sections: Dict[str, Any], where: str = "") -> Dict[str, Any]:
+    """A KD stage's sections built (:func:`distill.stage.stage_configs`), its ``data`` by ``data.format``."""
+    data_class, _, data = kd_data(sections.get("data"))
+    return stage_configs({**sections, "data": data}, data_class, {"kd": KDConfig}, where=where)
+
+
 def run_kd(sections: Dict[str, Any]) -> Dict[str, Any]:
     """KD-SFT of the student directory on chat data (``kd:`` section: :class:`KDConfig`); every student
     parameter trains. Returns (and writes to ``final/stage.json``) the stage summary."""
 
-    sections = dict(sections)
-    cfg = build_dataclass(KDConfig, sections.pop("kd", None) or {}, "kd")
-    data_class, make_batches, sections["data"] = kd_data(sections.get("data"))
+    configs = kd_configs(sections)
+    cfg = configs["kd"]
+    _, make_batches, _ = kd_data(sections.get("data"))
 
     def make_loss(teacher):
         teacher.eval()
         return lambda student, batch: kd_loss(student, teacher, batch, cfg.kl_weight, cfg.ce_weight,
                                               cfg.temperature, cfg.chunk_tokens)
 
-    result = run_stage("kd", sections, make_loss, lambda student: student.parameters(),
-                       make_batches=make_batches, data_class=data_class)
-    run = build_dataclass(RunConfig, sections["run"], "run")
-    return amend_stage_result(run.output_dir, {}, {"kd": to_dict(cfg)}, result)
+    result = run_stage("kd", configs, make_loss, lambda student: student.parameters(), make_batches=make_batches)
+    return amend_stage_result(configs["run"].output_dir, {}, {"kd": to_dict(cfg)}, result)
 
 

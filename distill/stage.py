@@ -17,7 +17,7 @@ import torch
 
 from distill.ild import ild_loss
 from hybridlm.config.errors import ConfigError, last_line, weight_load_errors
-from hybridlm.config.structured import build_dataclass, to_dict
+from hybridlm.config.structured import build_dataclass, check_known_keys, to_dict
 from hybridlm.data import DataConfig, ensure_prepared, load_tokenizer, open_splits, read_meta
 from hybridlm.engine import Engine, OptimConfig, barrier, init_distributed, is_main
 from hybridlm.engine.config import COMPUTE_DTYPES
@@ -60,26 +60,36 @@ def packed_lm_batches(data_cfg: DataConfig, optim: OptimConfig, dist, tokenizer)
                        dist.rank, dist.world_size, data_cfg.seed)
 
 
-def run_stage(name: str, sections: Dict[str, Any],
+def stage_configs(sections: Dict[str, Any], data_class: type = DataConfig, extra: Optional[Dict[str, type]] = None,
+                  teacher: bool = True, where: str = "") -> Dict[str, Any]:
+    """Every section of a training stage built into its dataclass: the one schema of a stage's config, which the
+    stage runs with and the route checks before its first stage. ``extra``: the stage's own sections (``kd``,
+    ``dpo``); ``where``: the prefix of error messages (``"kd."`` in a route)."""
+    # the stage's own sections first: their errors are the ones a user of that stage looks for
+    schema = {**(extra or {}), **({"teacher": TeacherConfig} if teacher else {}), "student": StudentConfig,
+              "data": data_class, "optim": OptimConfig, "run": RunConfig}
+    check_known_keys(where.rstrip(".") or "config", sections, schema)
+    return {key: build_dataclass(cls, sections.get(key) or {}, f"{where}{key}") for key, cls in schema.items()}
+
+
+def ild_configs(sections: Dict[str, Any], where: str = "") -> Dict[str, Any]:
+    return stage_configs(sections, where=where)
+
+
+def run_stage(name: str, configs: Dict[str, Any],
               make_loss: Callable[[Any], Callable],
               trainable: Callable[[Any], Iterable[torch.nn.Parameter]],
-              make_batches: Callable = packed_lm_batches,
-              data_class: type = DataConfig,
-              teacher_required: bool = True) -> Dict[str, Any]:
+              make_batches: Callable = packed_lm_batches) -> Dict[str, Any]:
     """Train the student with ``make_loss(teacher)`` over ``trainable(student)`` params; export ``final/``.
 
-    ``make_batches(data_cfg, optim, dist, teacher_tokenizer) -> (train iterator with state_dict /
-    load_state_dict, list of validation batches)`` supplies the data (default: packed LM windows);
-    ``data_class`` is the dataclass of the ``data`` section. ``make_loss`` receives the frozen teacher
-    (a LlamaForCausalLM for KD / ILD; for DPO the stage passes its own frozen reference instead)."""
+    ``configs``: the stage's sections built by :func:`stage_configs`. ``make_batches(data_cfg, optim, dist,
+    teacher_tokenizer) -> (train iterator with state_dict / load_state_dict, list of validation batches)``
+    supplies the data (default: packed LM windows). ``make_loss`` receives the frozen teacher (a
+    LlamaForCausalLM for KD / ILD; None for a stage without a teacher: DPO brings its own frozen reference)."""
 
     # a stage without a teacher (DPO) reads the tokenizer from the student's own directory
-    teacher_cfg = build_dataclass(TeacherConfig, sections.get("teacher") or {}, "teacher") if teacher_required \
-        else None
-    student_cfg = build_dataclass(StudentConfig, sections["student"], "student")
-    data_cfg = build_dataclass(data_class, sections["data"], "data")
-    optim = build_dataclass(OptimConfig, sections["optim"], "optim")
-    run = build_dataclass(RunConfig, sections["run"], "run")
+    teacher_cfg = configs.get("teacher")
+    student_cfg, data_cfg, optim, run = configs["student"], configs["data"], configs["optim"], configs["run"]
     done = _done_file(run)
     if done.is_file():
         result = json.loads(done.read_text())
@@ -130,7 +140,7 @@ def run_ild(sections: Dict[str, Any]) -> Dict[str, Any]:
     def make_loss(teacher):
         return lambda student, batch: ild_loss(student, teacher, batch["input_ids"])
 
-    return run_stage("ild", sections, make_loss, lambda student: student.model.layers.parameters())
+    return run_stage("ild", ild_configs(sections), make_loss, lambda student: student.model.layers.parameters())
 
 
 # ------------------------------------------------------------------------------------- stage

@@ -1,4 +1,7 @@
 """The route's progress line: stage number, elapsed time and an ETA from measured seconds per step."""
+from distill.dpo_stage import dpo_configs
+from distill.kd import kd_configs
+from distill.stage import ild_configs
 from upcycle.route_progress import RouteProgress, minutes, training_plan
 
 
@@ -39,12 +42,17 @@ def test_eta_from_measured_stages(tmp_path):
 
 def test_minutes_and_training_plan():
     assert [minutes(s) for s in (5, 59.4, 61, 3599, 3660)] == ["5s", "59s", "1m", "1h00m", "1h01m"]
-    ild = training_plan("ild", {"data": {"path": "x", "seq_len": 256}, "optim": {
-        "micro_batch_size": 4, "global_batch_size": 8, "max_steps": 40, "lr": 1e-4}, "run": {"output_dir": "o"}})
+    ild = training_plan("ild", ild_configs({"student": {"path": "s"}, "data": {"path": "x", "seq_len": 256}, "optim": {
+        "micro_batch_size": 4, "global_batch_size": 8, "max_steps": 40, "lr": 1e-4}, "run": {"output_dir": "o"}}))
     assert ild == {"kind": "ild", "max_steps": 40, "tokens_per_step": 2048, "output_dir": "o"}
-    dpo = training_plan("dpo", {"data": {"path": "x", "max_length": 512, "max_prompt_length": 256}, "optim": {
-        "micro_batch_size": 2, "global_batch_size": 4, "max_steps": 10, "lr": 1e-6}, "run": {"output_dir": "o"}})
+    dpo = training_plan("dpo", dpo_configs({"student": {"path": "s"}, "data": {
+        "path": "x", "max_length": 512, "max_prompt_length": 256}, "optim": {
+        "micro_batch_size": 2, "global_batch_size": 4, "max_steps": 10, "lr": 1e-6}, "run": {"output_dir": "o"}}))
     assert dpo["tokens_per_step"] == 4 * 2 * 512
+    kd = training_plan("kd", kd_configs({"student": {"path": "s"}, "data": {"path": "x.json", "max_length": 256},
+                                         "optim": {"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 5, "lr": 1e-5},
+                                         "run": {"output_dir": "o"}}))
+    assert kd["tokens_per_step"] == 4 * 256
 
 
 def test_eta_leaves_out_the_first_steps_autotuning(tmp_path):

@@ -1,7 +1,9 @@
 """``upcycle init``: build, calibrate and save the pure-MLA and pure linear-mixer students of a Llama teacher."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import List, Optional, Union
 
 import torch
 
@@ -13,6 +15,24 @@ from upcycle.calibrate import calibrate_student, calibration_batch
 from upcycle.init_mamba import init_student_from_teacher
 from upcycle.init_mla import energy_ranks
 from upcycle.student import llama_shapes, student_config
+
+
+@dataclass
+class InitConfig:
+    """The ``init:`` section of a route: :func:`init_students`' options (``upcycle init`` takes the same ones as
+    flags)."""
+
+    q_rank: Optional[int] = None
+    kv_rank: int = 128
+    energy: Optional[float] = None
+    rope_dim: int = 32
+    rope_init: str = "frequency_matched"
+    linear_mixer: str = "mamba2"
+    seed: int = 0
+    calib_sources: Union[List[str], str] = field(default_factory=lambda: ["asset:janeausten"])
+    calib_tokens: int = 4096
+    calib_seq_len: int = 512
+    remote_code: bool = False
 
 
 def init_students(teacher_spec, out, *, q_rank=None, kv_rank=128, energy=None, rope_dim=32,

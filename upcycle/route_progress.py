@@ -16,12 +16,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from distill.dpo_stage import PreferenceDataConfig
-from distill.kd import kd_data
-from hybridlm.config.structured import build_dataclass
-from hybridlm.data import DataConfig
-from hybridlm.engine import OptimConfig
-from hybridlm.training import RunConfig
 
 
 def minutes(seconds: float) -> str:
@@ -41,21 +35,14 @@ def _steps_saved(output_dir: str) -> int:
         return 0
 
 
-def training_plan(kind: str, sections: Dict[str, Any]) -> Dict[str, Any]:
-    """What the estimate needs of one training stage: its kind, max_steps, the tokens of a step at most
-    (ILD: global batch x seq_len; KD: x max_length; DPO: chosen + rejected, 2 x max_length) and its output."""
-
-    optim = build_dataclass(OptimConfig, sections.get("optim") or {}, f"{kind}.optim")
-    run = build_dataclass(RunConfig, sections.get("run") or {}, f"{kind}.run")
-    data = sections.get("data") or {}
-    if kind == "ild":
-        length = build_dataclass(DataConfig, data, "ild.data").seq_len
-    elif kind == "kd":
-        data_class, _, data = kd_data(data)
-        built = build_dataclass(data_class, data, "kd.data")
-        length = getattr(built, "max_length", None) or built.seq_len  # chat records or packed windows
-    else:
-        length = 2 * build_dataclass(PreferenceDataConfig, data, "dpo.data").max_length
+def training_plan(kind: str, configs: Dict[str, Any]) -> Dict[str, Any]:
+    """What the estimate needs of one training stage (its sections built by the stage's schema, e.g.
+    :func:`distill.kd.kd_configs`): its kind, max_steps, the tokens of a step at most (ILD: global batch x
+    seq_len; KD: x max_length, or seq_len for packed text; DPO: chosen + rejected, 2 x max_length) and its output."""
+    optim, run, data = configs["optim"], configs["run"], configs["data"]
+    length = getattr(data, "max_length", None) or data.seq_len
+    if kind == "dpo":
+        length *= 2
     return {"kind": kind, "max_steps": optim.max_steps, "tokens_per_step": optim.global_batch_size * length,
             "output_dir": run.output_dir}
 

@@ -36,6 +36,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -196,6 +197,16 @@ def calibration_batches(data_cfg, teacher_tokenizer, teacher_path: Optional[Path
     path = ensure_prepared(data_cfg, progress=False)
     check_tokenizer_matches(teacher_tokenizer, load_tokenizer(read_meta(path)["tokenizer"]["path"]))
     return validation_batches(PackedTokens(path, split), data_cfg.seq_len, batch_size, n_batches)
+
+
+@dataclass
+class SmartConfig:
+    """The ``smart:`` section of a route: how many MLA layers (or which), and the calibration batches."""
+
+    n_mla: Optional[int] = None
+    layers: Optional[List[int]] = None
+    batches: int = 8
+    batch_size: int = 4
 
 
 def run_smart(teacher, mla_dir: PathLike, mamba_dir: PathLike, data_cfg, n_mla: Optional[int] = None,
