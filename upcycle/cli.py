@@ -19,7 +19,7 @@ from hybridlm.config.loader import load_config
 from hybridlm.kv_report import format_kv_report, kv_report, load_teacher_config
 from hybridlm.teacher import resolve_teacher
 from hybridlm.training.exits import run_cli
-from upcycle.init_students import init_students
+from upcycle.init_students import InitConfig, init_students  # flags default to the route's init section
 from upcycle.route import ROUTE_SECTIONS, run_route
 from upcycle.route_report import route_report
 from upcycle.smart_stage import add_subcommands as add_smart_and_compose
@@ -74,16 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--teacher", required=True, help="Llama directory, .gguf file, or asset:smollm2")
     i.add_argument("--out", required=True)
     i.add_argument("--q-rank", type=int, default=None, help="q latent rank (default: full, n_heads * head_dim)")
-    i.add_argument("--kv-rank", type=int, default=128, help="kv latent rank r_kv")
+    i.add_argument("--kv-rank", type=int, default=InitConfig.kv_rank, help="kv latent rank r_kv")
     i.add_argument("--energy", type=float, default=None, help="choose ranks by kept sigma^2 energy instead (0-1]")
-    i.add_argument("--rope-dim", type=int, default=32, help="decoupled RoPE dims per head")
-    i.add_argument("--rope-init", choices=("frequency_matched", "published"), default="frequency_matched")
-    i.add_argument("--linear-mixer", choices=("mamba2", "gdn", "kda"), default="mamba2")
-    i.add_argument("--seed", type=int, default=0, help="seed of the default-initialised parameters (z, dt, conv)")
-    i.add_argument("--calib-sources", nargs="+", default=["asset:janeausten"],
+    i.add_argument("--rope-dim", type=int, default=InitConfig.rope_dim, help="decoupled RoPE dims per head")
+    i.add_argument("--rope-init", choices=("frequency_matched", "published"), default=InitConfig.rope_init)
+    i.add_argument("--linear-mixer", choices=("mamba2", "gdn", "kda"), default=InitConfig.linear_mixer)
+    i.add_argument("--seed", type=int, default=InitConfig.seed, help="seed of the default-initialised parameters (z, dt, conv)")
+    i.add_argument("--calib-sources", nargs="+", default=InitConfig().calib_sources,
                    help="text (asset:<name>, .txt files or folders) whose teacher activations fit the linear "
                         "mixers' output scales")
-    i.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (0: no calibration)")
+    i.add_argument("--calib-tokens", type=int, default=InitConfig.calib_tokens, help="calibration tokens (0: no calibration)")
     i.add_argument("--overwrite", action="store_true")
     i.add_argument("--remote-code", action="store_true",
                    help=REMOTE_CODE_HELP)
