@@ -134,8 +134,10 @@ def test_peer_init_follows_the_transformers_mamba2_step_by_step(tmp_path, austen
     LP.main(["--family", "mamba2", "--steps", "3", "--out", str(out), "--data", str(austen_data), "--peer", "hf",
              "--ours-init", "peer", "--seeds", "0", "--micro-batch", "2", "--seq", "32", "--warmup", "1", "--lr", "2e-2",
              "--min-lr", "2e-3",
-             "--val-interval", "3", "--val-batches", "1", "--peer-chunk-size", "16", "--model-override", *MAMBA2_TINY])
+             "--val-interval", "3", "--val-batches", "1", "--peer-chunk-size", "16", "--peer-ssd", "reference",
+             "--model-override", *MAMBA2_TINY])
     saved = json.loads((out / "loss_parity.json").read_text())
+    assert saved["peer_ssd"] == "reference" and saved["peer_ssd_check"] is None
     ours, peer = saved["runs"]
     assert (ours["role"], ours["init"], ours["seed"], peer["role"]) == ("ours", "peer", 0, "peer")
     assert ours["weights_from"] == "transformers.Mamba2ForCausalLM" and ours["copied_tensors"] > 0
@@ -231,3 +233,41 @@ def test_resume_keeps_finished_runs_and_refuses_other_settings(tmp_path, austen_
     assert resumed["peer_spread"] == pytest.approx(full["peer_spread"])
     with pytest.raises(SystemExit, match=r"error: --resume: .* other settings \(steps"):
         LP.main([*[("3" if a == "2" and argv[i - 1] == "--steps" else a) for i, a in enumerate(argv)], "--resume"])
+
+
+def test_a_time_limits_sigterm_keeps_the_cut_runs_curve_and_resume_finishes(tmp_path, austen_data, monkeypatch):
+    """``timeout`` sends SIGTERM: the run in progress ends after its step with ``cut_at`` and its curve in the
+    JSON and chart, no further run starts, the command says how to go on; ``--resume`` then reruns the cut run."""
+    import signal
+
+    from hybridlm.bench import loss_parity as LP
+
+    out = tmp_path / "parity"
+    argv = ["--family", "gdn", "--steps", "3", "--out", str(out), "--data", str(austen_data), "--peer", "ours",
+            "--seeds", "1", "--ours-seeds", "0", "--micro-batch", "2", "--seq", "32", "--warmup", "1",
+            "--val-interval", "1", "--val-batches", "1", "--model-override", *TINY]
+    real_batches = LP.train_batches
+    calls = []
+
+    def batches_then_signal(*a):  # the second run (the peer) is signalled while it takes its second batch
+        calls.append(1)
+        for i, b in enumerate(real_batches(*a)):
+            if len(calls) == 2 and i == 1:
+                signal.raise_signal(signal.SIGTERM)
+            yield b
+
+    monkeypatch.setattr(LP, "train_batches", batches_then_signal)
+    with pytest.raises(SystemExit, match="stopped: SIGTERM.*--resume"):
+        LP.main(argv)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone with the loop
+    saved = json.loads((out / "loss_parity.json").read_text())
+    ours, peer = saved["runs"]
+    assert "cut_at" not in ours and len(ours["train_loss"]) == 3 and ours["final_val_loss"] is not None
+    assert peer["cut_at"] == 2 and len(peer["train_loss"]) == 2 and peer["final_val_loss"] is None
+    assert saved["peer_val_loss"] is None and len(peer["val"]) == 2
+    assert_chart(out / "loss_parity.png")
+    monkeypatch.setattr(LP, "train_batches", real_batches)
+    resumed = LP.main([*argv, "--resume"])
+    assert [len(r["train_loss"]) for r in resumed["runs"]] == [3, 3] and "cut_at" not in resumed["runs"][1]
+    assert resumed["runs"][0]["wall_s"] == ours["wall_s"]  # kept
+    assert resumed["runs"][1]["train_loss"][:2] == pytest.approx(peer["train_loss"])

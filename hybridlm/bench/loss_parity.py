@@ -23,7 +23,9 @@ peer that runs on a CPU. fla's models run Triton kernels and need CUDA. fla's an
 have no MLP, so for ``--family mamba2`` our pattern becomes one Mamba2 mixer per sublayer of the config
 (``M-M-...`` of 24 sublayers -> ``MMMM...`` of 24 mixers) unless ``--keep-pattern`` (peer ``ours`` only).
 Without mamba_ssm both Mamba2 peers take their naive torch SSD, whose memory grows with the chunk length:
-``--peer-chunk-size`` (default 64) sets it. fla's gives head ``h`` the B / C of group ``h % n_groups`` where
+``--peer-chunk-size`` (default 64) sets it. For transformers' peer ``--peer-ssd chunked`` (the default) swaps
+that SSD for a chunked kernel of the same function (fla's on CUDA; :mod:`hybridlm.bench.peer_ssd`), after
+checking loss and gradients against the reference on the first batch (``peer_ssd_check`` in the report). fla's gives head ``h`` the B / C of group ``h % n_groups`` where
 mamba_ssm, transformers and ours give each group consecutive heads: with ``1 < n_groups < heads`` it is another
 wiring of the same weights (the run's ``note`` says so; :mod:`hybridlm.bench.peer_weights`).
 
@@ -36,7 +38,8 @@ loader's order, independent of the model seed); validation every ``--val-interva
 ``--val-batches`` batches of the held-out split. Every step records the batch's hash and first tokens and the
 learning rate; the report says whether they were identical for every run (and the command exits 2 if not).
 
-Writes ``DIR/loss_parity.json`` (after every run, so a cut-off call keeps the finished runs) and, at the end,
+Writes ``DIR/loss_parity.json`` (after every run, so a cut-off call keeps the finished runs; a SIGTERM, e.g. from
+``timeout``, ends the run in progress after its step with ``cut_at`` and its curve so far) and, at the end,
 ``DIR/loss_parity.png`` (train loss, 10-step running mean; validation loss; gradient norm); ``--replot --out
 DIR`` redraws the chart from the JSON.
 """
@@ -58,6 +61,7 @@ import torch
 
 from hybridlm.bench.common import (DEFAULT_DATA, DEFAULT_SOURCES, DEFAULT_TOKENIZER, free_memory, model_section,
                                    versions, write_report)
+from hybridlm.bench import peer_ssd
 from hybridlm.bench.peer_weights import fla_mamba2_reads_groups_tiled, load_peer_weights
 from hybridlm.bench.peers import build_peer as speed_peer
 from hybridlm.data import DataConfig, PackedBatches, PackedTokens, ensure_prepared, read_meta, validation_batches
@@ -67,6 +71,7 @@ from hybridlm.engine.schedule import lr_lambda
 from hybridlm.model import HybridForCausalLM
 from hybridlm.model.configuration import resolve_model_config
 from hybridlm.model.legacy_init import LEGACY_PARTS, apply_legacy_init, check_legacy_parts
+from hybridlm.training.preempt import PreemptionFlag, preemption_flag
 from hybridlm.utils.atomic import save_figure
 
 FAMILIES = ("gdn", "kda", "mamba2")
@@ -186,6 +191,33 @@ def build_peer(kind: str, family: str, config, seed: int, args):
     return model, info
 
 
+# the chunked SSD may differ from the reference by rounding (bf16 operands), not more
+PEER_SSD_MAX_LOSS_DIFF = 0.02
+PEER_SSD_MIN_GRAD_COSINE = 0.98
+
+
+def check_peer_ssd(args, config, data_dir: Path, device: torch.device) -> Optional[Dict[str, float]]:
+    """``--peer-ssd chunked``: compare transformers' Mamba2 on the first training row with its reference SSD
+    and with the chunked kernel (loss and every gradient), then run the peers with the kernel; exit if they
+    differ beyond rounding. One row keeps the reference's transient memory small."""
+    if args.peer_ssd == "reference":
+        return None
+    op = peer_ssd.fla_gla_op if device.type == "cuda" else peer_ssd.torch_gla_op
+    model, _ = build_peer("hf", args.family, config, args.seeds[0], args)
+    ids = next(train_batches(data_dir, args.seq, args.micro_batch))["input_ids"][:1].to(device)
+    check = peer_ssd.compare_on_batch(model.to(device).train(), ids, op, autocast=device.type == "cuda")
+    del model
+    free_memory()
+    print(f"peer SSD: chunked kernel against transformers' reference on one row: loss {check['kernel_loss']:.5f} "
+          f"vs {check['reference_loss']:.5f}, min grad cosine {check['min_grad_cosine']:.5f}, max grad rel diff "
+          f"{check['max_grad_rel_diff']:.4f}", flush=True)
+    if check["loss_diff"] > PEER_SSD_MAX_LOSS_DIFF or check["min_grad_cosine"] < PEER_SSD_MIN_GRAD_COSINE:
+        raise SystemExit("error: --peer-ssd chunked: the kernel's loss / gradients differ from transformers' "
+                         f"reference SSD ({check}); run with --peer-ssd reference")
+    peer_ssd.install(op)
+    return check
+
+
 def count_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -218,7 +250,18 @@ def evaluate(model, batches, device, bf16: bool) -> float:
     return sum(losses) / len(losses)
 
 
-def train_run(model, args, data_dir: Path, device: torch.device, val, label: str) -> Dict[str, Any]:
+def stop_if_signalled(rec: Dict[str, Any], step: int, flag: Optional[PreemptionFlag], label: str) -> bool:
+    """A time limit's SIGTERM (``timeout``): the run ends after this step with ``cut_at``, its curve so far kept
+    in the report (not resumable: ``--resume`` keeps whole runs only)."""
+    if flag is None or not flag.signal_name:
+        return False
+    rec["cut_at"] = step
+    print(f"  {label}: {flag.signal_name} at step {step}; keeping the curve so far and stopping", flush=True)
+    return True
+
+
+def train_run(model, args, data_dir: Path, device: torch.device, val, label: str,
+              flag: Optional[PreemptionFlag] = None) -> Dict[str, Any]:
     """One model through the shared loop; per-step loss, lr, grad norm, batch hash and first tokens."""
 
     cuda = device.type == "cuda"
@@ -258,15 +301,19 @@ def train_run(model, args, data_dir: Path, device: torch.device, val, label: str
             v = f"  val {rec['val'][-1]['loss']:.4f}" if rec["val"] and rec["val"][-1]["step"] == step else ""
             print(f"  {label} step {step:5d}  loss {rec['train_loss'][-1]:.4f}  lr {rec['lr'][-1]:.3e}  "
                   f"gnorm {rec['grad_norm'][-1]:.3f}{v}", flush=True)
+        if stop_if_signalled(rec, step, flag, label):
+            break
     if cuda:
         torch.cuda.synchronize(device)
     rec["wall_s"] = time.perf_counter() - t0
-    rec["final_val_loss"] = rec["val"][-1]["loss"] if rec["val"] and "diverged_at" not in rec else None
+    rec["final_val_loss"] = rec["val"][-1]["loss"] if rec["val"] and not {"diverged_at", "cut_at"} & set(rec) \
+        else None
     del opt, sched
     return rec
 
 
-def engine_run(model, args, data_dir: Path, val, label: str, precision: str) -> Dict[str, Any]:
+def engine_run(model, args, data_dir: Path, val, label: str, precision: str,
+               flag: Optional[PreemptionFlag] = None) -> Dict[str, Any]:
     """One model through the training engine every stage uses (``pretrain.py``'s DeepSpeed ZeRO-1 at
     ``precision``), with the bench's batches, loss, optimizer settings and schedule; the same record as
     :func:`train_run`."""
@@ -302,10 +349,13 @@ def engine_run(model, args, data_dir: Path, val, label: str, precision: str) -> 
             v = f"  val {rec['val'][-1]['loss']:.4f}" if rec["val"] and rec["val"][-1]["step"] == step else ""
             print(f"  {label} step {step:5d}  loss {res.loss:.4f}  lr {res.lr:.3e}  gnorm {res.grad_norm:.3f}{v}",
                   flush=True)
+        if stop_if_signalled(rec, step, flag, label):
+            break
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     rec["wall_s"] = time.perf_counter() - t0
-    rec["final_val_loss"] = rec["val"][-1]["loss"] if rec["val"] and "diverged_at" not in rec else None
+    rec["final_val_loss"] = rec["val"][-1]["loss"] if rec["val"] and not {"diverged_at", "cut_at"} & set(rec) \
+        else None
     engine.ds_engine.destroy()
     del engine
     return rec
@@ -500,6 +550,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--peer-config: its model keys")
     p.add_argument("--peer-chunk-size", type=int, default=64,
                    help="mamba2 peers: chunk length of their naive torch SSD (memory grows with it)")
+    p.add_argument("--peer-ssd", choices=("chunked", "reference"), default="chunked",
+                   help="--peer hf: the SSD its mixers run: chunked (fla's chunk_simple_gla on CUDA, the project's "
+                        "torch recurrence on a CPU; checked against the reference on the first batch before "
+                        "training) or reference (transformers' own torch SSD, ~5 s a step at 300M, 8 x 2048)")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--lr", type=float, default=6e-4)
@@ -545,6 +599,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def run_plan(plan, args, report, done, config, peer_config, data_dir: Path, device, val, out: Path,
+             flag: PreemptionFlag) -> None:
+    """Train each planned run (or keep it from ``done``), writing the JSON after each; a signal stops the plan
+    after the run it cut."""
+    for role, variant, seed, engine_precision in plan:
+        if flag.signal_name:
+            return
+        name = run_name(args, role, variant, engine_precision)
+        if (name, seed) in done:
+            print(f"[{name} seed {seed}] finished in {out / 'loss_parity.json'}: kept", flush=True)
+            report["runs"].append(done[(name, seed)])
+            continue
+        if role == "ours":
+            model, info = build_ours(config, seed, variant, args)
+            if engine_precision:
+                info["init"] = f"{variant}+engine:{engine_precision}"
+        else:
+            model, info = build_peer(args.peer, args.family, peer_config, seed, args)
+        label = f"{name} seed {seed}"
+        print(f"[{label}] {info.get('class', 'HybridForCausalLM')} {count_params(model):,} params", flush=True)
+        rec = engine_run(model, args, data_dir, val, label, engine_precision, flag) if engine_precision else \
+            train_run(model, args, data_dir, device, val, label, flag)
+        report["runs"].append({"role": role, "name": name, "seed": seed, "params": count_params(model),
+                               **{k: v for k, v in info.items() if k != "config"}, **rec})
+        del model
+        free_memory()
+        write(report, out, chart=bool(flag.signal_name))  # the JSON after every run (the chart: at the end)
+        if flag.signal_name:
+            return
+
+
 def main(argv=None) -> Dict[str, Any]:
     args = parse_args(argv)
     out = Path(args.out)
@@ -577,6 +662,7 @@ def main(argv=None) -> Dict[str, Any]:
     del peer_probe
     if "note" in peer_info:
         print(f"note: peer {args.peer}: {peer_info['note']}", flush=True)
+    ssd_check = check_peer_ssd(args, peer_config, data_dir, device) if args.peer == "hf" else None
     print(f"loss parity {args.family}: ours {ours_params:,} params ({config.hybrid_override_pattern}), "
           f"peer {args.peer} ({peer_info['class']}) {peer_params:,} params", flush=True)
     if ours_params != peer_params and not (args.allow_param_mismatch or args.peer_config):
@@ -602,6 +688,9 @@ def main(argv=None) -> Dict[str, Any]:
     }
     if args.peer == "ours":
         report["peer_init"] = args.peer_init
+    if args.peer == "hf":
+        report["peer_ssd"] = args.peer_ssd
+        report["peer_ssd_check"] = ssd_check
     if args.peer_config:
         report.update(peer_config_name=args.peer_config, peer_model_override=args.peer_model_override,
                       peer_pattern=peer_config.hybrid_override_pattern)
@@ -613,27 +702,11 @@ def main(argv=None) -> Dict[str, Any]:
             + [("ours", v, s, None) for v in args.ours_init[1:] for s in args.ours_seeds]
             + [("peer", None, s, None) for s in args.seeds[1:]])
     done = resumable_runs(report, out) if args.resume else {}
-    for role, variant, seed, engine_precision in plan:
-        name = run_name(args, role, variant, engine_precision)
-        if (name, seed) in done:
-            print(f"[{name} seed {seed}] finished in {out / 'loss_parity.json'}: kept", flush=True)
-            report["runs"].append(done[(name, seed)])
-            continue
-        if role == "ours":
-            model, info = build_ours(config, seed, variant, args)
-            if engine_precision:
-                info["init"] = f"{variant}+engine:{engine_precision}"
-        else:
-            model, info = build_peer(args.peer, args.family, peer_config, seed, args)
-        label = f"{name} seed {seed}"
-        print(f"[{label}] {info.get('class', 'HybridForCausalLM')} {count_params(model):,} params", flush=True)
-        rec = engine_run(model, args, data_dir, val, label, engine_precision) if engine_precision else \
-            train_run(model, args, data_dir, device, val, label)
-        report["runs"].append({"role": role, "name": name, "seed": seed, "params": count_params(model),
-                               **{k: v for k, v in info.items() if k != "config"}, **rec})
-        del model
-        free_memory()
-        write(report, out, chart=False)  # the JSON after every run; --replot draws a cut-off run's chart
+    with preemption_flag() as flag:
+        run_plan(plan, args, report, done, config, peer_config, data_dir, device, val, out, flag)
+    if flag.signal_name:
+        raise SystemExit(f"stopped: {flag.signal_name}; {out / 'loss_parity.json'} has the runs so far (the cut "
+                         "one with cut_at); rerun with --resume to run the missing ones")
     report["finished"] = datetime.now(timezone.utc).isoformat()
     write(report, out)
     peer = f"{report['peer_val_loss']:.4f}" if report.get("peer_val_loss") is not None else "n/a"
