@@ -32,8 +32,9 @@ from distill.dpo import METRIC_KEYS, dpo_loss, sequence_logps
 from distill.preference_data import collate_pairs, load_preference_data, tokenize_pair
 from distill.stage import amend_stage_result, run_stage, stage_configs
 from hybridlm.config.errors import ConfigError
-from hybridlm.config.structured import to_dict
-from hybridlm.data.sft import ExampleBatches, _validate_common, pad_token_id, split_records, validation_example_batches
+from hybridlm.config.structured import Section, setting, to_dict
+from hybridlm.data.sft import (ExampleBatches, SFTDataConfig, pad_token_id, split_records,
+                               validation_example_batches)
 from hybridlm.engine import init_distributed
 from hybridlm.engine.config import COMPUTE_DTYPES
 from hybridlm.model import HybridForCausalLM
@@ -43,36 +44,26 @@ EVAL_KEYS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards
 
 
 @dataclass
-class DPOConfig:
+class DPOConfig(Section):
     """The ``dpo:`` section."""
 
-    beta: float = 0.01  # published
-
-    def validate(self, where: str = "dpo") -> None:
-        b = self.beta
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < float("inf"):
-            raise ConfigError(f"{where}.beta: expected a number > 0, got {b!r}")
+    beta: float = setting(0.01, gt=0)  # published
 
 
 @dataclass
-class PreferenceDataConfig:
+class PreferenceDataConfig(SFTDataConfig):
     """The ``data:`` section of a DPO stage: a preference ``.json`` / ``.jsonl`` file tokenized on load with the
     student's tokenizer (:func:`distill.preference_data.tokenize_pair`). ``val_fraction`` of the pairs
     (seeded, pair-level split) are held out."""
 
-    path: str = ""
-    max_length: int = 1024
-    max_prompt_length: int = 512
-    val_fraction: float = 0.05
-    val_max_batches: int = 20
-    seed: int = 1234
+    max_length: int = setting(1024, ge=2)
+    max_prompt_length: int = setting(512, ge=1)  # below max_length (validate)
 
     def validate(self, where: str = "data") -> None:
-        _validate_common(self, where)
-        m = self.max_prompt_length
-        if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m < self.max_length:
+        super().validate(where)
+        if self.max_prompt_length >= self.max_length:
             raise ConfigError(f"{where}.max_prompt_length: expected an integer in [1, max_length={self.max_length}), "
-                              f"got {m!r}")
+                              f"got {self.max_prompt_length!r}")
 
 
 def make_preference_batches(data_cfg: PreferenceDataConfig, optim, dist, tokenizer):

@@ -26,7 +26,7 @@ import torch
 from distill.kd_loss import kd_loss
 from distill.stage import amend_stage_result, packed_lm_batches, run_stage, stage_configs
 from hybridlm.config.errors import ConfigError
-from hybridlm.config.structured import to_dict
+from hybridlm.config.structured import Section, setting, to_dict
 from hybridlm.data import DataConfig
 from hybridlm.data.sft import SFTDataConfig, make_sft_batches
 
@@ -36,27 +36,18 @@ KD_SECTIONS = ("teacher", "student", "data", "optim", "run", "kd")
 
 # ------------------------------------------------------------------------------------- config
 @dataclass
-class KDConfig:
+class KDConfig(Section):
     """The ``kd:`` section: loss weights, softmax temperature and the KL chunk size (tokens)."""
 
-    kl_weight: float = 1.0
-    ce_weight: float = 0.0
-    temperature: float = 1.0
-    chunk_tokens: int = 1024  # supervised tokens per logits chunk (memory: ~3 x chunk x vocab fp32)
+    kl_weight: float = setting(1.0, ge=0)
+    ce_weight: float = setting(0.0, ge=0)
+    temperature: float = setting(1.0, gt=0)
+    chunk_tokens: int = setting(1024, ge=1)  # supervised tokens per logits chunk (memory: ~3 x chunk x vocab fp32)
 
     def validate(self, where: str = "kd") -> None:
-        for name in ("kl_weight", "ce_weight"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
-                raise ConfigError(f"{where}.{name}: expected a finite number >= 0, got {v!r}")
+        super().validate(where)
         if self.kl_weight == 0 and self.ce_weight == 0:
             raise ConfigError(f"{where}: kl_weight and ce_weight are both 0 (nothing to train on)")
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
-            raise ConfigError(f"{where}.temperature: expected a number > 0, got {t!r}")
-        c = self.chunk_tokens
-        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-            raise ConfigError(f"{where}.chunk_tokens: expected an integer >= 1, got {c!r}")
 
 
 # ------------------------------------------------------------------------------------- data

@@ -17,7 +17,7 @@ import torch
 
 from distill.ild import ild_loss
 from hybridlm.config.errors import ConfigError, last_line, weight_load_errors
-from hybridlm.config.structured import build_dataclass, check_known_keys, to_dict
+from hybridlm.config.structured import Section, build_dataclass, check_known_keys, setting, to_dict
 from hybridlm.data import DataConfig, ensure_prepared, load_tokenizer, open_splits, read_meta
 from hybridlm.engine import Engine, OptimConfig, barrier, init_distributed, is_main
 from hybridlm.engine.config import COMPUTE_DTYPES
@@ -30,18 +30,14 @@ STAGE_SECTIONS = ("teacher", "student", "data", "optim", "run")
 
 
 @dataclass
-class TeacherConfig:
+class TeacherConfig(Section):
     path: str = "asset:smollm2"
     dtype: str = "auto"  # auto: the dtype the student computes in (bf16 for bf16 / bf16-mixed, else fp32)
 
 
 @dataclass
-class StudentConfig:
-    path: str = ""
-
-    def validate(self, where: str = "student") -> None:
-        if not self.path:
-            raise ConfigError(f"{where}.path: expected the directory of a student written by `upcycle init`")
+class StudentConfig(Section):
+    path: str = setting("", nonempty="the directory of a student written by `upcycle init`")
 
 
 def _done_file(run: RunConfig) -> Path:

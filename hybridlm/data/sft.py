@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.config.structured import Section, setting
 from hybridlm.data.chat import (RecordError, chat_messages, common_prefix_len, has_chat_template, render_prompt,
                                 sharegpt_turn, token_ids)
 from hybridlm.data.prepare import _json_records, _split_docs
@@ -255,33 +256,17 @@ def sft_validation_batches(examples: Sequence[Dict[str, List[int]]], micro_batch
 
 
 # ------------------------------------------------------------------------------------- config
-def _validate_common(cfg, where: str) -> None:
-    if not isinstance(cfg.path, str) or not cfg.path.strip():
-        raise ConfigError(f"{where}.path: expected a .json / .jsonl file, got {cfg.path!r}")
-    for name, low in (("max_length", 2), ("val_max_batches", 1)):
-        v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ConfigError(f"{where}.{name}: expected an integer >= {low}, got {v!r}")
-    f = cfg.val_fraction
-    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < float(f) < 1.0:
-        raise ConfigError(f"{where}.val_fraction: expected a number strictly between 0 and 1, got {f!r}")
-    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
-        raise ConfigError(f"{where}.seed: expected a non-negative integer, got {cfg.seed!r}")
-
-
 @dataclass
-class SFTDataConfig:
+class SFTDataConfig(Section):
     """The ``data:`` section of a KD-SFT stage: a chat / alpaca ``.json`` / ``.jsonl`` file, tokenized on load
-    with the teacher's tokenizer. ``val_fraction`` of the records (a seeded, record-level split) validate."""
+    with the teacher's tokenizer. ``val_fraction`` of the records (a seeded, record-level split) validate.
+    DPO's section (``distill.dpo_stage.PreferenceDataConfig``) extends it."""
 
-    path: str = ""
-    max_length: int = 2048
-    val_fraction: float = 0.05
-    val_max_batches: int = 20
-    seed: int = 1234  # train/val split and per-epoch shuffling
-
-    def validate(self, where: str = "data") -> None:
-        _validate_common(self, where)
+    path: str = setting("", nonempty="a .json / .jsonl file")
+    max_length: int = setting(2048, ge=2)
+    val_fraction: float = setting(0.05, gt=0, lt=1)
+    val_max_batches: int = setting(20, ge=1)
+    seed: int = setting(1234, ge=0)  # train/val split and per-epoch shuffling
 
 
 def split_records(n: int, val_fraction: float, seed: int) -> Tuple[np.ndarray, np.ndarray]:

@@ -1,11 +1,11 @@
 """Optimisation settings shared by every stage (the ``optim:`` block of a stage config)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Tuple
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.config.structured import Section, setting
 
 # bf16: bf16 weights and activations, fp32 master weights and gradient accumulation (DeepSpeed's bf16 mode);
 # bf16-mixed: fp32 weights, the forward under torch.autocast(bf16) (DeepSpeed's torch_autocast): matmuls in bf16,
@@ -18,44 +18,33 @@ ZERO_STAGES = (1, 2)
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
     """Batch sizes, AdamW, schedule, precision and ZeRO settings for :class:`hybridlm.engine.Engine`.
 
     Batch semantics are DeepSpeed's: ``global_batch_size`` sequences per optimizer step
     = ``micro_batch_size`` per forward on each rank x world size x gradient-accumulation steps.
     """
 
-    micro_batch_size: int
-    global_batch_size: int
-    lr: float
-    max_steps: int
-    min_lr: float = 0.0
-    warmup_steps: int = 0
-    weight_decay: float = 0.01
+    micro_batch_size: int = setting(ge=1)
+    global_batch_size: int = setting(ge=1)
+    lr: float = setting(gt=0)
+    max_steps: int = setting(ge=1)
+    min_lr: float = setting(0.0, ge=0)  # at most lr (validate)
+    warmup_steps: int = setting(0, ge=0)  # at most max_steps (validate)
+    weight_decay: float = setting(0.01, ge=0)
     betas: Tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global L2 norm; 0 disables clipping
-    precision: str = "bf16"  # one of PRECISIONS (above)
-    zero_stage: int = 1
-    seed: int = 42
-    max_consecutive_nonfinite: int = 5
+    eps: float = setting(1e-8, gt=0)
+    grad_clip: float = setting(1.0, ge=0)  # max global L2 norm; 0 disables clipping
+    precision: str = setting("bf16", choices=PRECISIONS)  # PRECISIONS (above)
+    zero_stage: int = setting(1, choices=ZERO_STAGES)
+    seed: int = setting(42, ge=0)
+    max_consecutive_nonfinite: int = setting(5, ge=1)
     # recompute each block's activations in the backward pass (transformers' gradient checkpointing):
     # about a third more compute for a micro-batch several times larger
     activation_checkpointing: bool = False
 
     def validate(self, where: str = "optim") -> None:
-        def bad(field: str, expected: str) -> ConfigError:
-            return ConfigError(f"{where}.{field}: expected {expected}, got {getattr(self, field)!r}")
-
-        def finite(x: object) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-        for name in ("micro_batch_size", "global_batch_size", "max_steps", "max_consecutive_nonfinite"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise bad(name, "a positive integer")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise bad("warmup_steps", "a non-negative integer")
+        super().validate(where)
         if self.warmup_steps > self.max_steps:
             raise ConfigError(
                 f"{where}.warmup_steps: expected at most max_steps={self.max_steps}, got {self.warmup_steps}"
@@ -65,28 +54,10 @@ class OptimConfig:
                 f"{where}.global_batch_size: {self.global_batch_size} is not a multiple of "
                 f"micro_batch_size={self.micro_batch_size}"
             )
-        if not finite(self.lr) or self.lr <= 0:
-            raise bad("lr", "a finite number > 0")
-        if not finite(self.min_lr) or not 0 <= self.min_lr <= self.lr:
+        if self.min_lr > self.lr:
             raise ConfigError(f"{where}.min_lr: expected a number in [0, lr={self.lr}], got {self.min_lr!r}")
-        if not finite(self.weight_decay) or self.weight_decay < 0:
-            raise bad("weight_decay", "a finite number >= 0")
-        betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else None
-        if betas is None or len(betas) != 2 or not all(finite(b) and 0 <= b < 1 for b in betas):
-            raise bad("betas", "two numbers in [0, 1)")
-        self.betas = (float(betas[0]), float(betas[1]))
-        if not finite(self.eps) or self.eps <= 0:
-            raise bad("eps", "a finite number > 0")
-        if not finite(self.grad_clip) or self.grad_clip < 0:
-            raise bad("grad_clip", "a finite number >= 0 (0 disables clipping)")
-        if self.precision not in PRECISIONS:
-            raise bad("precision", " or ".join(repr(p) for p in PRECISIONS))
-        if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
-            raise bad("zero_stage", " or ".join(str(s) for s in ZERO_STAGES))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise bad("seed", "a non-negative integer")
-        if not isinstance(self.activation_checkpointing, bool):
-            raise bad("activation_checkpointing", "true or false")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"{where}.betas: expected two numbers in [0, 1), got {self.betas!r}")
 
     def gradient_accumulation_steps(self, world_size: int, where: str = "optim") -> int:
         """Micro-batches per rank per optimizer step: global / (micro x world size)."""

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from tqdm.auto import tqdm
 
-from hybridlm.config.errors import ConfigError
+from hybridlm.config.structured import Section, setting
 from hybridlm.engine import Engine, NonFiniteLossError, StepResult, all_reduce_sum, barrier, is_main
 from hybridlm.training.cold_start import first_step_done, first_step_notice
 from hybridlm.training.preempt import Preempted, PreemptionFlag, preemption_flag
@@ -27,13 +27,13 @@ from hybridlm.utils.metrics import MetricsLogger, plot_curves, read_jsonl
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Section):
     """The ``run:`` section: where outputs go and how often to log, evaluate and save."""
-    output_dir: str = "runs/default"
-    log_interval: int = 1
-    eval_interval: int = 100      # 0: only at the end
-    save_interval: int = 200      # 0: only at the end
-    keep_last: int = 2
+    output_dir: str = setting("runs/default", nonempty="a directory path")
+    log_interval: int = setting(1, ge=1)
+    eval_interval: int = setting(100, ge=0)      # 0: only at the end
+    save_interval: int = setting(200, ge=0)      # 0: only at the end
+    keep_last: int = setting(2, ge=1)
     resume: bool = True           # continue from output_dir/checkpoints/latest when present
     progress: bool = True
     tensorboard: bool = True
@@ -42,24 +42,14 @@ class RunConfig:
                                   # trust_remote_code=True without `import hybridlm.model` (which runs that .py);
                                   # only for sharing with people who do not use the toolkit
     sample_prompt: str = "It is a truth universally acknowledged"
-    sample_tokens: int = 24       # new tokens of the end-of-run sample (pre-training); 0: no sample
-    sample_temperature: float = 0.8   # 0: greedy
-    sample_top_k: int = 50            # 0: the whole vocabulary
+    sample_tokens: int = setting(24, ge=0)       # new tokens of the end-of-run sample (pre-training); 0: no sample
+    sample_temperature: float = setting(0.8, ge=0)   # 0: greedy
+    sample_top_k: int = setting(50, ge=0)            # 0: the whole vocabulary
     sample_seed: int = 0
-    sample_no_repeat_ngram: int = 3   # no n-gram of this size twice in the sample; 0: no guard
-    max_minutes: float = 0.0      # stop (evaluate, save, export) after this much training time, counted from the
-                                  # end of the first step (compilation, autotuning); 0: no limit
-
-    def validate(self, where: str = "run") -> None:
-        if not isinstance(self.output_dir, str) or not self.output_dir.strip():
-            raise ConfigError(f"{where}.output_dir: expected a directory path, got {self.output_dir!r}")
-        for name in ("log_interval", "keep_last"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{where}.{name}: expected an integer >= 1, got {getattr(self, name)}")
-        for name in ("eval_interval", "save_interval", "sample_tokens", "max_minutes", "sample_temperature",
-                     "sample_top_k", "sample_no_repeat_ngram"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{where}.{name}: expected an integer >= 0, got {getattr(self, name)}")
+    sample_no_repeat_ngram: int = setting(3, ge=0)   # no n-gram of this size twice in the sample; 0: no guard
+    # stop (evaluate, save, export) after this much training time, counted from the end of the first step
+    # (compilation, autotuning); 0: no limit
+    max_minutes: float = setting(0.0, ge=0)
 
     @property
     def checkpoint_dir(self) -> Path:
