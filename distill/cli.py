@@ -5,22 +5,22 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict
 
-from distill.dpo_stage import DPO_SECTIONS, run_dpo
-from distill.kd import KD_SECTIONS, run_kd
-from distill.stage import STAGE_SECTIONS, run_ild
+from distill.dpo_stage import DPO_SECTIONS, dpo_configs, run_dpo
+from distill.kd import KD_SECTIONS, kd_configs, run_kd
+from distill.stage import STAGE_SECTIONS, ild_configs, run_ild
 from hybridlm.config.loader import load_config
 
 
 def cmd_ild(args) -> Dict[str, Any]:
-    return run_ild(load_config(args.config, args.overrides, sections=STAGE_SECTIONS))
+    return run_ild(ild_configs(load_config(args.config, args.overrides, sections=STAGE_SECTIONS)))
 
 
 def cmd_kd(args) -> Dict[str, Any]:
-    return run_kd(load_config(args.config, args.overrides, sections=KD_SECTIONS))
+    return run_kd(kd_configs(load_config(args.config, args.overrides, sections=KD_SECTIONS)))
 
 
 def cmd_dpo(args) -> Dict[str, Any]:
-    return run_dpo(load_config(args.config, args.overrides, sections=DPO_SECTIONS))
+    return run_dpo(dpo_configs(load_config(args.config, args.overrides, sections=DPO_SECTIONS)))
 
 
 def add_stage_parser(subparsers, name: str, help: str, sections: tuple, fn) -> argparse.ArgumentParser:

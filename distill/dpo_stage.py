@@ -111,10 +111,10 @@ def dpo_configs(sections: Dict[str, Any], where: str = "") -> Dict[str, Any]:
     return stage_configs(sections, PreferenceDataConfig, {"dpo": DPOConfig}, teacher=False, where=where)
 
 
-def run_dpo(sections: Dict[str, Any]) -> Dict[str, Any]:
-    """DPO of the student directory against a frozen copy of itself; every policy parameter trains."""
+def run_dpo(configs: Dict[str, Any]) -> Dict[str, Any]:
+    """DPO of the student directory against a frozen copy of itself, with the built sections
+    (:func:`dpo_configs`); every policy parameter trains."""
 
-    configs = dpo_configs(sections)
     cfg, student, optim, run = configs["dpo"], configs["student"], configs["optim"], configs["run"]
 
     def make_loss(_none):

@@ -88,8 +88,8 @@ def packed_kd_batches(data_cfg, optim, dist, tokenizer):
     return AlignedLabels(train), [aligned_labels(b) for b in val]
 
 
-def kd_data(data_section: Optional[Dict[str, Any]]) -> Tuple[type, Any, Dict[str, Any]]:
-    """(dataclass, batch factory, section without ``format``) of a KD ``data:`` section.
+def kd_data(data_section: Optional[Dict[str, Any]]) -> Tuple[type, Dict[str, Any]]:
+    """(dataclass, section without ``format``) of a KD ``data:`` section.
 
     ``format: chat`` (default): a chat / alpaca JSON file, the assistant tokens supervised. ``format: packed``:
     text sources packed into windows exactly like ILD's data (a :class:`hybridlm.data.DataConfig`), every token
@@ -98,24 +98,26 @@ def kd_data(data_section: Optional[Dict[str, Any]]) -> Tuple[type, Any, Dict[str
     fmt = section.pop("format", "chat")
     if fmt not in KD_DATA_FORMATS:
         raise ConfigError(f"kd.data.format: {fmt!r} is not one of {', '.join(KD_DATA_FORMATS)}")
-    if fmt == "packed":
-        return DataConfig, packed_kd_batches, section
-    return SFTDataConfig, make_sft_batches, section
+    return (DataConfig if fmt == "packed" else SFTDataConfig), section
+
+
+# the batch source of each KD data section
+KD_BATCHES = {DataConfig: packed_kd_batches, SFTDataConfig: make_sft_batches}
 
 
 def kd_configs(sections: Dict[str, Any], where: str = "") -> Dict[str, Any]:
     """A KD stage's sections built (:func:`distill.stage.stage_configs`), its ``data`` by ``data.format``."""
-    data_class, _, data = kd_data(sections.get("data"))
+    data_class, data = kd_data(sections.get("data"))
     return stage_configs({**sections, "data": data}, data_class, {"kd": KDConfig}, where=where)
 
 
-def run_kd(sections: Dict[str, Any]) -> Dict[str, Any]:
-    """KD-SFT of the student directory on chat data (``kd:`` section: :class:`KDConfig`); every student
-    parameter trains. Returns (and writes to ``final/stage.json``) the stage summary."""
+def run_kd(configs: Dict[str, Any]) -> Dict[str, Any]:
+    """KD-SFT of the student directory with the built sections (:func:`kd_configs`; ``kd:`` is
+    :class:`KDConfig`); every student parameter trains. Returns (and writes to ``final/stage.json``) the stage
+    summary."""
 
-    configs = kd_configs(sections)
     cfg = configs["kd"]
-    _, make_batches, _ = kd_data(sections.get("data"))
+    make_batches = KD_BATCHES[type(configs["data"])]
 
     def make_loss(teacher):
         teacher.eval()

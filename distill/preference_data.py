@@ -26,7 +26,7 @@ from typing import Any, Dict, List, NamedTuple, Sequence, Union
 import torch
 
 from hybridlm.config.errors import ConfigError
-from hybridlm.data.chat import (RecordError, chat_messages, common_prefix_len, has_chat_template, render_prompt,
+from hybridlm.data.chat import (RecordError, chat_messages, closing_ids, common_prefix_len, render_chat, render_prompt,
                                 sharegpt_turn, token_ids)
 
 IGNORE_INDEX = -100
@@ -149,14 +149,9 @@ def render_texts(tokenizer, pair: PreferencePair) -> Dict[str, str]:
     conversations (prompt + answer) as the model sees them, without the eos that :func:`tokenize_pair`
     appends in the plain format. (Some chat templates render a prompt that is not a prefix of the whole
     conversation; tokenize_pair copes with that as trl does, by the common token prefix.)"""
-    prompt = render_prompt(tokenizer, pair.prompt_messages)
-    out = {"prompt": prompt}
+    out = {"prompt": render_prompt(tokenizer, pair.prompt_messages)}
     for key, answer in (("chosen", pair.chosen), ("rejected", pair.rejected)):
-        if has_chat_template(tokenizer):
-            out[f"prompt_{key}"] = tokenizer.apply_chat_template(
-                list(pair.prompt_messages) + [{"role": "assistant", "content": answer}], tokenize=False)
-        else:
-            out[f"prompt_{key}"] = prompt + " " + answer
+        out[f"prompt_{key}"] = render_chat(tokenizer, [*pair.prompt_messages, {"role": "assistant", "content": answer}])
     return out
 
 
@@ -164,12 +159,12 @@ def tokenize_pair(tokenizer, example: Union[PreferencePair, Dict[str, Any]], max
                   max_prompt_length: int = 512) -> Dict[str, Any]:
     """Token ids and labels of the chosen and rejected sequences of one pair.
 
-    Returns ``chosen_input_ids``, ``chosen_labels``, ``rejected_input_ids``, ``rejected_labels`` (lists;
-    labels are -100 on the prompt) and ``prompt_length``. The text is the tokenizer's chat template when it
-    has one, else the plain ``"User: …\\nAssistant: …"`` format of :func:`render_prompt`. As in trl, prompt and prompt + answer are
-    tokenized as whole strings and the answer starts where they first differ (a token merging across the
-    boundary belongs to the answer); without a chat template the tokenizer's eos is appended to each
-    answer (trl adds it to non-conversational completions; templates close the turn themselves).
+    Returns ``chosen_input_ids``, ``chosen_labels``, ``rejected_input_ids``, ``rejected_labels`` (lists; labels are
+    -100 on the prompt) and ``prompt_length``. The text is the tokenizer's chat template when it has one, else the
+    plain ``"User: …\\nAssistant: …"`` fallback template (:mod:`hybridlm.data.chat`). As in trl, prompt and prompt
+    + answer are tokenized as whole strings and the answer starts where they first differ (a token merging across
+    the boundary belongs to the answer); without a chat template the tokenizer's eos is appended to each answer
+    (trl adds it to non-conversational completions; templates close the turn themselves).
 
     Truncation follows the published recipe's trl (``max_prompt_length`` + ``max_length``; trl 1.16
     itself only has ``max_length``): a prompt longer than ``max_prompt_length`` keeps its last tokens
@@ -187,10 +182,7 @@ def tokenize_pair(tokenizer, example: Union[PreferencePair, Dict[str, Any]], max
     prompt_ids = token_ids(tokenizer, texts["prompt"])
     full = {}
     for key in ("chosen", "rejected"):
-        ids = token_ids(tokenizer, texts[f"prompt_{key}"])
-        if not has_chat_template(tokenizer) and tokenizer.eos_token_id is not None:
-            ids = ids + [tokenizer.eos_token_id]
-        full[key] = ids
+        full[key] = token_ids(tokenizer, texts[f"prompt_{key}"]) + closing_ids(tokenizer)
     n_prompt = min(common_prefix_len(prompt_ids, full["chosen"]), common_prefix_len(prompt_ids, full["rejected"]))
     prompt = prompt_ids[:n_prompt]
     answers = {k: v[n_prompt:] for k, v in full.items()}

@@ -130,13 +130,14 @@ def run_stage(name: str, configs: Dict[str, Any],
     return result
 
 
-def run_ild(sections: Dict[str, Any]) -> Dict[str, Any]:
-    """Intermediate Layer Distillation: every decoder-layer parameter trains; embeddings and head stay frozen."""
+def run_ild(configs: Dict[str, Any]) -> Dict[str, Any]:
+    """Intermediate Layer Distillation of the built sections (:func:`ild_configs`): every decoder-layer parameter
+    trains; embeddings and head stay frozen."""
 
     def make_loss(teacher):
         return lambda student, batch: ild_loss(student, teacher, batch["input_ids"])
 
-    return run_stage("ild", ild_configs(sections), make_loss, lambda student: student.model.layers.parameters())
+    return run_stage("ild", configs, make_loss, lambda student: student.model.layers.parameters())
 
 
 # ------------------------------------------------------------------------------------- stage

@@ -316,11 +316,11 @@ def test_dpo_stage_starts_at_log2_logs_rewards_and_reports_held_out_accuracy(sta
 
 
 def test_dpo_rejects_a_teacher_section():
-    from distill.dpo_stage import DPO_SECTIONS, run_dpo
+    from distill.dpo_stage import DPO_SECTIONS, dpo_configs
     from hybridlm.config.loader import load_config
     with pytest.raises(ConfigError, match="unknown section 'teacher'"):
         load_config(str(REPO / "configs/upcycle/smollm2_dpo_cpu.yaml"), ["teacher.path=x"], sections=DPO_SECTIONS)
     with pytest.raises(ConfigError, match="DPO has no teacher"):
-        run_dpo({"teacher": {"path": "x"}, "student": {"path": "y"}, "data": {}, "optim": {}, "run": {}})
+        dpo_configs({"teacher": {"path": "x"}, "student": {"path": "y"}, "data": {}, "optim": {}, "run": {}})
     with pytest.raises(ConfigError, match="dpo.beta"):
-        run_dpo({"dpo": {"beta": 0}})
+        dpo_configs({"dpo": {"beta": 0}})

@@ -6,6 +6,7 @@ that stage's ``data`` / ``optim`` / ``run`` (and ``kd`` / ``dpo``) settings, as 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -41,6 +42,14 @@ def _stage_sections(section: Dict[str, Any], where: str, **fixed) -> Dict[str, A
     return out
 
 
+def ild_sections(built: Dict[str, Any], student: Path, output_dir: Path) -> Dict[str, Any]:
+    """One of the route's two ILD runs: a copy of the checked ILD sections (a stage may fill in its data
+    section, e.g. the tokenizer) with that run's student and output directory."""
+    configs = copy.deepcopy(built)
+    configs["student"].path, configs["run"].output_dir = str(student), str(output_dir)
+    return configs
+
+
 def check_route(stages: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     """Every training section of the route built through its stage's own schema, before the first stage starts:
     a typo in ``dpo.optim`` must not surface after init, both ILD runs, SMART and KD have finished."""
@@ -70,8 +79,10 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     built = check_route(stages)
     dist = init_distributed()
     ild_data = built["ild"]["data"]
-    ild_plans = {f"ild_{k}": training_plan("ild", {**built["ild"], "run": dataclasses.replace(
-        built["ild"]["run"], output_dir=str(out / f"ild_{k}"))}) for k in ("mla", linear)}
+    init_dir = out / "init"
+    ild_runs = {kind: ild_sections(built["ild"], init_dir / f"{kind}_student", out / f"ild_{kind}")
+                for kind in ("mla", linear)}
+    ild_plans = {f"ild_{kind}": training_plan("ild", configs) for kind, configs in ild_runs.items()}
     progress = RouteProgress({"init": None, **ild_plans, "smart": None, "compose": None,
                               "kd": training_plan("kd", built["kd"]), "dpo": training_plan("dpo", built["dpo"]),
                               "report": None}, enabled=dist.rank == 0)
@@ -80,7 +91,6 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "route_config.json", cfg, default=str)
 
-    init_dir = out / "init"
     progress.start("init")
     if dist.rank == 0 and not (init_dir / "init_report.json").is_file():
         init_students(teacher, init_dir, overwrite=True, **dataclasses.asdict(init_cfg))
@@ -89,9 +99,7 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
     for kind in ("mla", linear):
         progress.start(f"ild_{kind}")
-        summary[f"ild_{kind}"] = run_ild(_stage_sections(
-            ild, "ild", teacher__path=teacher, student__path=str(init_dir / f"{kind}_student"),
-            run__output_dir=str(out / f"ild_{kind}")))
+        summary[f"ild_{kind}"] = run_ild(ild_runs[kind])
         progress.finished(f"ild_{kind}", summary[f"ild_{kind}"])
 
     smart_dir = out / "smart"
@@ -112,7 +120,7 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
     for name, run_stage in (("kd", run_kd), ("dpo", run_dpo)):
         progress.start(name)
-        summary[name] = run_stage(stages[name])
+        summary[name] = run_stage(built[name])
         progress.finished(name, summary[name])
     progress.start("report")
     if dist.rank == 0:

@@ -1,6 +1,6 @@
 """Chat records shared by every stage that reads conversations (KD-SFT data, DPO preference pairs):
-message / ShareGPT-turn validation, prompt rendering with the tokenizer's chat template (or a plain
-``User: / Assistant:`` format without one) and token helpers."""
+message / ShareGPT-turn validation, rendering through the tokenizer's chat template (or a plain
+``User: / Assistant:`` template without one) and token helpers."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
@@ -9,7 +9,6 @@ ROLES = ("system", "user", "assistant")
 # ShareGPT speaker names -> chat roles.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system"}
-FALLBACK_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
 
 
 class RecordError(Exception):
@@ -48,27 +47,57 @@ def sharegpt_turn(t: Any, where: str) -> Dict[str, str]:
     return {"role": role, "content": t["value"]}
 
 
+# The plain format for tokenizers without a chat template, as a chat template of its own: "System: ...\n",
+# "User: ...\n", "Assistant: ...\n" a message; a conversation ending with the assistant's answer has no newline
+# after it, and the generation prompt is "Assistant:" (the answer follows after one space, which belongs to the
+# answer, so that the prompt ends on a token boundary: " Hello" is one token). The {% generation %} markers
+# let transformers' ``return_assistant_tokens_mask`` find the answers (tests/test_chat.py compares it with
+# :func:`hybridlm.data.sft.tokenize_conversation`'s labels). Without a template of its own, the tokenizer's
+# bos / eos conventions apply (:func:`token_ids`, the eos the stages append after the last answer).
+FALLBACK_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "Assistant:{% generation %} {{ message['content'] }}{% endgeneration %}"
+    "{%- if not loop.last or add_generation_prompt %}{{ '\\n' }}{% endif -%}"
+    "{%- else -%}"
+    "{{ {'system': 'System', 'user': 'User'}[message['role']] }}: {{ message['content'] }}{{ '\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}Assistant:{% endif -%}"
+)
+
+
 def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_prompt(tokenizer, messages: Sequence[Dict[str, str]]) -> str:
-    """The prompt text, ending where the assistant's answer starts (use it for generation too).
+def chat_template(tokenizer) -> str:
+    """The tokenizer's own chat template, or :data:`FALLBACK_CHAT_TEMPLATE`."""
+    return tokenizer.chat_template if has_chat_template(tokenizer) else FALLBACK_CHAT_TEMPLATE
 
-    With a chat template: the template with ``add_generation_prompt=True``. Without one, the plain format
-    ``"System: …\\n"`` / ``"User: …\\n"`` / ``"Assistant: …\\n"`` a message, then ``"Assistant:"``; the
-    answer follows after one space (``"User: hi\\nAssistant: Hello"``). The space belongs to the answer
-    so that the prompt ends on a token boundary (`` Hello`` is one token; a prompt ending in a lone space
-    would be tokenized differently at training and at generation time).
-    """
-    if has_chat_template(tokenizer):
-        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-    return "".join(f"{FALLBACK_NAMES[m['role']]}: {m['content']}\n" for m in messages) + "Assistant:"
+
+def render_chat(tokenizer, messages: Sequence[Dict[str, str]], add_generation_prompt: bool = False) -> str:
+    """``messages`` as text through the chat template (the tokenizer's, else the plain fallback)."""
+    return tokenizer.apply_chat_template(list(messages), chat_template=chat_template(tokenizer), tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def render_prompt(tokenizer, messages: Sequence[Dict[str, str]]) -> str:
+    """The prompt text, ending where the assistant's answer starts (use it for generation too)."""
+    return render_chat(tokenizer, messages, add_generation_prompt=True)
 
 
 def token_ids(tokenizer, text: str) -> List[int]:
     # Chat templates write their own special tokens (bos); the plain format relies on the tokenizer's.
     return tokenizer(text, add_special_tokens=not has_chat_template(tokenizer))["input_ids"]
+
+
+def closing_ids(tokenizer) -> List[int]:
+    """Token ids after the last answer: a chat template closes the turn itself; the plain format ends with the
+    tokenizer's eos (trl adds it to non-conversational completions too), so the model learns to stop."""
+    if has_chat_template(tokenizer) or tokenizer.eos_token_id is None:
+        return []
+    return [tokenizer.eos_token_id]
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -9,9 +9,9 @@ Records (a ``.json`` list, JSON lines, or ``.jsonl``; one file may mix layouts, 
 3. ShareGPT: ``{"conversations": [{"from": "human" | "gpt" | "system", "value": str}, ...]}`` (+ optional
    top-level ``"system"``).
 
-Rendering is :mod:`distill.preference_data`'s (one implementation for SFT and DPO): the tokenizer's chat
-template when it has one, else the plain ``"User: …\\nAssistant: …"`` format with the tokenizer's eos after
-the final answer. A single-turn SFT example therefore tokenizes exactly like a DPO chosen sequence.
+Rendering is :mod:`hybridlm.data.chat`'s (one implementation for SFT and DPO): the tokenizer's chat
+template when it has one, else the plain ``"User: …\\nAssistant: …"`` fallback template with the tokenizer's eos
+after the final answer. A single-turn SFT example therefore tokenizes exactly like a DPO chosen sequence.
 
 Labels are aligned with ``input_ids`` (transformers convention; the loss shifts them) and are -100
 everywhere except on the assistant turns (every assistant turn of a multi-turn conversation trains; with a
@@ -38,7 +38,7 @@ import torch
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import Section, setting
-from hybridlm.data.chat import (RecordError, chat_messages, common_prefix_len, has_chat_template, render_prompt,
+from hybridlm.data.chat import (RecordError, chat_messages, closing_ids, common_prefix_len, render_chat, render_prompt,
                                 sharegpt_turn, token_ids)
 from hybridlm.data.prepare import _json_records, _split_docs
 from hybridlm.data.sampler import ShuffledBatches, validation_indices
@@ -131,28 +131,20 @@ def load_sft_data(path) -> List[Messages]:
 
 
 # ------------------------------------------------------------------------------------- tokenizing
-def _render_through(tokenizer, messages: Messages, k: int) -> str:
-    """The conversation up to and including assistant message ``k``."""
-    if has_chat_template(tokenizer):
-        return tokenizer.apply_chat_template(list(messages[:k + 1]), tokenize=False)
-    return render_prompt(tokenizer, messages[:k]) + " " + messages[k]["content"]
-
-
 def tokenize_conversation(tokenizer, messages: Messages, max_length: int) -> Optional[Dict[str, List[int]]]:
     """``{"input_ids", "labels"}`` of one conversation (labels -100 off the assistant turns), cut to
     ``max_length``; None when no assistant token survives the cut."""
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
         raise ConfigError(f"max_length: expected an integer >= 2, got {max_length!r}")
     last = len(messages) - 1
-    full = token_ids(tokenizer, _render_through(tokenizer, messages, last))
-    if not has_chat_template(tokenizer) and tokenizer.eos_token_id is not None:
-        full = full + [tokenizer.eos_token_id]
+    full = token_ids(tokenizer, render_chat(tokenizer, messages)) + closing_ids(tokenizer)
     labels = [IGNORE_INDEX] * len(full)
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         start = common_prefix_len(token_ids(tokenizer, render_prompt(tokenizer, messages[:k])), full)
-        end = len(full) if k == last else common_prefix_len(token_ids(tokenizer, _render_through(tokenizer, messages, k)), full)
+        end = len(full) if k == last else common_prefix_len(token_ids(tokenizer, render_chat(tokenizer, messages[:k + 1])),
+                                                              full)
         labels[start:end] = full[start:end]
     ids, labels = full[:max_length], labels[:max_length]
     if all(l == IGNORE_INDEX for l in labels[1:]):  # label 0 is never a target (nothing predicts it)
