@@ -8,6 +8,7 @@ optimizer state it holds.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -154,8 +155,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             json.dump({"rank": info.rank, "world_size": info.world_size, "client": client,
                        "global_step": engine.global_step, "losses": [r.loss for r in res],
                        "params_digest": params_digest(engine.module)}, f)
-        from hybridlm.engine import shutdown_distributed
-        shutdown_distributed()
+        engine.ds_engine.destroy()
+        del engine
+        close()
         return
     poison = {args.nan_step: [2, 3]}  # rows 2-3 live on rank 1 only
 
@@ -198,7 +200,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     }
     with open(os.path.join(args.out, f"rank{info.rank}.json"), "w") as f:
         json.dump(out, f)
+    engine.ds_engine.destroy()
+    resumed.ds_engine.destroy()
+    del engine, resumed
+    close()
+
+
+def close() -> None:
+    """Every process group torn down once the engines are released (their DeepSpeed optimizers hold the
+    data-parallel group): gloo threads of a group still referenced at interpreter teardown can abort the rank
+    (hybridlm/engine/distributed.py, _destroy_groups)."""
     from hybridlm.engine import shutdown_distributed
+    gc.collect()
     shutdown_distributed()
 
 

@@ -432,10 +432,11 @@ def test_distributed_helpers_single_process():
 
 
 @pytest.mark.timeout(300)
-# bf16 on 2 CPU ranks aborts intermittently inside gloo / DeepSpeed ("terminate called without an active
-# exception", 2 of 6 clean-clone CI runs, mid-run after the NaN-skip step); it stays runnable with -m slow
-# until the cause is found. fp32 keeps the same assertions in the default run.
-@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
+# bf16 on 2 CPU ranks once aborted at exit in some CI runs ("terminate called without an active exception": gloo
+# threads of a group still referenced at interpreter teardown); the worker now releases its engines and tears the
+# groups down through DeepSpeed's comm layer (hybridlm/engine/distributed.py). BENCHMARKS.md, "Default test
+# suite", has the repetition counts.
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_two_rank_zero1_shards_state_and_matches_one_rank(tmp_path, precision):
     env = subprocess_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",

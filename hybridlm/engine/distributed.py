@@ -17,6 +17,7 @@ import atexit
 import datetime
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -142,19 +143,30 @@ def barrier() -> None:
         dist.barrier(device_ids=[torch.cuda.current_device()] if on_gpu else None)
 
 
-def _destroy_at_exit() -> None:
-    """Tear the group down before interpreter teardown: left to exit, gloo's threads can abort a rank
-    ("terminate called without an active exception", seen once in a 2-rank CPU run)."""
-    if dist.is_available() and dist.is_initialized():
+def _destroy_groups() -> None:
+    """Destroy every process group, through DeepSpeed's comm layer when it adopted them: it also drops the groups
+    DeepSpeed keeps (its clone of the world group), whose gloo threads torch's ``destroy_process_group`` alone
+    leaves running into interpreter teardown, where a thread ended mid-destructor aborts the rank ("terminate
+    called without an active exception")."""
+    ds_comm = sys.modules.get("deepspeed.comm")
+    if ds_comm is not None and ds_comm.is_initialized():
+        ds_comm.destroy_process_group()
+    elif dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _destroy_at_exit() -> None:
+    """Tear the groups down before interpreter teardown (see :func:`_destroy_groups`)."""
+    if dist.is_available() and dist.is_initialized():
+        _destroy_groups()
 
 
 def shutdown_distributed() -> None:
-    """Wait for every rank, then tear the process group down (see :func:`_destroy_at_exit`)."""
+    """Wait for every rank, then tear the process groups down (see :func:`_destroy_groups`)."""
     global _INFO
     if dist.is_available() and dist.is_initialized():
         barrier()
-        dist.destroy_process_group()
+        _destroy_groups()
     _INFO = None
 
 

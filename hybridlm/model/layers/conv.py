@@ -27,6 +27,15 @@ class ShortConv(nn.Module):
         init_short_conv(self, std)
 
 
+def recurrent_context(ctx, layer_idx: int, x: torch.Tensor):
+    """``(cache, x)`` for a recurrent mixer's forward: outside generation ``(None, x)``; in generation
+    (``ctx`` an :class:`~hybridlm.model.cache.InferenceContext`) the layer's cached conv / recurrent states and
+    ``x`` with padded positions zeroed."""
+    if ctx is None:
+        return None, x
+    return ctx.layer(layer_idx), ctx.zero_padding(x)
+
+
 def run_short_conv(conv: ShortConv, x: torch.Tensor, triton: bool, cache=None, name: str = "conv") -> torch.Tensor:
     """``silu(conv(x))``; with a :class:`~hybridlm.model.cache.RecurrentCacheLayer` the conv continues from
     (and updates) its conv state ``name`` (in place for a static cache)."""

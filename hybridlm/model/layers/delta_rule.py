@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.model.layers.conv import ShortConv, run_short_conv
+from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_conv
 from hybridlm.model.layers.init import init_A_log, init_dt_bias
 from hybridlm.ops.backend import use_triton, use_triton_elementwise
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state, l2_normalize
@@ -92,10 +92,7 @@ class DeltaRuleMixer(nn.Module):
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         B, T, _ = x.shape
         triton = use_triton(self.backend, x)
-        cache = None
-        if ctx is not None:  # generation: cached states and padding
-            cache = ctx.layer(self.layer_idx)
-            x = ctx.zero_padding(x)
+        cache, x = recurrent_context(ctx, self.layer_idx, x)
         q = run_short_conv(self.q_conv1d, self.q_proj(x), triton, cache, "q")
         k = run_short_conv(self.k_conv1d, self.k_proj(x), triton, cache, "k")
         v = run_short_conv(self.v_conv1d, self.v_proj(x), triton, cache, "v")

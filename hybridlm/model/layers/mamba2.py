@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.model.layers.conv import ShortConv, run_short_conv
+from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_conv
 from hybridlm.model.layers.init import init_A_log, init_dt_bias
 from hybridlm.ops.backend import use_triton, use_triton_elementwise
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state
@@ -78,10 +78,7 @@ class Mamba2(nn.Module):
     def forward(self, hidden: torch.Tensor, ctx=None) -> torch.Tensor:
         Bsz, T, _ = hidden.shape
         triton = use_triton(self.backend, hidden)
-        cache = None
-        if ctx is not None:  # generation: cached states and padding
-            cache = ctx.layer(self.layer_idx)
-            hidden = ctx.zero_padding(hidden)
+        cache, hidden = recurrent_context(ctx, self.layer_idx, hidden)
         z, xbc, dt = self.in_proj(hidden).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         if self.z_bias is not None:
             z = z + self.z_bias.to(z.dtype)
