@@ -18,6 +18,8 @@ from typing import Callable, Dict, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence
+
 # op(q, k, v, g, initial_state) -> (y, final_state): the SSD as gated linear attention, [B, T, H, *]
 GlaOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]],
                  tuple]
@@ -29,7 +31,6 @@ def fla_gla_op(q, k, v, g, initial_state):
 
 
 def torch_gla_op(q, k, v, g, initial_state):
-    from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence
     return chunk_gated_recurrence(q, k, v, g, beta=None, scale=1.0, initial_state=initial_state,
                                   output_final_state=True)
 
