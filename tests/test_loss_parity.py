@@ -271,3 +271,29 @@ def test_a_time_limits_sigterm_keeps_the_cut_runs_curve_and_resume_finishes(tmp_
     assert [len(r["train_loss"]) for r in resumed["runs"]] == [3, 3] and "cut_at" not in resumed["runs"][1]
     assert resumed["runs"][0]["wall_s"] == ours["wall_s"]  # kept
     assert resumed["runs"][1]["train_loss"][:2] == pytest.approx(peer["train_loss"])
+
+
+def test_peer_parts_copy_only_the_named_tensors(austen_data):
+    """``peer:out_proj+A_log``: those tensors are the peer's initial weights, every other tensor is our own init
+    with the same seed (the peer's init ablated part by part); a name that matches nothing is an error."""
+    pytest.importorskip("transformers.models.mamba2")
+    from hybridlm.bench import loss_parity as LP
+
+    args = LP.parse_args(["--family", "mamba2", "--out", "unused", "--peer", "hf", "--seq", "32",
+                          "--ours-init", "fla", "peer:out_proj+A_log", "--model-override", *MAMBA2_TINY])
+    config = LP.resolve_config(args, austen_data)
+    part, info = LP.build_ours(config, 0, "peer:out_proj+A_log", args)
+    whole, _ = LP.build_ours(config, 0, "peer", args)
+    own, _ = LP.build_ours(config, 0, "fla")
+    names = [n for n, _ in part.named_parameters()]
+    copied = [n for n in names if n.split(".")[-2] == "out_proj" or n.endswith("A_log")]
+    assert info["copied_tensors"] == len(copied) == 8  # 4 mixers x (out_proj, A_log)
+    sd_part, sd_whole, sd_own = part.state_dict(), whole.state_dict(), own.state_dict()
+    for n in names:
+        expected = sd_whole[n] if n in copied else sd_own[n]
+        assert torch.equal(sd_part[n], expected), n
+    assert not torch.equal(sd_whole[copied[0]], sd_own[copied[0]])  # the two inits do differ there
+    with pytest.raises(ValueError, match="no tensor of ours is named 'outproj'"):
+        LP.build_ours(config, 0, "peer:outproj", args)
+    with pytest.raises(SystemExit):
+        LP.parse_args(["--family", "mamba2", "--out", "u", "--peer", "hf", "--ours-init", "peer:"])

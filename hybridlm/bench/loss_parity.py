@@ -10,10 +10,11 @@
 ``--ours-init`` lists init variants, each trained as one more "ours" run against the same peer runs (the
 ablation table): ``fla`` (the default: fla's statistics), ``legacy`` (everything this toolkit did before,
 :func:`hybridlm.model.legacy_init.apply_legacy_init`), ``legacy:PART+PART`` (only those parts back to the
-old init; parts ``conv``, ``conv_bias``, ``mamba2_out_proj``) or ``peer`` (the exact initial weights of the peer
+old init; parts ``conv``, ``conv_bias``, ``mamba2_out_proj``), ``peer`` (the exact initial weights of the peer
 built with that run's seed, copied tensor by tensor: :mod:`hybridlm.bench.peer_weights`; a ``peer`` run that
 follows the peer's curve puts a gap on the initialisation, one that follows ours' on the rest: forward numerics,
-parameterisation).
+parameterisation) or ``peer:NAME+NAME`` (only the tensors with those name components, e.g. ``peer:out_proj``,
+``peer:conv1d+A_log``, from the peer; the rest our own init: the peer's init part by part).
 
 **Peers** (``--peer``, default ``fla``), built with the shapes of ours (the parameter counts are printed and
 must match): fla's ``GatedDeltaNetForCausalLM`` / ``KDAForCausalLM`` (as in :mod:`hybridlm.bench.peers`)
@@ -62,7 +63,7 @@ import torch
 from hybridlm.bench.common import (DEFAULT_DATA, DEFAULT_SOURCES, DEFAULT_TOKENIZER, free_memory, model_section,
                                    versions, write_report)
 from hybridlm.bench import peer_ssd
-from hybridlm.bench.peer_weights import fla_mamba2_reads_groups_tiled, load_peer_weights
+from hybridlm.bench.peer_weights import fla_mamba2_reads_groups_tiled, mapped_peer_state
 from hybridlm.bench.peers import build_peer as speed_peer
 from hybridlm.data import DataConfig, PackedBatches, PackedTokens, ensure_prepared, read_meta, validation_batches
 from hybridlm.engine import Engine, OptimConfig, build_param_groups
@@ -110,21 +111,37 @@ def resolve_config(args, data_dir: Path, name: Optional[str] = None, overrides: 
 
 def parse_variant(text: str):
     """``fla`` and ``peer`` -> no legacy parts; ``legacy`` -> all of them; ``legacy:conv+mamba2_out_proj`` ->
-    those."""
-    kind, _, parts = text.partition(":")
-    if kind in ("fla", PEER_INIT) and not parts:
+    those; ``peer:out_proj+A_log`` -> no legacy parts (the names are :func:`peer_parts`')."""
+    kind, sep, parts = text.partition(":")
+    if kind in ("fla", PEER_INIT) and not sep:
+        return []
+    if kind == PEER_INIT:
+        peer_parts(text)
         return []
     if kind != "legacy":
-        raise ValueError(f"init variant {text!r}: expected fla, peer, legacy or legacy:PART+PART")
+        raise ValueError(f"init variant {text!r}: expected fla, peer, peer:NAME+NAME, legacy or legacy:PART+PART")
     return check_legacy_parts(parts.split("+")) if parts else list(LEGACY_PARTS)
 
 
-def build_ours(config, seed: int, variant: str = "fla", args=None):
-    """(our model, description) with the init ``variant``; ``peer`` needs ``args`` (``--peer``, ``--family``
-    and the peer's options) to build the peer whose weights it copies."""
+def peer_parts(variant: str) -> Optional[List[str]]:
+    """``peer`` -> None (every tensor from the peer); ``peer:out_proj+conv1d`` -> those names: only our tensors
+    whose dotted name has one of them as a component (``out_proj`` matches ``model.layers.3.mixer.out_proj.weight``)
+    are copied from the peer, the rest keep our init: an ablation of the peer's init part by part."""
+    kind, sep, parts = variant.partition(":")
+    if kind != PEER_INIT:
+        raise ValueError(f"init variant {variant!r}: not a peer variant")
+    names = [n for n in parts.split("+") if n] if sep else None
+    if sep and not names:
+        raise ValueError(f"init variant {variant!r}: expected peer:NAME+NAME (e.g. peer:out_proj+A_log)")
+    return names
 
-    if variant == PEER_INIT:
-        return ours_from_peer(config, seed, args)
+
+def build_ours(config, seed: int, variant: str = "fla", args=None):
+    """(our model, description) with the init ``variant``; ``peer`` / ``peer:NAMES`` need ``args`` (``--peer``,
+    ``--family`` and the peer's options) to build the peer whose weights they copy."""
+
+    if variant.partition(":")[0] == PEER_INIT:
+        return ours_from_peer(config, seed, args, variant)
     parts = parse_variant(variant)
     torch.manual_seed(seed)
     model = HybridForCausalLM(config)
@@ -133,19 +150,28 @@ def build_ours(config, seed: int, variant: str = "fla", args=None):
                    "legacy_params": len(touched)}
 
 
-def ours_from_peer(config, seed: int, args):
-    """Our model holding the initial weights of the peer built with ``seed`` (the ``peer`` variant): the same
-    starting point, so what still differs is the forward and the parameterisation."""
+def ours_from_peer(config, seed: int, args, variant: str = PEER_INIT):
+    """Our model holding the initial weights of the peer built with ``seed`` (the ``peer`` variant: the same
+    starting point, so what still differs is the forward and the parameterisation), or only the tensors that
+    ``peer:NAMES`` names (:func:`peer_parts`), the others from our own init with the same seed."""
 
     if args is None:
-        raise ValueError("init variant 'peer' copies the peer's weights: build_ours needs the bench's args")
+        raise ValueError(f"init variant {variant!r} copies the peer's weights: build_ours needs the bench's args")
+    names = peer_parts(variant)
     peer, peer_info = build_peer(args.peer, args.family, config, seed, args)
     torch.manual_seed(seed)
-    model = HybridForCausalLM(config)  # its own init is overwritten, every tensor
-    copied = load_peer_weights(model, peer, args.peer, args.family)
+    model = HybridForCausalLM(config)  # its own init, overwritten where the peer's tensors are copied
+    mapped = mapped_peer_state(model, peer, args.peer, args.family)
     del peer
-    info = {"class": "HybridForCausalLM", "init": PEER_INIT, "legacy_parts": [], "legacy_params": 0,
-            "weights_from": peer_info["class"], "weights_from_seed": seed, "copied_tensors": copied}
+    if names is not None:
+        unmatched = [n for n in names if not any(n in key.split(".") for key in mapped)]
+        if unmatched:
+            raise ValueError(f"init variant {variant!r}: no tensor of ours is named {unmatched[0]!r} "
+                             f"(names are components of e.g. {next(iter(mapped))})")
+        mapped = {k: v for k, v in mapped.items() if any(n in k.split(".") for n in names)}
+    model.load_state_dict(mapped, strict=names is None)
+    info = {"class": "HybridForCausalLM", "init": variant, "legacy_parts": [], "legacy_params": 0,
+            "weights_from": peer_info["class"], "weights_from_seed": seed, "copied_tensors": len(mapped)}
     if "note" in peer_info:  # the peer computes another function of these weights
         info["note"] = peer_info["note"]
     return model, info
@@ -537,7 +563,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ours-init", nargs="+", default=["fla"], metavar="VARIANT",
                    help="init variants of ours, one run each: fla, legacy, legacy:PART+PART (parts conv, "
                         "conv_bias, mamba2_out_proj), peer (the initial weights of the --peer model built with "
-                        "the same seed, copied); the first is the headline")
+                        "the same seed, copied), peer:NAME+NAME (only those tensors, e.g. peer:out_proj); the "
+                        "first is the headline")
     p.add_argument("--ours-engine", nargs="*", default=[], metavar="PRECISION",
                    help="one more run of ours (first init variant and seed) per precision through the training "
                         "engine, as pretrain.py trains: bf16 (bf16 weights, fp32 master), bf16-mixed (fp32 "
@@ -584,8 +611,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for prec in args.ours_engine:
         if prec not in PRECISIONS:
             p.error(f"--ours-engine {prec}: expected one of {', '.join(PRECISIONS)}")
-    if args.peer_init == PEER_INIT:
-        p.error("--peer-init peer: the peer cannot copy itself; use it in --ours-init")
+    if args.peer_init.partition(":")[0] == PEER_INIT:
+        p.error(f"--peer-init {args.peer_init}: the peer cannot copy itself; use it in --ours-init")
     if args.steps < 1 or args.val_interval < 1 or args.val_batches < 1 or args.micro_batch < 1:
         p.error("--steps, --val-interval, --val-batches and --micro-batch must be >= 1")
     if args.peer_config and args.peer != "ours":
