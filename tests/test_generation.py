@@ -1,4 +1,6 @@
 """Cached generation (HybridCache, absorbed-weight MLA decode, recurrent mixer steps) against full forwards, CPU fp32."""
+import logging
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -334,3 +336,60 @@ def test_graphed_generate_gives_generates_tokens():
     assert torch.equal(sample(5, top_k=1), got)
     with pytest.raises(ValueError, match="max_new_tokens"):
         graphed_generate(model, ids, 0)
+
+
+@torch.no_grad()
+def test_generate_takes_the_fast_path_when_it_computes_the_same(caplog, monkeypatch):
+    """model.generate(): a call the static cache serves (rows of one length; greedy, EOS, sampling) goes through
+    graphed_generate (fast_path=True forces it on a CPU; on CUDA it is the default) and gives transformers' own
+    loop's greedy tokens; a call it cannot serve takes transformers' loop and says why once."""
+    from hybridlm.model import fast_generate, modeling
+    from hybridlm.model.fast_generate import fast_path_plan
+
+    model = _model("mixed")
+    ids, new = _ids(2, 7), 12
+    calls = []
+    original = modeling.graphed_generate
+
+    def counting(*a, **k):
+        calls.append(k)
+        return original(*a, **k)
+
+    monkeypatch.setattr(modeling, "graphed_generate", counting)
+    mask = torch.ones_like(ids)
+    slow = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    assert not calls  # a CPU model: transformers' loop unless asked
+    fast = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                          fast_path=True)
+    assert len(calls) == 1 and torch.equal(fast, slow)
+    eos = int(slow[0, 7 + 2])
+    kw = dict(attention_mask=mask, max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(model.generate(ids, fast_path=True, **kw), model.generate(ids, fast_path=False, **kw))
+    assert len(calls) == 2
+    # sampling (temperature, the config's top-k): repeatable under the global seed; top_k=1 is greedy.
+    # (transformers' loop draws the same distribution, not the same random numbers.)
+    def sample(seed, **kw):
+        torch.manual_seed(seed)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=True, pad_token_id=0,
+                              fast_path=True, **kw)
+    assert torch.equal(sample(11, temperature=0.8), sample(11, temperature=0.8))
+    assert calls[-1]["temperature"] == 0.8 and calls[-1]["top_k"] == model.generation_config.top_k
+    assert torch.equal(sample(12, top_k=1), slow) and len(calls) == 5
+    # what it cannot serve: transformers' loop, with the reason
+    padded = mask.clone()
+    padded[0, 0] = 0
+    for extra, reason in ((dict(num_beams=2), "num_beams=2"), (dict(top_p=0.9), "top_p=0.9"),
+                          (dict(attention_mask=padded), "padded rows"),
+                          (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
+                          (dict(eos_token_id=[1, 2]), "several EOS"), (dict(streamer=object()), "'streamer'")):
+        plan, why = fast_path_plan(model, ids, None, {"attention_mask": mask, "max_new_tokens": 4,
+                                                      "fast_path": True, **extra})
+        assert plan is None and reason in why, (extra, why)
+    fast_generate._SAID.clear()
+    with caplog.at_level(logging.WARNING, logger="hybridlm.model.fast_generate"):
+        for _ in range(2):
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2, do_sample=False,
+                                 pad_token_id=0, fast_path=True)
+    assert out.shape == (2, 10) and len(calls) == 5
+    said = [r for r in caplog.records if "num_beams" in r.getMessage()]
+    assert len(said) == 1  # once

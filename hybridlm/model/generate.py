@@ -1,9 +1,10 @@
 """Greedy sampling by repeated full forwards (no cache): small, exact, used for end-of-run samples and
 as the reference the cached path is tested against.
 
-For real generation use transformers' ``model.generate(input_ids, attention_mask=..., max_new_tokens=...)``:
-it carries a :class:`hybridlm.model.cache.HybridCache` (MLA latents + RoPE keys, recurrent and conv states),
-decodes one token per step (absorbed-weight MLA, recurrent mixer steps) and handles left-padded batches."""
+For real generation use ``model.generate(input_ids, attention_mask=..., max_new_tokens=...)``: it carries a
+:class:`hybridlm.model.cache.HybridCache` (MLA latents + RoPE keys, recurrent and conv states), decodes one token
+per step (absorbed-weight MLA, recurrent mixer steps) and handles left-padded batches; on CUDA, rows of one
+length go through a static cache and a captured step (:mod:`hybridlm.model.fast_generate`)."""
 from __future__ import annotations
 
 import torch

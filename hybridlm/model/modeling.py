@@ -20,6 +20,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hybridlm.model.cache import HybridCache, InferenceContext
 from hybridlm.model.configuration import HybridConfig, write_remote_code
+from hybridlm.model.fast_generate import fast_path_plan, say_why
+from hybridlm.model.graphs import graphed_generate
 from hybridlm.model.layers import SUBLAYERS, Mamba2, RMSNorm
 from hybridlm.model.layers.conv import ShortConv
 from hybridlm.model.layers.init import init_residual_out_proj, init_short_conv
@@ -155,6 +157,19 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, value):
         self.lm_head = value
+
+    def generate(self, inputs: Optional[torch.Tensor] = None, generation_config=None, **kwargs):
+        """transformers' ``generate()``; on CUDA, a call that a static cache and one captured decode step serve
+        exactly (rows of one length, greedy or temperature / top-k sampling, one EOS) goes through
+        :func:`hybridlm.model.graphs.graphed_generate` instead, and any other says once why it does not
+        (:mod:`hybridlm.model.fast_generate`). ``fast_path=False`` always takes transformers' loop; ``True`` takes
+        the static cache on a CPU too (no graph there: the same tokens)."""
+        plan, why = fast_path_plan(self, inputs, generation_config, kwargs)
+        if plan is not None:
+            return graphed_generate(self, **plan)
+        say_why(why)
+        kwargs.pop("fast_path", None)
+        return super().generate(inputs, generation_config, **kwargs)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

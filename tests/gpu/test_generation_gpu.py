@@ -147,3 +147,20 @@ def test_graphed_generate_equals_its_eager_run(name):
     eos = int(eager[1, 137 + 5])
     assert torch.equal(graphed_generate(model, ids, 40, eos_token_id=eos, pad_token_id=0),
                        graphed_generate(model, ids, 40, eos_token_id=eos, pad_token_id=0, cuda_graph=False))
+
+
+@pytest.mark.parametrize("name", ["mamba2", "mixed"])
+@torch.no_grad()
+def test_generate_on_cuda_takes_the_graph_path_with_the_same_tokens(name):
+    """On CUDA, plain model.generate() of full rows goes through graphed_generate (the captured step) and gives
+    the tokens of transformers' own loop (fast_path=False), fp32 greedy, EOS included."""
+    model = _model(name, torch.float32)
+    ids = torch.randint(1, 4096, (3, 137), device="cuda")
+    mask = torch.ones_like(ids)
+    fast = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    slow = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0,
+                          fast_path=False)
+    assert torch.equal(fast, slow)
+    eos = int(slow[1, 137 + 5])
+    kw = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    assert torch.equal(model.generate(ids, **kw), model.generate(ids, fast_path=False, **kw))
