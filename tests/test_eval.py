@@ -118,7 +118,7 @@ def test_ppl_dataset_folder_equals_text_file(models, austen_files, tmp_path, cap
     assert a["tokens"] == b["tokens"] == MAX_TOKENS and a["ppl"] == pytest.approx(b["ppl"], rel=1e-6)
 
 
-def test_bad_input_is_one_line(models, austen_files, tmp_path):
+def test_bad_input_is_one_line(models, austen_files, tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n  \n", encoding="utf-8")
     no_config = tmp_path / "not_a_model"
@@ -139,14 +139,16 @@ def test_bad_input_is_one_line(models, austen_files, tmp_path):
         (["--model", models["hybrid"], "--text", tmp_path / "missing.txt"], "no such file or directory"),
         (["--model", models["hybrid"], "--text", empty], "no text to evaluate"),
     ]
+    # the first through a real process (exit code and stderr as a user sees them), the rest in this one
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    for args, needle in cases:
-        proc = subprocess.run([sys.executable, "-m", "hybridlm.eval", "ppl", *map(str, args)], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2, proc.stderr
-        assert proc.stdout == ""
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "hybridlm.eval", "ppl", *map(str, cases[0][0])], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    results = [(proc.returncode, proc.stdout, proc.stderr)]
+    results += [_run_main(capsys, ["ppl", *args]) for args, _ in cases[1:]]
+    for (rc, out, err), (_, needle) in zip(results, cases):
+        assert rc == 2 and out == "", err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
 
 
 def test_lm_eval_without_package_is_one_line(models, capsys, monkeypatch):
