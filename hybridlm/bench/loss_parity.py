@@ -26,8 +26,8 @@ have no MLP, so for ``--family mamba2`` our pattern becomes one Mamba2 mixer per
 Without mamba_ssm both Mamba2 peers take their naive torch SSD, whose memory grows with the chunk length:
 ``--peer-chunk-size`` (default 64) sets it. For transformers' peer ``--peer-ssd chunked`` (the default) swaps
 that SSD for a chunked kernel of the same function (fla's on CUDA; :mod:`hybridlm.bench.peer_ssd`), after
-checking loss and gradients against the reference on the first batch (``peer_ssd_check`` in the report). fla's gives head ``h`` the B / C of group ``h % n_groups`` where
-mamba_ssm, transformers and ours give each group consecutive heads: with ``1 < n_groups < heads`` it is another
+checking loss and gradients against the reference on the first batch (``peer_ssd_check`` in the report).
+fla's gives head ``h`` the B / C of group ``h % n_groups`` where mamba_ssm, transformers and ours give each group consecutive heads: with ``1 < n_groups < heads`` it is another
 wiring of the same weights (the run's ``note`` says so; :mod:`hybridlm.bench.peer_weights`).
 
 Both train in the same plain torch loop: fp32 weights, bf16 autocast on CUDA (fp32 on CPU), AdamW with the
@@ -63,7 +63,7 @@ import torch
 from hybridlm.bench.common import (DEFAULT_DATA, DEFAULT_SOURCES, DEFAULT_TOKENIZER, free_memory, model_section,
                                    versions, write_report)
 from hybridlm.bench import peer_ssd
-from hybridlm.bench.peer_weights import fla_mamba2_reads_groups_tiled, mapped_peer_state
+from hybridlm.bench.peer_weights import fla_mamba2_reads_groups_tiled, load_peer_weights
 from hybridlm.bench.peers import build_peer as speed_peer
 from hybridlm.data import DataConfig, PackedBatches, PackedTokens, ensure_prepared, read_meta, validation_batches
 from hybridlm.engine import Engine, OptimConfig, build_param_groups
@@ -161,17 +161,13 @@ def ours_from_peer(config, seed: int, args, variant: str = PEER_INIT):
     peer, peer_info = build_peer(args.peer, args.family, config, seed, args)
     torch.manual_seed(seed)
     model = HybridForCausalLM(config)  # its own init, overwritten where the peer's tensors are copied
-    mapped = mapped_peer_state(model, peer, args.peer, args.family)
+    try:
+        copied = load_peer_weights(model, peer, args.peer, args.family, names)
+    except ValueError as e:
+        raise ValueError(f"init variant {variant!r}: {e}") from None
     del peer
-    if names is not None:
-        unmatched = [n for n in names if not any(n in key.split(".") for key in mapped)]
-        if unmatched:
-            raise ValueError(f"init variant {variant!r}: no tensor of ours is named {unmatched[0]!r} "
-                             f"(names are components of e.g. {next(iter(mapped))})")
-        mapped = {k: v for k, v in mapped.items() if any(n in k.split(".") for n in names)}
-    model.load_state_dict(mapped, strict=names is None)
     info = {"class": "HybridForCausalLM", "init": variant, "legacy_parts": [], "legacy_params": 0,
-            "weights_from": peer_info["class"], "weights_from_seed": seed, "copied_tensors": len(mapped)}
+            "weights_from": peer_info["class"], "weights_from_seed": seed, "copied_tensors": copied}
     if "note" in peer_info:  # the peer computes another function of these weights
         info["note"] = peer_info["note"]
     return model, info
@@ -286,6 +282,11 @@ def stop_if_signalled(rec: Dict[str, Any], step: int, flag: Optional[PreemptionF
     return True
 
 
+def final_val_loss(rec: Dict[str, Any]) -> Optional[float]:
+    """The last validation loss of a run that reached its end (None for one that diverged or was cut)."""
+    return rec["val"][-1]["loss"] if rec["val"] and not {"diverged_at", "cut_at"} & set(rec) else None
+
+
 def train_run(model, args, data_dir: Path, device: torch.device, val, label: str,
               flag: Optional[PreemptionFlag] = None) -> Dict[str, Any]:
     """One model through the shared loop; per-step loss, lr, grad norm, batch hash and first tokens."""
@@ -332,8 +333,7 @@ def train_run(model, args, data_dir: Path, device: torch.device, val, label: str
     if cuda:
         torch.cuda.synchronize(device)
     rec["wall_s"] = time.perf_counter() - t0
-    rec["final_val_loss"] = rec["val"][-1]["loss"] if rec["val"] and not {"diverged_at", "cut_at"} & set(rec) \
-        else None
+    rec["final_val_loss"] = final_val_loss(rec)
     del opt, sched
     return rec
 
@@ -380,8 +380,7 @@ def engine_run(model, args, data_dir: Path, val, label: str, precision: str,
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     rec["wall_s"] = time.perf_counter() - t0
-    rec["final_val_loss"] = rec["val"][-1]["loss"] if rec["val"] and not {"diverged_at", "cut_at"} & set(rec) \
-        else None
+    rec["final_val_loss"] = final_val_loss(rec)
     engine.ds_engine.destroy()
     del engine
     return rec

@@ -65,7 +65,7 @@ def patched_chunk_scan(op: GlaOp) -> Iterator[None]:
     """transformers' Mamba2 mixers run ``op`` for their SSD inside the block (the module global they call)."""
     from transformers.models.mamba2 import modeling_mamba2
     original = modeling_mamba2.mamba2_chunk_scan
-    modeling_mamba2.mamba2_chunk_scan = chunk_scan_via(op)
+    install(op)
     try:
         yield
     finally:

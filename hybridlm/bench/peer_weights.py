@@ -26,7 +26,7 @@ the peer's function; tests/test_peer_weights.py measures it.
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -143,11 +143,19 @@ def mapped_peer_state(ours, peer, kind: str, family: str) -> StateDict:
 
 
 @torch.no_grad()
-def load_peer_weights(ours, peer, kind: str, family: str) -> int:
+def load_peer_weights(ours, peer, kind: str, family: str, names: Optional[Sequence[str]] = None) -> int:
     """Copy every weight of ``peer`` (a loss-parity peer of ``kind`` fla / hf / ours for ``family``) into
-    ``ours`` (strictly: see :func:`mapped_peer_state`); returns the number of tensors copied."""
+    ``ours`` (strictly: see :func:`mapped_peer_state`), or with ``names`` only our tensors whose dotted name has
+    one of them as a component (``out_proj`` matches ``model.layers.3.mixer.out_proj.weight``; ValueError for a
+    name that matches none); returns the number of tensors copied."""
     mapped = mapped_peer_state(ours, peer, kind, family)
-    ours.load_state_dict(mapped, strict=True)
+    if names is not None:
+        unmatched = [n for n in names if not any(n in key.split(".") for key in mapped)]
+        if unmatched:
+            raise ValueError(f"no tensor of ours is named {unmatched[0]!r} (names are components of e.g. "
+                             f"{next(iter(mapped))})")
+        mapped = {k: v for k, v in mapped.items() if any(n in k.split(".") for n in names)}
+    ours.load_state_dict(mapped, strict=names is None)
     return len(mapped)
 
 

@@ -143,8 +143,10 @@ def tokenize_conversation(tokenizer, messages: Messages, max_length: int) -> Opt
         if m["role"] != "assistant":
             continue
         start = common_prefix_len(token_ids(tokenizer, render_prompt(tokenizer, messages[:k])), full)
-        end = len(full) if k == last else common_prefix_len(token_ids(tokenizer, render_chat(tokenizer, messages[:k + 1])),
-                                                              full)
+        if k == last:
+            end = len(full)
+        else:  # where the conversation up to this answer stops matching
+            end = common_prefix_len(token_ids(tokenizer, render_chat(tokenizer, messages[:k + 1])), full)
         labels[start:end] = full[start:end]
     ids, labels = full[:max_length], labels[:max_length]
     if all(l == IGNORE_INDEX for l in labels[1:]):  # label 0 is never a target (nothing predicts it)

@@ -30,13 +30,6 @@ NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "top_p": 1.0, "typical_p":
 _SAID = set()
 
 
-def _once(reason: str) -> None:
-    if reason not in _SAID:
-        _SAID.add(reason)
-        logger.warning("generate(): transformers' eager loop, not the CUDA-graph fast path: %s "
-                       "(said once per reason)", reason)
-
-
 def fast_path_plan(model, inputs: Optional[torch.Tensor], generation_config: Optional[GenerationConfig],
                    kwargs: Dict[str, Any]) -> Tuple[Optional[Dict[str, Any]], str]:
     """(graphed_generate's keyword arguments, "") when the call can take the fast path, else (None, why).
@@ -81,5 +74,7 @@ def fast_path_plan(model, inputs: Optional[torch.Tensor], generation_config: Opt
 
 def say_why(reason: str) -> None:
     """Log, once per reason, why a CUDA ``generate()`` call took transformers' loop."""
-    if reason:
-        _once(reason)
+    if reason and reason not in _SAID:
+        _SAID.add(reason)
+        logger.warning("generate(): transformers' eager loop, not the CUDA-graph fast path: %s "
+                       "(said once per reason)", reason)
