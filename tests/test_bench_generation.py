@@ -157,3 +157,33 @@ def test_cuda_graph_option_decodes_through_the_static_cache(models, tmp_path):
     run = G.greedy_decode(model, ids, NEW, cuda_graph=True)
     assert run.cache.is_static and run.cache.get_seq_length() == run.cache.max_length == 12 + NEW - 1
     assert torch.equal(run.tokens, G.greedy_decode(model, ids, NEW).tokens)
+
+
+def test_via_generate_times_model_generate(models, tmp_path):
+    """``--via generate``: both models through their own ``generate()`` (the teacher also with its StaticCache);
+    the tokens are the loop's, the path taken is recorded (on a CPU the hybrid's generate is transformers' loop),
+    and the decode time is an N-token call minus a 1-token call."""
+    _, teacher, hybrid = models
+    common = ["--hybrid", str(hybrid), "--teacher", str(teacher), "--prompt-lens", "8", "--new-tokens", str(NEW),
+              "--batches", "2", "--dtype", "fp32", "--warmup-steps", "1", "--check-generate", str(NEW),
+              "--via", "generate"]
+    rep = G.main(common + ["--out", str(tmp_path / "dyn")])
+    assert rep["via"] == "generate" and "generate()" in rep["method"]
+    by_model = {e["model"]: e for e in rep["entries"]}
+    h, t = by_model["hybrid"], by_model["teacher"]
+    for e in (h, t):
+        assert e["status"] == "ok" and e["decode_via"] == "generate" and e["matches_generate"] is True
+        assert e["full_forward_agree_tokens"] == NEW and e["cache_bytes"] is None
+        assert e["decode_s"] > 0 and e["decode_ms_per_step"] == pytest.approx(1e3 * e["decode_s"] / (NEW - 1))
+    assert h["decode_path"] == "generate(): transformers' eager loop (not on CUDA)"
+    assert t["generate_kwargs"] == {} and rep["comparisons"][0]["kv_ratio_measured"] is None
+    assert_chart(tmp_path / "dyn" / "generation.png")
+
+    static = G.main(common + ["--models", "teacher", "--teacher-cache", "static", "--out", str(tmp_path / "static")])
+    (e,) = static["entries"]
+    assert e["generate_kwargs"] == {"cache_implementation": "static"} and e["matches_generate"] is True
+
+    model = G.load_hybrid(str(hybrid), torch.float32, torch.device("cpu"))
+    ids = G.make_prompts(2, 12, model.config.vocab_size, seed=3, device=torch.device("cpu"))
+    run = G.generate_decode(model, ids, NEW)
+    assert torch.equal(run.tokens, G.greedy_decode(model, ids, NEW).tokens) and run.cache is None

@@ -61,11 +61,18 @@ static :class:`~hybridlm.model.cache.HybridCache` of ``P + new_tokens - 1`` posi
 replaying one CUDA graph of the single-token step (:class:`~hybridlm.model.graphs.GraphedDecoder`). Entries
 record ``cuda_graph``, ``decode_path`` and ``graph_capture_s`` (warm-up + capture, timed between prefill and
 decode and counted in neither).
+
+**--via generate**: each model through its own ``model.generate()`` (greedy, EOS off, full rows) instead of the
+loop: the hybrid's takes the static-cache + CUDA-graph fast path on CUDA by itself
+(:mod:`hybridlm.model.fast_generate`; ``decode_path`` says which path it took), the teacher's is transformers'
+(``--teacher-cache static`` for its StaticCache). ``prefill_s`` is a 1-token call, ``decode_s`` an N-token call
+minus it; cache sizes are not recorded (generate keeps its cache).
 """
 from __future__ import annotations
 
 import argparse
 import inspect
+from contextlib import contextmanager
 import statistics
 import sys
 import time
@@ -79,6 +86,7 @@ from hybridlm.bench.common import free_memory, is_oom, merge_reports, versions, 
 from hybridlm.kv_report import kv_report, load_teacher_config
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.cache import HybridCache
+from hybridlm.model.fast_generate import fast_path_plan
 from hybridlm.model.generate import greedy_generate
 from hybridlm.model.graphs import GraphedDecoder
 from hybridlm.model.pattern import student_kinds
@@ -250,21 +258,69 @@ def greedy_decode(model, input_ids: torch.LongTensor, new_tokens: int, run: Opti
     return run
 
 
-@torch.inference_mode()
-def generate_reference(model, input_ids: torch.LongTensor, new_tokens: int) -> torch.LongTensor:
-    """``model.generate`` greedy, exactly ``new_tokens`` tokens (EOS disabled, ``min_new_tokens`` =
-    ``max_new_tokens``); returns the new tokens ``[B, new_tokens]``."""
+@contextmanager
+def eos_disabled(model):
+    """The model's generation config without an EOS id (a passed ``eos_token_id=None`` would fall back to the
+    model's default), so that ``generate`` produces exactly ``max_new_tokens`` tokens."""
     gen_cfg = getattr(model, "generation_config", None)
     saved = None if gen_cfg is None else gen_cfg.eos_token_id
     if gen_cfg is not None:
-        gen_cfg.eos_token_id = None  # a passed eos_token_id=None would fall back to the model's default
+        gen_cfg.eos_token_id = None
     try:
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        yield
     finally:
         if gen_cfg is not None:
             gen_cfg.eos_token_id = saved
+
+
+@torch.inference_mode()
+def generate_reference(model, input_ids: torch.LongTensor, new_tokens: int) -> torch.LongTensor:
+    """``model.generate`` greedy, exactly ``new_tokens`` tokens (EOS disabled, ``min_new_tokens`` =
+    ``max_new_tokens``: transformers' own loop for the hybrid too); returns the new tokens ``[B, new_tokens]``."""
+    with eos_disabled(model):
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     return out[:, input_ids.shape[1]:]
+
+
+@torch.inference_mode()
+def generate_decode(model, input_ids: torch.LongTensor, new_tokens: int, run: Optional[DecodeRun] = None,
+                    **generate_kwargs) -> DecodeRun:
+    """``model.generate()`` as a user calls it (greedy, full rows, EOS off so exactly ``new_tokens`` tokens):
+    the hybrid's own ``generate`` (on CUDA its static-cache + CUDA-graph fast path) or transformers' for the
+    teacher (``generate_kwargs``, e.g. ``cache_implementation="static"``). ``generate`` has no phase boundary to
+    time, so ``prefill_s`` is a call for one token (prompt forward, first token, generate's set-up: a static
+    cache's allocation and a graph's capture included) and ``decode_s`` what an ``new_tokens`` call takes beyond
+    it: the per-step cost through ``generate``, its per-step overhead included."""
+    run = run or DecodeRun()
+    device = input_ids.device
+    cuda = device.type == "cuda"
+
+    def timed(n: int):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        sync(device)
+        t0 = time.perf_counter()
+        with eos_disabled(model):
+            out = model.generate(input_ids, max_new_tokens=n, do_sample=False, pad_token_id=0, **generate_kwargs)
+        sync(device)
+        return out, time.perf_counter() - t0, torch.cuda.max_memory_allocated(device) if cuda else None
+
+    run.phase = "prefill"
+    _, first_s, run.peak_prefill = timed(1)
+    run.phase = "decode"
+    out, all_s, run.peak_decode = timed(new_tokens)
+    run.tokens, run.cache = out[:, input_ids.shape[1]:], None
+    run.prefill_s, run.decode_s = first_s, max(all_s - first_s, 0.0)
+    run.phase = "done"
+    return run
+
+
+def generate_kwargs(name: str, args) -> Dict[str, Any]:
+    """What ``--via generate`` passes to the model's ``generate`` besides the prompt and length."""
+    if name == "teacher" and getattr(args, "teacher_cache", "dynamic") == "static":
+        return {"cache_implementation": "static"}
+    return {}
 
 
 def leading_agreement(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -322,9 +378,16 @@ def measure_entry(model, name: str, prompt_len: int, batch: int, args, device: t
                   vocab: int, check_generate: int = 0) -> Dict[str, Any]:
     """One (model, prompt length, batch) entry: warm-up, ``args.repeats`` timed runs, cache accounting."""
     entry: Dict[str, Any] = {"model": name, "prompt_len": prompt_len, "batch": batch, "new_tokens": args.new_tokens}
-    graph = bool(getattr(args, "cuda_graph", False)) and name == "hybrid"
+    via = getattr(args, "via", "loop")
+    graph = bool(getattr(args, "cuda_graph", False)) and name == "hybrid" and via == "loop"
     entry["cuda_graph"] = graph
+    entry["decode_via"] = via
     graph_kw = {"cuda_graph": True} if graph else {}
+    decode = greedy_decode
+    if via == "generate":
+        decode = generate_decode
+        graph_kw = generate_kwargs(name, args)
+        entry["generate_kwargs"] = graph_kw
     run = DecodeRun()
     runs: List[Tuple[float, float, Optional[int], Optional[int]]] = []
     captures: List[float] = []
@@ -334,18 +397,22 @@ def measure_entry(model, name: str, prompt_len: int, batch: int, args, device: t
     where = "warm-up "
     try:
         ids = make_prompts(batch, prompt_len, vocab, args.seed, device)
+        if via == "generate" and name == "hybrid":
+            plan, why = fast_path_plan(model, ids, None, dict(max_new_tokens=args.new_tokens, do_sample=False))
+            entry["decode_path"] = ("generate(): static HybridCache + CUDA graph (graphed_generate)" if plan
+                                    else f"generate(): transformers' eager loop ({why or 'not on CUDA'})")
         if args.warmup_steps > 0:
-            greedy_decode(model, ids, min(args.new_tokens, args.warmup_steps + 1), run, **graph_kw)
+            decode(model, ids, min(args.new_tokens, args.warmup_steps + 1), run, **graph_kw)
         where = ""
         for r in range(args.repeats):
             run = DecodeRun()
-            greedy_decode(model, ids, args.new_tokens, run, **graph_kw)
+            decode(model, ids, args.new_tokens, run, **graph_kw)
             runs.append((run.prefill_s, run.decode_s, run.peak_prefill, run.peak_decode))
             if graph:
                 captures.append(run.capture_s)
                 entry["graph_replayed"] = run.graph_replayed
             if r == 0:
-                stats = cache_stats(run.cache)
+                stats = cache_stats(run.cache) if run.cache is not None else {}
                 if check_generate:
                     run.phase = "generate check"
                     checks = check_tokens(model, ids, run.tokens[:, :min(check_generate, args.new_tokens)])
@@ -384,9 +451,10 @@ def measure_entry(model, name: str, prompt_len: int, batch: int, args, device: t
     else:
         entry.update(peak_gib=None, peak_prefill_gib=None, peak_decode_gib=None)
     per_seq_tokens = batch * cached
-    entry.update(stats)
-    entry["cache_bytes_per_token_per_seq"] = stats["cache_bytes"] / per_seq_tokens
-    entry["cache_bytes_kv_per_token_per_seq"] = stats["cache_bytes_kv"] / per_seq_tokens
+    entry.update(stats or {"cache_bytes": None, "cache_bytes_kv": None, "cache_bytes_recurrent": None})
+    if stats:  # generate() keeps its cache to itself
+        entry["cache_bytes_per_token_per_seq"] = stats["cache_bytes"] / per_seq_tokens
+        entry["cache_bytes_kv_per_token_per_seq"] = stats["cache_bytes_kv"] / per_seq_tokens
     if checks is not None:
         entry.update(checks)
     return entry
@@ -405,9 +473,11 @@ def compare(entries: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
             row["decode_speedup"] = h["decode_tokens_per_s"] / t["decode_tokens_per_s"]
         row["e2e_speedup"] = h["e2e_tokens_per_s"] / t["e2e_tokens_per_s"]
         row["prefill_speedup"] = t["prefill_s"] / h["prefill_s"]
-        row["kv_ratio_measured"] = t["cache_bytes_kv"] / h["cache_bytes_kv"] if h["cache_bytes_kv"] else None
+        row["kv_ratio_measured"] = t["cache_bytes_kv"] / h["cache_bytes_kv"] \
+            if h.get("cache_bytes_kv") and t.get("cache_bytes_kv") else None
         row["kv_ratio_predicted"] = h.get("kv_ratio_predicted")
-        row["cache_ratio_total"] = t["cache_bytes"] / h["cache_bytes"] if h["cache_bytes"] else None
+        row["cache_ratio_total"] = t["cache_bytes"] / h["cache_bytes"] \
+            if h.get("cache_bytes") and t.get("cache_bytes") else None
         if h.get("peak_gib") and t.get("peak_gib"):
             row["peak_memory_ratio"] = t["peak_gib"] / h["peak_gib"]
         rows.append(row)
@@ -439,9 +509,12 @@ def progress_line(e: Dict[str, Any], t0: float) -> str:
     peak = f"{e['peak_gib']:6.2f} GiB" if e.get("peak_gib") is not None else "(cpu)"
     dec = (f"decode {e['decode_tokens_per_s']:>10,.0f} tok/s ({e['decode_ms_per_step']:7.2f} ms/step)"
            if e.get("decode_tokens_per_s") else "decode -")
-    line = (f"{head} prefill {e['prefill_s']:7.3f} s  {dec}  e2e {e['e2e_tokens_per_s']:>10,.0f} tok/s  "
-            f"peak {peak}  cache {e['cache_bytes'] / 2**20:9.2f} MiB ({e['cache_bytes_kv_per_token_per_seq']:,.0f} "
-            f"B/token/seq KV)")
+    line = f"{head} prefill {e['prefill_s']:7.3f} s  {dec}  e2e {e['e2e_tokens_per_s']:>10,.0f} tok/s  peak {peak}"
+    if e.get("cache_bytes") is not None:
+        line += (f"  cache {e['cache_bytes'] / 2**20:9.2f} MiB ({e['cache_bytes_kv_per_token_per_seq']:,.0f} "
+                 f"B/token/seq KV)")
+    if e.get("decode_via") == "generate":
+        line += f"  via generate({', '.join(f'{k}={v!r}' for k, v in e.get('generate_kwargs', {}).items())})"
     if "check_tokens" in e:
         line += (f"  agree with generate {e['generate_agree_tokens']}/{e['check_tokens']}, "
                  f"full forwards {e['full_forward_agree_tokens']}/{e['check_tokens']}")
@@ -549,6 +622,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cuda-graph", action="store_true",
                    help="decode the hybrid through a static HybridCache and one CUDA graph of the decode step "
                         "replayed per token (prefill eager; the teacher is unchanged)")
+    p.add_argument("--via", choices=("loop", "generate"), default="loop",
+                   help="loop: the explicit greedy loop (default); generate: model.generate() as a user calls it "
+                        "(the hybrid's fast path on CUDA; ms per step = an N-token call minus a 1-token call)")
+    p.add_argument("--teacher-cache", choices=("dynamic", "static"), default="dynamic",
+                   help="--via generate: the teacher's cache_implementation (transformers' DynamicCache or "
+                        "StaticCache)")
     p.add_argument("--sdpa-cudnn", action="store_true",
                    help="leave cuDNN in SDPA's backend choice (default: off for both models; it builds a new "
                         "execution plan for every key length, i.e. at every eager decoding step)")
@@ -588,10 +667,13 @@ def main(argv=None) -> Dict[str, Any]:
         **versions(), "device": str(device), "dtype": args.dtype, "hybrid": args.hybrid, "teacher": args.teacher,
         "prompt_lens": args.prompt_lens, "new_tokens": args.new_tokens, "batches": sorted(set(args.batches)),
         "repeats": args.repeats, "warmup_steps": args.warmup_steps, "seed": args.seed,
-        "cuda_graph": args.cuda_graph, "sdpa_cudnn": args.sdpa_cudnn if cuda else None,
+        "cuda_graph": args.cuda_graph, "via": args.via, "teacher_cache": args.teacher_cache,
+        "sdpa_cudnn": args.sdpa_cudnn if cuda else None,
         "method": "explicit greedy loop shared by both models: prefill forward (use_cache, logits_to_keep=1) + "
                   "new_tokens-1 cached single-token forwards, argmax, no mask, no stopping; cuda-synchronised "
-                  "timing of prefill and decode",
+                  "timing of prefill and decode" if args.via == "loop" else
+                  "model.generate() greedy, EOS off, full rows; prefill_s = a 1-token call, decode_s = an "
+                  "N-token call minus it; cuda-synchronised",
         "command": " ".join(sys.argv), "started": datetime.now(timezone.utc).isoformat(),
         "kv_prediction": None, "models": {}, "entries": [],
     }

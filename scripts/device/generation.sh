@@ -7,7 +7,8 @@
 # eager decode (transformers' DynamicCache). GPUS="0 1": the teacher runs on the second GPU meanwhile; one GPU:
 # one after the other. Reports: $LOGS/generation_{graph,eager}/ = the hybrid's pass joined with the teacher's.
 #   GPUS="1"  BATCHES="1 16 48 128"  PROMPT_LENS="8192 1024"  NEW_TOKENS=1024  DEADLINE_AT=<epoch seconds>
-#   PASSES="hybrid_graph hybrid_eager teacher" (a subset runs only those)
+#   PASSES="hybrid_graph hybrid_eager teacher" (a subset runs only those; also hybrid_generate, teacher_generate,
+#   teacher_static: each model through its own generate(), the teacher with its dynamic / static cache)
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/device/common.sh
@@ -39,11 +40,16 @@ if [ "$GPU_B" != "$GPU_A" ] && [[ $PASSES == *" teacher "* ]]; then
 fi
 [[ $PASSES == *" hybrid_graph "* ]] && { bench "$GPU_A" hybrid_graph --models hybrid --cuda-graph; pack_out; }
 [[ $PASSES == *" hybrid_eager "* ]] && { bench "$GPU_A" hybrid_eager --models hybrid --check-generate 32; pack_out; }
+# through plain generate(): the hybrid's (its CUDA-graph fast path), the teacher's (transformers', dynamic / static cache)
+[[ $PASSES == *" hybrid_generate "* ]] && { bench "$GPU_A" hybrid_generate --models hybrid --via generate --check-generate 32; pack_out; }
+[[ $PASSES == *" teacher_generate "* ]] && { bench "$GPU_A" teacher_generate --models teacher --via generate; pack_out; }
+[[ $PASSES == *" teacher_static "* ]] && { bench "$GPU_A" teacher_static --models teacher --via generate --teacher-cache static; pack_out; }
 if [ -n "${TEACHER_PID:-}" ]; then wait "$TEACHER_PID"
 elif [[ $PASSES == *" teacher "* ]]; then bench "$GPU_A" teacher --models teacher --check-generate 32; fi
-for pass in graph eager; do  # the hybrid's pass next to the teacher's: comparisons and the plot
+for pass in graph eager generate; do  # the hybrid's pass next to the teacher's: comparisons and the plot
   parts=()
-  for f in "$LOGS/gen_teacher/generation.json" "$LOGS/gen_hybrid_$pass/generation.json"; do [ -f "$f" ] && parts+=("$f"); done
+  teacher=gen_teacher; [ $pass = generate ] && teacher=gen_teacher_generate
+  for f in "$LOGS/$teacher/generation.json" "$LOGS/gen_hybrid_$pass/generation.json"; do [ -f "$f" ] && parts+=("$f"); done
   [ ${#parts[@]} -gt 0 ] && python3 -m hybridlm.bench.generation --merge "${parts[@]}" --out "$LOGS/generation_$pass" > /dev/null
 done
 grep -h "tok/s" "$LOGS"/generation_*.log

@@ -18,7 +18,7 @@ mkdir -p .xfer .xfer_a .xfer_b data_cache/shared
 cp ../shared/data/*.json data_cache/shared/
 echo "$CACHE" > .xfer/cache_root.txt
 cp "$TEACHER/config.json" .xfer/smollm2_config.json
-tar -C "$CACHE" -cf - tokenizers/llama3.2-text corpus | xz -T0 -9 > .xfer/cache.tar.xz
+tar -C "$CACHE" -cf - tokenizers/llama3.2-text corpus/janeausten | xz -T0 -9 > .xfer/cache.tar.xz  # not the mix corpora (.xfer_mix has them tokenized)
 tar -cf - data_cache/janeausten-llama3.2 | xz -T0 -6 > .xfer/data.tar.xz
 # the route's own inputs travel with the first teacher half (.xfer_a), to keep the first call under 64 MiB
 tar -cf - data_cache/janeausten-smollm2 data_cache/shared | xz -T0 -6 > .xfer_a/route_data.tar.xz
