@@ -297,3 +297,36 @@ def test_peer_parts_copy_only_the_named_tensors(austen_data):
         LP.build_ours(config, 0, "peer:outproj", args)
     with pytest.raises(SystemExit):
         LP.parse_args(["--family", "mamba2", "--out", "u", "--peer", "hf", "--ours-init", "peer:"])
+
+
+def test_only_ours_and_only_peer_merge_into_the_full_report(tmp_path, austen_data):
+    """``--only ours`` and ``--only peer`` (two processes sharing a GPU) joined by ``--merge`` give the report of
+    one process that ran both: the same runs, curves, gap and checks; other settings or a run twice are refused."""
+    from hybridlm.bench import loss_parity as LP
+
+    argv = ["--family", "gdn", "--steps", "2", "--data", str(austen_data), "--peer", "ours", "--seeds", "1", "2",
+            "--ours-seeds", "0", "--micro-batch", "2", "--seq", "32", "--warmup", "1", "--val-interval", "2",
+            "--val-batches", "1", "--model-override", *TINY]
+    full = LP.main([*argv, "--out", str(tmp_path / "full")])
+    ours = LP.main([*argv, "--out", str(tmp_path / "ours"), "--only", "ours"])
+    peer = LP.main([*argv, "--out", str(tmp_path / "peer"), "--only", "peer"])
+    assert [r["role"] for r in ours["runs"]] == ["ours"] and [r["role"] for r in peer["runs"]] == ["peer", "peer"]
+    merged = LP.main(["--merge", str(tmp_path / "ours" / "loss_parity.json"), str(tmp_path / "peer" / "loss_parity.json"),
+                      "--out", str(tmp_path / "merged")])
+    assert sorted((r["name"], r["seed"]) for r in merged["runs"]) == sorted((r["name"], r["seed"]) for r in full["runs"])
+    by_run = {(r["name"], r["seed"]): r for r in full["runs"]}
+    for r in merged["runs"]:
+        assert r["train_loss"] == by_run[(r["name"], r["seed"])]["train_loss"]
+    for key in ("ours_val_loss", "peer_val_loss", "gap", "peer_spread"):
+        assert merged[key] == pytest.approx(full[key]), key
+    assert merged["checks"] == full["checks"] and all(v for k, v in merged["checks"].items() if k != "compared_steps")
+    assert_chart(tmp_path / "merged" / "loss_parity.png")
+    with pytest.raises(SystemExit, match="more than one report"):
+        LP.main(["--merge", str(tmp_path / "ours" / "loss_parity.json"), str(tmp_path / "full" / "loss_parity.json"),
+                 "--out", str(tmp_path / "bad")])
+    other = LP.main([*[("3" if a == "2" and argv[i - 1] == "--steps" else a) for i, a in enumerate(argv)],
+                     "--out", str(tmp_path / "other"), "--only", "peer"])
+    assert other["steps"] == 3
+    with pytest.raises(SystemExit, match=r"other settings .*\(steps"):
+        LP.main(["--merge", str(tmp_path / "ours" / "loss_parity.json"), str(tmp_path / "other" / "loss_parity.json"),
+                 "--out", str(tmp_path / "bad")])

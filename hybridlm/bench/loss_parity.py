@@ -504,6 +504,40 @@ def replot(out: Path) -> None:
     plot(json.loads((out / "loss_parity.json").read_text()), out / "loss_parity.png")
 
 
+def merge(paths: Sequence[str], out: Path) -> Dict[str, Any]:
+    """One report from several made with the same settings (e.g. ``--only ours`` and ``--only peer`` run as two
+    processes at once): the runs of all of them, summary and chart made anew. Refuses reports whose settings
+    differ (the keys ``--resume`` compares) or that hold the same run twice."""
+    reports = []
+    for path in paths:
+        try:
+            reports.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: --merge: {path}: {e}")
+    first = reports[0]
+    for path, r in zip(paths[1:], reports[1:]):
+        differ = [k for k in RESUME_KEYS if json.dumps(r.get(k), sort_keys=True) != json.dumps(first.get(k), sort_keys=True)]
+        if differ:
+            raise SystemExit(f"error: --merge: {path} was made with other settings than {paths[0]} ({', '.join(differ)})")
+    merged = {k: v for k, v in first.items() if k not in ("runs", "finished")}
+    merged["runs"], seen = [], set()
+    for path, r in zip(paths, reports):
+        for run in r.get("runs", []):
+            key = (run["name"], run["seed"])
+            if key in seen:
+                raise SystemExit(f"error: --merge: run {run['name']!r} seed {run['seed']} is in more than one report ({path})")
+            seen.add(key)
+            merged["runs"].append(run)
+    merged["seeds"] = sorted({s for r in reports for s in r.get("seeds", [])})
+    merged["ours_init"] = list(dict.fromkeys(v for r in reports for v in r.get("ours_init", [])))
+    merged["merged_from"] = [str(p) for p in paths]
+    merged["commands"] = [r.get("command") for r in reports]
+    merged["finished"] = max((r.get("finished") or "" for r in reports), default="") or None
+    out.mkdir(parents=True, exist_ok=True)
+    write(merged, out)
+    return merged
+
+
 # settings that must be equal for a finished run of an earlier report to stand beside this one's
 RESUME_KEYS = ("family", "steps", "config", "model_override", "pattern", "peer", "peer_class", "ours_params",
                "peer_params", "micro_batch", "seq_len", "precision", "optim", "val_interval", "val_batches",
@@ -543,9 +577,15 @@ def resumable_runs(report: Dict[str, Any], out: Path) -> Dict[Any, Dict[str, Any
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m hybridlm.bench.loss_parity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=FAMILIES, help="required unless --replot")
+    p.add_argument("--family", choices=FAMILIES, help="required unless --replot or --merge")
     p.add_argument("--out", required=True, help="directory for loss_parity.json and loss_parity.png")
     p.add_argument("--replot", action="store_true", help="only redraw --out's chart from its JSON, run nothing")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="only join these reports (same settings, e.g. an --only ours and an --only peer process) "
+                        "into --out, run nothing")
+    p.add_argument("--only", choices=("ours", "peer"), default=None,
+                   help="run only our runs or only the peer's (two such processes can share a GPU; join their "
+                        "reports with --merge)")
     p.add_argument("--resume", action="store_true", help="keep the finished runs of --out's JSON (written by the "
                    "same command, e.g. one cut off by a time limit) and run only the missing ones")
     p.add_argument("--steps", type=int, default=300)
@@ -598,7 +638,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"prepared packed shards (default {DEFAULT_DATA}, prepared from Jane Austen when absent)")
     p.add_argument("--allow-param-mismatch", action="store_true", help="train even if the counts differ")
     args = p.parse_args(argv)
-    if args.replot:
+    if args.replot or args.merge:
         return args
     if args.family is None:
         p.error("--family is required")
@@ -662,6 +702,8 @@ def main(argv=None) -> Dict[str, Any]:
     if args.replot:
         replot(out)
         return {}
+    if args.merge:
+        return merge(args.merge, out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     if args.peer == "fla" and not cuda:
@@ -727,6 +769,8 @@ def main(argv=None) -> Dict[str, Any]:
             + [("ours", first, args.ours_seeds[0], prec) for prec in args.ours_engine]
             + [("ours", v, s, None) for v in args.ours_init[1:] for s in args.ours_seeds]
             + [("peer", None, s, None) for s in args.seeds[1:]])
+    if args.only:
+        plan = [step for step in plan if step[0] == args.only]
     done = resumable_runs(report, out) if args.resume else {}
     with preemption_flag() as flag:
         run_plan(plan, args, report, done, config, peer_config, data_dir, device, val, out, flag)

@@ -20,6 +20,8 @@
 #                               run closes is the initialisation, one it keeps is everything else)
 #   ENGINE="bf16"               also ours through the training engine at these precisions (pretrain.py's path)
 #   STEPS_<family>=1000         that family's steps (default STEPS)
+#   SPLIT=1                     ours and the peer as two processes at once on the family's GPU (--only ours / --only
+#                               peer into parity_<family>_{ours,peer}/, joined by --merge into parity_<family>/)
 #   RESUME=1                    keep the finished runs of an earlier call's report in $LOGS (the same settings) and
 #                               run only the missing ones: a family cut off by the call's limit continues in the next
 #   STEPS=300 MB=8 SEQ=2048 VAL_INTERVAL=25 VAL_BATCHES=8 MAMBA2_CHUNK=64 (the peers' naive torch SSD without
@@ -54,17 +56,26 @@ run_family() {  # family gpu
   local init=${OURS_INIT:-fla peer}
   [ -z "${OURS_INIT:-}" ] && [ "${ABLATION:-0}" = 1 ] && init=${ABLATE[$fam]}
   [ -z "${OURS_INIT:-}" ] && [ "$fam" = hybrid ] && init=fla  # both sides are ours: nothing to copy
-  echo "[$(date +%T)] loss_parity $fam on GPU $gpu (${left}s left; ours init: $init)"
-  CUDA_VISIBLE_DEVICES=$gpu timeout "$left" python3 -m hybridlm.bench.loss_parity --family "${FAMILY_ARG[$fam]:-$fam}" \
-    --config "${CONFIG[$fam]}" --out "$LOGS/parity_$fam" --data "$DATA" \
-    --steps "${!steps_var:-${STEPS:-300}}" $([ "${RESUME:-0}" = 1 ] && echo --resume) --micro-batch "${MB:-8}" --seq "${SEQ:-2048}" --lr 6e-4 --min-lr 6e-5 --warmup 30 \
-    ${ENGINE:+--ours-engine $ENGINE} ${EXTRA[$fam]:-} --val-interval "${VAL_INTERVAL:-25}" --val-batches "${VAL_BATCHES:-8}" --log-interval 25 \
-    --peer "${PEER[$fam]}" --seeds ${SEEDS:-0 1} --ours-init $init --peer-chunk-size "${MAMBA2_CHUNK:-64}" \
-    >> "$LOGS/parity_$fam.log" 2>&1
+  echo "[$(date +%T)] loss_parity $fam on GPU $gpu (${left}s left; ours init: $init${SPLIT:+; ours and peer at once})"
+  parity() {  # out-dir [--only side]
+    CUDA_VISIBLE_DEVICES=$gpu timeout "$left" python3 -m hybridlm.bench.loss_parity --family "${FAMILY_ARG[$fam]:-$fam}" \
+      --config "${CONFIG[$fam]}" --out "$1" --data "$DATA" \
+      --steps "${!steps_var:-${STEPS:-300}}" $([ "${RESUME:-0}" = 1 ] && echo --resume) --micro-batch "${MB:-8}" --seq "${SEQ:-2048}" --lr 6e-4 --min-lr 6e-5 --warmup 30 \
+      ${ENGINE:+--ours-engine $ENGINE} ${EXTRA[$fam]:-} --val-interval "${VAL_INTERVAL:-25}" --val-batches "${VAL_BATCHES:-8}" --log-interval 25 \
+      --peer "${PEER[$fam]}" --seeds ${SEEDS:-0 1} --ours-init $init --peer-chunk-size "${MAMBA2_CHUNK:-64}" "${@:2}" \
+      >> "$1.log" 2>&1
+  }
+  if [ -n "${SPLIT:-}" ]; then  # two processes on the GPU (each side's small steps leave it idle half the time)
+    parity "$LOGS/parity_${fam}_ours" --only ours & parity "$LOGS/parity_${fam}_peer" --only peer & wait
+    python3 -m hybridlm.bench.loss_parity --merge "$LOGS/parity_${fam}_ours/loss_parity.json" \
+      "$LOGS/parity_${fam}_peer/loss_parity.json" --out "$LOGS/parity_$fam" > "$LOGS/parity_$fam.log" 2>&1
+  else
+    parity "$LOGS/parity_$fam"
+  fi
   echo "[$(date +%T)] loss_parity $fam: exit $?"
   [ -f "$LOGS/parity_$fam/loss_parity.png" ] || python3 -m hybridlm.bench.loss_parity --replot \
     --out "$LOGS/parity_$fam" > /dev/null 2>&1
-  grep -E "params|val loss after|Error|error" "$LOGS/parity_$fam.log" | tail -n 6
+  cat "$LOGS/parity_$fam"*.log | grep -E "params|val loss after|Error|error" | tail -n 8
 }
 
 DATA=data_cache/mix-llama3.2
