@@ -88,6 +88,7 @@ from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.cache import HybridCache
 from hybridlm.model.fast_generate import fast_path_plan
 from hybridlm.model.generate import greedy_generate
+from hybridlm.model.layers.mamba2 import Mamba2
 from hybridlm.model.graphs import GraphedDecoder
 from hybridlm.model.pattern import student_kinds
 from hybridlm.ops.backend import use_triton
@@ -628,6 +629,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--teacher-cache", choices=("dynamic", "static"), default="dynamic",
                    help="--via generate: the teacher's cache_implementation (transformers' DynamicCache or "
                         "StaticCache)")
+    p.add_argument("--mamba2-fused-step", choices=("on", "off"), default="on",
+                   help="the hybrid's Mamba2 layers decode a cached token in one fused Triton kernel (on, the "
+                        "default) or through the unfused ops (off: the before of a before / after)")
     p.add_argument("--sdpa-cudnn", action="store_true",
                    help="leave cuDNN in SDPA's backend choice (default: off for both models; it builds a new "
                         "execution plan for every key length, i.e. at every eager decoding step)")
@@ -667,7 +671,7 @@ def main(argv=None) -> Dict[str, Any]:
         **versions(), "device": str(device), "dtype": args.dtype, "hybrid": args.hybrid, "teacher": args.teacher,
         "prompt_lens": args.prompt_lens, "new_tokens": args.new_tokens, "batches": sorted(set(args.batches)),
         "repeats": args.repeats, "warmup_steps": args.warmup_steps, "seed": args.seed,
-        "cuda_graph": args.cuda_graph, "via": args.via, "teacher_cache": args.teacher_cache,
+        "cuda_graph": args.cuda_graph, "via": args.via, "mamba2_fused_step": args.mamba2_fused_step, "teacher_cache": args.teacher_cache,
         "sdpa_cudnn": args.sdpa_cudnn if cuda else None,
         "method": "explicit greedy loop shared by both models: prefill forward (use_cache, logits_to_keep=1) + "
                   "new_tokens-1 cached single-token forwards, argmax, no mask, no stopping; cuda-synchronised "
@@ -704,6 +708,7 @@ def main(argv=None) -> Dict[str, Any]:
             continue
         print(f"[{time.perf_counter() - t0:6.0f}s] loading {name}", flush=True)
         if name == "hybrid":
+            Mamba2.fused_step = args.mamba2_fused_step == "on"
             model = load_hybrid(args.hybrid, dtype, device)
             probe = torch.empty(1, device=device)
             info = {"path": args.hybrid, "pattern": model.config.hybrid_override_pattern,

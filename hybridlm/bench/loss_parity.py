@@ -10,7 +10,7 @@
 ``--ours-init`` lists init variants, each trained as one more "ours" run against the same peer runs (the
 ablation table): ``fla`` (the default: fla's statistics), ``legacy`` (everything this toolkit did before,
 :func:`hybridlm.model.legacy_init.apply_legacy_init`), ``legacy:PART+PART`` (only those parts back to the
-old init; parts ``conv``, ``conv_bias``, ``mamba2_out_proj``; ``mamba2_out_proj_depth`` by name only), ``peer`` (the exact initial weights of the peer
+old init; parts ``conv``, ``conv_bias``, ``mamba2_out_proj``), ``peer`` (the exact initial weights of the peer
 built with that run's seed, copied tensor by tensor: :mod:`hybridlm.bench.peer_weights`; a ``peer`` run that
 follows the peer's curve puts a gap on the initialisation, one that follows ours' on the rest: forward numerics,
 parameterisation) or ``peer:NAME+NAME`` (only the tensors with those name components, e.g. ``peer:out_proj``,
@@ -601,7 +601,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ours-seeds", type=int, nargs="*", default=None, help="our seeds (default: the first of --seeds)")
     p.add_argument("--ours-init", nargs="+", default=["fla"], metavar="VARIANT",
                    help="init variants of ours, one run each: fla, legacy, legacy:PART+PART (parts conv, "
-                        "conv_bias, mamba2_out_proj; also mamba2_out_proj_depth, the depth-scaled out_proj of sessions 8-10), peer (the initial weights of the --peer model built with "
+                        "conv_bias, mamba2_out_proj), peer (the initial weights of the --peer model built with "
                         "the same seed, copied), peer:NAME+NAME (only those tensors, e.g. peer:out_proj); the "
                         "first is the headline")
     p.add_argument("--ours-engine", nargs="*", default=[], metavar="PRECISION",

@@ -9,13 +9,10 @@ import torch
 from torch import nn
 
 from hybridlm.model.layers.conv import ShortConv
-from hybridlm.model.layers.init import init_residual_out_proj
 from hybridlm.model.layers.mamba2 import Mamba2
 
-# the parts apply_legacy_init can put back to the initialisation before session 8 ("legacy" = all of them)
+# the parts apply_legacy_init can put back to the previous initialisation
 LEGACY_PARTS = ("conv", "conv_bias", "mamba2_out_proj")
-# and the parts it can put back to a later one, asked for by name only: Mamba2's depth-scaled out_proj (sessions 8-10)
-KNOWN_PARTS = LEGACY_PARTS + ("mamba2_out_proj_depth",)
 
 
 def init_short_conv_legacy(conv, weight: bool = True, bias: bool = True) -> None:
@@ -30,12 +27,9 @@ def init_short_conv_legacy(conv, weight: bool = True, bias: bool = True) -> None
 
 def check_legacy_parts(parts: Iterable[str]) -> list:
     parts = list(parts)
-    bad = [p for p in parts if p not in KNOWN_PARTS]
+    bad = [p for p in parts if p not in LEGACY_PARTS]
     if bad:
-        raise ValueError(f"legacy init parts: unknown {', '.join(bad)}; expected some of {', '.join(KNOWN_PARTS)}")
-    if {"mamba2_out_proj", "mamba2_out_proj_depth"} <= set(parts):
-        raise ValueError("legacy init parts: mamba2_out_proj and mamba2_out_proj_depth are two inits of one tensor; "
-                         "choose one")
+        raise ValueError(f"legacy init parts: unknown {', '.join(bad)}; expected some of {', '.join(LEGACY_PARTS)}")
     return parts
 
 
@@ -43,11 +37,9 @@ def check_legacy_parts(parts: Iterable[str]) -> list:
 def apply_legacy_init(model: nn.Module, parts: Sequence[str] = LEGACY_PARTS, initializer_range: float = 0.02) -> list:
     """Re-initialise ``parts`` of a freshly built model the way this toolkit did before (names in
     :data:`LEGACY_PARTS`): ``conv`` every short-conv weight, ``conv_bias`` every short-conv bias (Mamba2's),
-    both PyTorch's Conv1d default; ``mamba2_out_proj`` Mamba2's out_proj normal(0, initializer_range) (before
-    session 8); ``mamba2_out_proj_depth`` Mamba2's out_proj depth-scaled as fla's Mamba2 (sessions 8-10).
+    both PyTorch's Conv1d default; ``mamba2_out_proj`` Mamba2's out_proj normal(0, initializer_range).
     Returns the names of the parameters it touched."""
     parts = set(check_legacy_parts(parts))
-    sublayers = len(model.config.layer_plan) if hasattr(getattr(model, "config", None), "layer_plan") else 1
     touched = []
     for name, module in model.named_modules():
         if isinstance(module, ShortConv):
@@ -59,8 +51,5 @@ def apply_legacy_init(model: nn.Module, parts: Sequence[str] = LEGACY_PARTS, ini
                 touched.append(f"{name}.bias")
         elif isinstance(module, Mamba2) and "mamba2_out_proj" in parts:
             nn.init.normal_(module.out_proj.weight, mean=0.0, std=initializer_range)
-            touched.append(f"{name}.out_proj.weight")
-        elif isinstance(module, Mamba2) and "mamba2_out_proj_depth" in parts:
-            init_residual_out_proj(module.out_proj, sublayers)
             touched.append(f"{name}.out_proj.weight")
     return touched

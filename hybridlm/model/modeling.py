@@ -78,8 +78,8 @@ class HybridPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         """fla's from-scratch init (docs/initialisation.md): linears, short convs and embeddings normal(0,
         initializer_range), biases 0, norm weights 1, the mixers' A_log / dt_bias / D by their own
-        ``reset_recurrent_parameters``; Mamba2's out_proj kaiming-uniform as transformers' Mamba2 (transformers
-        applies this to children before parents, so it overrides the nn.Linear branch)."""
+        ``reset_recurrent_parameters``; Mamba2's out_proj depth-scaled as in fla's Mamba2 (transformers applies
+        this to children before parents, so it overrides the nn.Linear branch)."""
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=std)
@@ -97,9 +97,9 @@ class HybridPreTrainedModel(PreTrainedModel):
                 if hasattr(module, name):
                     nn.init.ones_(getattr(module, name))
         if isinstance(module, Mamba2):
-            # not depth-scaled (transformers' Mamba2): fla's division by the number of layers tripled the first
-            # gradient norm and learned 0.15 nats slower at 300M (docs/initialisation.md)
-            init_residual_out_proj(module.out_proj)
+            # every sublayer adds to the residual stream: fla's num_hidden_layers for a pure Mamba2 stack,
+            # mamba_ssm's 2 x n_layer with MLPs
+            init_residual_out_proj(module.out_proj, len(self.config.layer_plan))
 
 
 class HybridModel(HybridPreTrainedModel):

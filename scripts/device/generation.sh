@@ -39,6 +39,7 @@ if [ "$GPU_B" != "$GPU_A" ] && [[ $PASSES == *" teacher "* ]]; then
   TEACHER_PID=$!
 fi
 [[ $PASSES == *" hybrid_graph "* ]] && { bench "$GPU_A" hybrid_graph --models hybrid --cuda-graph; pack_out; }
+[[ $PASSES == *" hybrid_graph_unfused "* ]] && { bench "$GPU_A" hybrid_graph_unfused --models hybrid --cuda-graph --mamba2-fused-step off; pack_out; }
 [[ $PASSES == *" hybrid_eager "* ]] && { bench "$GPU_A" hybrid_eager --models hybrid --check-generate 32; pack_out; }
 # through plain generate(): the hybrid's (its CUDA-graph fast path), the teacher's (transformers', dynamic / static cache)
 [[ $PASSES == *" hybrid_generate "* ]] && { bench "$GPU_A" hybrid_generate --models hybrid --via generate --check-generate 32; pack_out; }

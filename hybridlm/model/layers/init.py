@@ -2,9 +2,8 @@
 
 From scratch every mixer is initialised as flash-linear-attention's models are (``fla/models/*/modeling_*.py``
 ``_init_weights``): projections, short convolutions and embeddings normal(0, ``initializer_range``), biases 0,
-norm weights 1; A_log / dt_bias as below. Mamba2's ``out_proj`` is the exception: PyTorch's Linear default
-(kaiming-uniform, not depth-scaled), as transformers' Mamba2 has it, because fla's depth-scaled init learned
-0.15 nats slower on an H200 (docs/initialisation.md).
+norm weights 1; A_log / dt_bias as below; Mamba2's ``out_proj`` also gets the depth-scaled uniform init that
+fla's (and mamba_ssm's) Mamba2 uses.
 
 What this toolkit did before, part by part, is :mod:`hybridlm.model.legacy_init` (the loss-parity ablation).
 """
@@ -36,12 +35,11 @@ def init_short_conv(conv, std: float) -> None:
         nn.init.zeros_(conv.bias)
 
 
-def init_residual_out_proj(linear: nn.Linear, num_residuals: int = 1) -> None:
+def init_residual_out_proj(linear: nn.Linear, num_residuals: int) -> None:
     """``kaiming_uniform_(a=sqrt(5))`` divided by sqrt(num_residuals): U(-b, b) with b = 1 / sqrt(fan_in *
-    num_residuals). num_residuals = 1 is PyTorch's Linear default and transformers' Mamba2 ``out_proj`` (its
-    ``rescale_prenorm_residual`` defaults to False); fla's Mamba2 ``_init_weights`` divides by the number of
-    layers. One call (no in-place division) so that transformers' guard against re-initialising loaded weights
-    covers it."""
+    num_residuals). fla's Mamba2 ``_init_weights`` with ``rescale_prenorm_residual`` (its default) does this to
+    ``out_proj`` with num_residuals = number of layers; one call (no in-place division) so that transformers'
+    guard against re-initialising loaded weights covers it."""
     bound = 1.0 / math.sqrt(linear.weight.shape[1] * max(1, num_residuals))
     nn.init.uniform_(linear.weight, -bound, bound)
     if linear.bias is not None:

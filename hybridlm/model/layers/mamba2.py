@@ -26,10 +26,12 @@ from hybridlm.model.layers.init import init_A_log, init_dt_bias
 from hybridlm.ops.backend import use_triton, use_triton_elementwise
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state
 from hybridlm.ops.elementwise import gated_rms_norm
+from hybridlm.ops.mamba2_step import mamba2_decode_step
 
 
 class Mamba2(nn.Module):
     chunk_size: int = 64  # torch path's chunk length (tests shrink it)
+    fused_step: bool = True  # Triton path: a cached one-token step in one kernel (tests compare it turned off)
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
@@ -79,6 +81,8 @@ class Mamba2(nn.Module):
         Bsz, T, _ = hidden.shape
         triton = use_triton(self.backend, hidden)
         cache, hidden = recurrent_context(ctx, self.layer_idx, hidden)
+        if triton and T == 1 and self._can_fuse_step(cache):
+            return self._fused_step(hidden, ctx, cache)
         z, xbc, dt = self.in_proj(hidden).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         if self.z_bias is not None:
             z = z + self.z_bias.to(z.dtype)
@@ -107,6 +111,26 @@ class Mamba2(nn.Module):
                            group_size=self.d_inner // self.n_groups,
                            triton=triton and use_triton_elementwise(self.backend, y))
         return self.out_proj(y.to(hidden.dtype))
+
+    def _can_fuse_step(self, cache) -> bool:
+        """A decode token continuing cached states (a one-token prompt has none yet: the chunked path starts
+        them), outside autograd (the fused kernel has no backward)."""
+        return (self.fused_step and cache is not None and cache.state is not None
+                and cache.state.dtype == torch.float32 and "conv" in cache.conv_states
+                and not torch.is_grad_enabled())
+
+    def _fused_step(self, hidden: torch.Tensor, ctx, cache) -> torch.Tensor:
+        """Everything between in_proj and out_proj of one cached token in one Triton kernel
+        (:func:`hybridlm.ops.mamba2_step.mamba2_decode_step`), the conv and SSD states updated in place."""
+        z, xbc, dt = self.in_proj(hidden)[:, 0].split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        y = mamba2_decode_step(
+            z, xbc, dt, cache.conv_states["conv"], cache.state, self.conv1d.weight, self.conv1d.bias, self.dt_bias,
+            self.A_log, self.D, self.norm_weight, self.z_bias, head_dim=self.head_dim, d_state=self.d_state,
+            n_groups=self.n_groups, d_xb=self.d_xb, norm_eps=self.norm_eps,
+            keep=None if ctx.key_mask is None else ctx.key_mask[:, -1])
+        if not cache.static:  # the states are the same tensors, updated in place: only the token count moves
+            cache.advance(cache.state, 1)
+        return self.out_proj(y.to(hidden.dtype).unsqueeze(1))
 
     def _dt_scaled_keys(self, b: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
         """``dt * B`` per head, [B, T, H, N]. The SSD update ``h = exp(g) h + dt B x^T`` scales the outer
