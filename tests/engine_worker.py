@@ -8,7 +8,6 @@ optimizer state it holds.
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
 import os
@@ -157,7 +156,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                        "params_digest": params_digest(engine.module)}, f)
         engine.ds_engine.destroy()
         del engine
-        close()
+        close(args.out, info.rank)
         return
     poison = {args.nan_step: [2, 3]}  # rows 2-3 live on rank 1 only
 
@@ -203,16 +202,35 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     engine.ds_engine.destroy()
     resumed.ds_engine.destroy()
     del engine, resumed
-    close()
+    close(args.out, info.rank)
 
 
-def close() -> None:
+GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")  # each gloo process group runs one of the first, two of the second
+
+
+def thread_names() -> List[str]:
+    """Names of this process's threads (Linux: /proc/self/task/*/comm)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended while we looked
+            pass
+    return sorted(names)
+
+
+def close(out: Optional[str] = None, rank: int = 0) -> None:
     """Every process group torn down once the engines are released (their DeepSpeed optimizers hold the
     data-parallel group): gloo threads of a group still referenced at interpreter teardown can abort the rank
-    (hybridlm/engine/distributed.py, _destroy_groups)."""
+    (hybridlm/engine/distributed.py, _destroy_groups). No ``gc.collect()`` here: ``shutdown_distributed()`` alone
+    must free the groups of released engines. Writes ``<out>/rank<R>_teardown.json`` with the threads left after
+    it, which must include no gloo thread."""
     from hybridlm.engine import shutdown_distributed
-    gc.collect()
     shutdown_distributed()
+    if out is not None:
+        with open(os.path.join(out, f"rank{rank}_teardown.json"), "w") as f:
+            json.dump({"rank": rank, "threads_after_shutdown": thread_names()}, f)
 
 
 if __name__ == "__main__":

@@ -431,11 +431,22 @@ def test_distributed_helpers_single_process():
 # ------------------------------------------------------------------ (e) two ranks, ZeRO-1 on CPU
 
 
+def assert_no_gloo_threads_after_shutdown(out_dir, ranks=(0, 1)):
+    """Each rank of the worker wrote the threads it had left after ``shutdown_distributed()``: none may be a gloo
+    thread (a group still alive then is freed during interpreter teardown, where its threads can abort the rank)."""
+    for r in ranks:
+        with open(os.path.join(out_dir, f"rank{r}_teardown.json")) as f:
+            names = json.load(f)["threads_after_shutdown"]
+        gloo = [n for n in names if n in W.GLOO_THREADS]
+        assert gloo == [], f"rank {r}: {len(gloo)} gloo threads after shutdown_distributed(): {names}"
+
+
 @pytest.mark.timeout(300)
 # bf16 on 2 CPU ranks once aborted at exit in some CI runs ("terminate called without an active exception": gloo
 # threads of a group still referenced at interpreter teardown); the worker now releases its engines and tears the
-# groups down through DeepSpeed's comm layer (hybridlm/engine/distributed.py). BENCHMARKS.md, "Default test
-# suite", has the repetition counts.
+# groups down through DeepSpeed's comm layer (hybridlm/engine/distributed.py), and each rank must have no gloo thread
+# left after shutdown_distributed() (docs/distributed_teardown.md). BENCHMARKS.md, "Default test suite", has the
+# repetition counts.
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_two_rank_zero1_shards_state_and_matches_one_rank(tmp_path, precision):
     env = subprocess_env(OMP_NUM_THREADS="1")
@@ -445,6 +456,7 @@ def test_two_rank_zero1_shards_state_and_matches_one_rank(tmp_path, precision):
            "--nan-step", "2"]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert_no_gloo_threads_after_shutdown(tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
     for d in ranks:
@@ -504,6 +516,7 @@ def test_resume_on_another_number_of_ranks_continues_the_run(tmp_path, precision
         proc = subprocess.run(cmd, env=subprocess_env(OMP_NUM_THREADS="1"), cwd=REPO, capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        assert_no_gloo_threads_after_shutdown(extra[extra.index("--out") + 1])
 
     # 2 -> 1: the worker trains 3 steps on 2 ranks and saves (then goes on; its checkpoint is what counts)
     two = tmp_path / "two"

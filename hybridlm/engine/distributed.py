@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
+import importlib
 import os
 import socket
 import sys
@@ -68,6 +70,50 @@ def _disable_shm_comm_build() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+# Modules of torch whose functions take ``group=group.WORLD`` as a default argument. The default is evaluated when the
+# module is imported: imported while a process group exists, it freezes that ProcessGroup into the functions'
+# ``__defaults__``, out of reach of ``destroy_process_group`` (torch/distributed/nn/functional.py: broadcast, gather,
+# scatter, reduce, reduce_scatter, all_gather, _all_gather_base, all_to_all, all_to_all_single, all_reduce).
+_GROUP_DEFAULT_MODULES = ("torch.distributed.nn.functional",)
+
+
+def _import_group_default_modules() -> None:
+    """Import :data:`_GROUP_DEFAULT_MODULES` while no process group exists, so their ``group`` defaults are ``None``.
+
+    Nobody here imports them on purpose, but the first ``torch.optim.Optimizer.add_param_group`` call (wrapped in
+    ``torch._disable_dynamo``) imports ``torch._dynamo``, which pulls in torch.distributed.nn.functional through
+    torch.distributed.fsdp -> _shard -> sharded_tensor.reshard. Without this, every ``Engine`` built after
+    :func:`init_distributed` pinned the default gloo group (and its ``gloo_tcp_loop`` and two ``pt_gloo_runloop``
+    threads) until interpreter teardown.
+    """
+    if not dist.is_available():
+        return
+    for name in _GROUP_DEFAULT_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # pragma: no cover - a torch without it has nothing to pin the group
+            pass
+
+
+def _release_pinned_groups() -> None:
+    """Drop destroyed process groups that a module of :data:`_GROUP_DEFAULT_MODULES` froze into function defaults.
+
+    Only reachable when that module was imported while a group existed that we did not create (``init_distributed``
+    imports it before creating one). Once the world is destroyed such a default is a dead group that any call
+    would fail on; ``None``, what the default is when the module is imported before the group, means "the current
+    default group" to these functions.
+    """
+    for name in _GROUP_DEFAULT_MODULES:
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        for fn in list(vars(module).values()):
+            defaults = getattr(fn, "__defaults__", None)
+            if getattr(fn, "__module__", None) == name and defaults and \
+                    any(isinstance(d, dist.ProcessGroup) for d in defaults):
+                fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+
+
 def init_distributed(timeout_minutes: int = 30) -> DistInfo:
     """Initialise ``torch.distributed`` through DeepSpeed (idempotent) and return this process's place."""
     global _INFO
@@ -98,6 +144,8 @@ def init_distributed(timeout_minutes: int = 30) -> DistInfo:
         backend = "gloo"
 
     _disable_shm_comm_build()
+    if not (dist.is_available() and dist.is_initialized()):
+        _import_group_default_modules()  # before the default group exists (see there)
 
     import deepspeed
 
@@ -144,15 +192,30 @@ def barrier() -> None:
 
 
 def _destroy_groups() -> None:
-    """Destroy every process group, through DeepSpeed's comm layer when it adopted them: it also drops the groups
-    DeepSpeed keeps (its clone of the world group), whose gloo threads torch's ``destroy_process_group`` alone
-    leaves running into interpreter teardown, where a thread ended mid-destructor aborts the rank ("terminate
-    called without an active exception")."""
+    """Destroy every process group and drop what still refers to them, so that no gloo thread outlives this call.
+
+    A gloo group's threads (``gloo_tcp_loop``, two ``pt_gloo_runloop``) stop only when the ProcessGroup object is
+    freed, not when it is destroyed; one still referenced at interpreter teardown is freed mid-teardown, where a
+    thread ended in its destructor can abort the rank ("terminate called without an active exception"). So:
+
+    * destroy through DeepSpeed's comm layer when it adopted the groups: it also releases the groups DeepSpeed keeps
+      in ``deepspeed.utils.groups`` (its clone of the world group, ``_WORLD_GROUP``, is the ZeRO data-parallel group);
+    * drop a default group frozen into torch function defaults (:func:`_release_pinned_groups`);
+    * collect garbage: DeepSpeed leaves the clone on each model parameter (``param._dp_group``,
+      deepspeed/utils/mixed_precision_linkage.py ``_init_lp_to_hp_mapping``), and a released parameter is a
+      reference cycle (its bound ``get_full_hp_param`` & co. methods) that only a collection frees. A released
+      but uncollected ZeRO-1 engine takes two passes (measured: the first frees the engine, the second its
+      parameters and with them the clone), so collect until a pass finds nothing.
+    """
     ds_comm = sys.modules.get("deepspeed.comm")
     if ds_comm is not None and ds_comm.is_initialized():
         ds_comm.destroy_process_group()
     elif dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _release_pinned_groups()
+    for _ in range(5):
+        if not gc.collect():
+            break
 
 
 def _destroy_at_exit() -> None:
