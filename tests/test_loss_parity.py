@@ -2,6 +2,7 @@
 init) on the real packed data, both fed the same batches with the same learning rate at every step."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -304,29 +305,26 @@ def test_only_ours_and_only_peer_merge_into_the_full_report(tmp_path, austen_dat
     one process that ran both: the same runs, curves, gap and checks; other settings or a run twice are refused."""
     from hybridlm.bench import loss_parity as LP
 
-    argv = ["--family", "gdn", "--steps", "2", "--data", str(austen_data), "--peer", "ours", "--seeds", "1", "2",
+    argv = ["--family", "gdn", "--steps", "2", "--data", str(austen_data), "--peer", "ours", "--seeds", "1",
             "--ours-seeds", "0", "--micro-batch", "2", "--seq", "32", "--warmup", "1", "--val-interval", "2",
             "--val-batches", "1", "--model-override", *TINY]
     full = LP.main([*argv, "--out", str(tmp_path / "full")])
     ours = LP.main([*argv, "--out", str(tmp_path / "ours"), "--only", "ours"])
     peer = LP.main([*argv, "--out", str(tmp_path / "peer"), "--only", "peer"])
-    assert [r["role"] for r in ours["runs"]] == ["ours"] and [r["role"] for r in peer["runs"]] == ["peer", "peer"]
-    merged = LP.main(["--merge", str(tmp_path / "ours" / "loss_parity.json"), str(tmp_path / "peer" / "loss_parity.json"),
-                      "--out", str(tmp_path / "merged")])
-    assert sorted((r["name"], r["seed"]) for r in merged["runs"]) == sorted((r["name"], r["seed"]) for r in full["runs"])
-    by_run = {(r["name"], r["seed"]): r for r in full["runs"]}
-    for r in merged["runs"]:
-        assert r["train_loss"] == by_run[(r["name"], r["seed"])]["train_loss"]
-    for key in ("ours_val_loss", "peer_val_loss", "gap", "peer_spread"):
+    assert [r["role"] for r in ours["runs"]] == ["ours"] and [r["role"] for r in peer["runs"]] == ["peer"]
+    parts = [str(tmp_path / side / "loss_parity.json") for side in ("ours", "peer")]
+    merged = LP.main(["--merge", *parts, "--out", str(tmp_path / "merged")])
+    assert [(r["name"], r["seed"]) for r in merged["runs"]] == [(r["name"], r["seed"]) for r in full["runs"]]
+    for a, b in zip(merged["runs"], full["runs"]):
+        assert a["train_loss"] == b["train_loss"] and a["val"] == b["val"]
+    for key in ("ours_val_loss", "peer_val_loss", "gap"):
         assert merged[key] == pytest.approx(full[key]), key
     assert merged["checks"] == full["checks"] and all(v for k, v in merged["checks"].items() if k != "compared_steps")
     assert_chart(tmp_path / "merged" / "loss_parity.png")
     with pytest.raises(SystemExit, match="more than one report"):
-        LP.main(["--merge", str(tmp_path / "ours" / "loss_parity.json"), str(tmp_path / "full" / "loss_parity.json"),
-                 "--out", str(tmp_path / "bad")])
-    other = LP.main([*[("3" if a == "2" and argv[i - 1] == "--steps" else a) for i, a in enumerate(argv)],
-                     "--out", str(tmp_path / "other"), "--only", "peer"])
-    assert other["steps"] == 3
+        LP.main(["--merge", parts[0], str(tmp_path / "full" / "loss_parity.json"), "--out", str(tmp_path / "bad")])
+    other = json.loads(Path(parts[1]).read_text())
+    other["steps"] = 3
+    (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match=r"other settings .*\(steps"):
-        LP.main(["--merge", str(tmp_path / "ours" / "loss_parity.json"), str(tmp_path / "other" / "loss_parity.json"),
-                 "--out", str(tmp_path / "bad")])
+        LP.main(["--merge", parts[0], str(tmp_path / "other.json"), "--out", str(tmp_path / "bad")])
