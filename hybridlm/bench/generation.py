@@ -383,12 +383,12 @@ def measure_entry(model, name: str, prompt_len: int, batch: int, args, device: t
     graph = bool(getattr(args, "cuda_graph", False)) and name == "hybrid" and via == "loop"
     entry["cuda_graph"] = graph
     entry["decode_via"] = via
-    graph_kw = {"cuda_graph": True} if graph else {}
+    decode_kw = {"cuda_graph": True} if graph else {}
     decode = greedy_decode
     if via == "generate":
         decode = generate_decode
-        graph_kw = generate_kwargs(name, args)
-        entry["generate_kwargs"] = graph_kw
+        decode_kw = generate_kwargs(name, args)
+        entry["generate_kwargs"] = decode_kw
     run = DecodeRun()
     runs: List[Tuple[float, float, Optional[int], Optional[int]]] = []
     captures: List[float] = []
@@ -403,11 +403,11 @@ def measure_entry(model, name: str, prompt_len: int, batch: int, args, device: t
             entry["decode_path"] = ("generate(): static HybridCache + CUDA graph (graphed_generate)" if plan
                                     else f"generate(): transformers' eager loop ({why or 'not on CUDA'})")
         if args.warmup_steps > 0:
-            decode(model, ids, min(args.new_tokens, args.warmup_steps + 1), run, **graph_kw)
+            decode(model, ids, min(args.new_tokens, args.warmup_steps + 1), run, **decode_kw)
         where = ""
         for r in range(args.repeats):
             run = DecodeRun()
-            decode(model, ids, args.new_tokens, run, **graph_kw)
+            decode(model, ids, args.new_tokens, run, **decode_kw)
             runs.append((run.prefill_s, run.decode_s, run.peak_prefill, run.peak_decode))
             if graph:
                 captures.append(run.capture_s)
@@ -708,7 +708,6 @@ def main(argv=None) -> Dict[str, Any]:
             continue
         print(f"[{time.perf_counter() - t0:6.0f}s] loading {name}", flush=True)
         if name == "hybrid":
-            Mamba2.fused_step = args.mamba2_fused_step == "on"
             model = load_hybrid(args.hybrid, dtype, device)
             probe = torch.empty(1, device=device)
             info = {"path": args.hybrid, "pattern": model.config.hybrid_override_pattern,
@@ -724,6 +723,8 @@ def main(argv=None) -> Dict[str, Any]:
                     vocab_size=model.config.vocab_size)
         report["models"][name] = info
         vocab = model.config.vocab_size
+        fused_before = Mamba2.fused_step  # a class switch: put back after this model, not left to later callers
+        Mamba2.fused_step = args.mamba2_fused_step == "on"
         try:
             for P in args.prompt_lens:
                 checked = False
@@ -736,6 +737,7 @@ def main(argv=None) -> Dict[str, Any]:
                     if entry["status"] != "ok":
                         break
         finally:
+            Mamba2.fused_step = fused_before
             del model
             free_memory()
     write(report, out)
