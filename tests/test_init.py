@@ -1,8 +1,10 @@
-"""From-scratch initialisation: every mixer's parameters have fla's statistics (docs/initialisation.md).
+"""From-scratch initialisation: every mixer's parameters have fla's statistics (docs/initialisation.md), except
+Mamba2's conv, which keeps PyTorch's Conv1d default as in mamba_ssm.
 
-The short convolutions used to keep PyTorch's Conv1d default (std ~0.29 at width 4, ~15x fla's 0.02): the
-per-mixer checks below pin the intended statistics, and the comparison against fla's own models (built on
-the CPU: they need Triton only to run) checks every parameter group of ours against fla's of identical shape.
+GDN / KDA's short convolutions used to keep PyTorch's Conv1d default (std ~0.29 at width 4, ~15x fla's 0.02); Mamba2's
+conv had fla's normal(0, 0.02), with which its SSD starts at 1e-4 of the D skip and the model learned slower. The
+per-mixer checks below pin the intended statistics, and the comparison against fla's own models (built on the CPU:
+they need Triton only to run) checks every parameter group of ours against fla's of identical shape.
 """
 import math
 import re
@@ -27,10 +29,19 @@ def _cat(tensors):
     return torch.cat([t.detach().float().reshape(-1) for t in tensors])
 
 
+def _assert_conv1d_default(weight, bias=None):
+    """PyTorch's Conv1d default at fan-in WIDTH: U(+-1/sqrt(WIDTH)), std 0.29 (weight and bias)."""
+    bound = 1.0 / math.sqrt(WIDTH)
+    for t in (weight,) if bias is None else (weight, bias):
+        assert t.abs().max().item() <= bound and t.abs().max().item() > 0.9 * bound
+        assert t.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.08) and abs(t.mean().item()) < 0.05
+
+
 @pytest.mark.parametrize("pattern,mixer", [("G-G-", "gdn"), ("K-K-", "kda"), ("S-S-", "mamba2")])
 def test_short_conv_and_mamba2_out_proj_follow_fla(pattern, mixer, seeded):
-    """Conv weights normal(0, initializer_range) (a non-default range, to see that it is the config's), conv
-    biases 0, Mamba2's out_proj U(+-1/sqrt(d_inner * sublayers)); the rest as before."""
+    """GDN / KDA conv weights normal(0, initializer_range) (a non-default range, to see that it is the config's);
+    Mamba2's conv weight and bias PyTorch's Conv1d default whatever the range; Mamba2's out_proj U(+-1/sqrt(d_inner
+    * sublayers)); the rest as before."""
     std = 0.01
     cfg = tiny_config(pattern, mixer, hidden_size=128, initializer_range=std,
                       gdn=dict(num_heads=4, head_dim=32, num_v_heads=8, head_v_dim=32),
@@ -41,11 +52,13 @@ def test_short_conv_and_mamba2_out_proj_follow_fla(pattern, mixer, seeded):
     assert convs and all(c.weight.shape[-1] == WIDTH for c in convs)
     w = _cat(c.weight for c in convs)
     assert w.numel() > 2000
-    assert w.std().item() == pytest.approx(std, rel=0.08) and abs(w.mean().item()) < 0.1 * std
-    assert w.abs().max().item() > 2.5 * std  # a normal's tails
     biases = [c.bias for c in convs if c.bias is not None]
     assert (mixer == "mamba2") == bool(biases)
-    assert all(torch.count_nonzero(b) == 0 for b in biases)
+    if mixer == "mamba2":
+        _assert_conv1d_default(w, _cat(biases))
+    else:
+        assert w.std().item() == pytest.approx(std, rel=0.08) and abs(w.mean().item()) < 0.1 * std
+        assert w.abs().max().item() > 2.5 * std  # a normal's tails
     for layer in model.model.layers:
         m = layer.mixer
         if mixer == "mamba2" and layer.kind == "mamba2":
@@ -63,18 +76,22 @@ def test_short_conv_and_mamba2_out_proj_follow_fla(pattern, mixer, seeded):
             assert m.down_proj.weight.std().item() == pytest.approx(std, rel=0.05)
 
 
-def test_legacy_init_puts_back_the_conv1d_default(seeded):
+def test_legacy_init_puts_back_the_earlier_inits(seeded):
     cfg = tiny_config("G-S-", "gdn", hidden_size=128, mamba2=dict(d_state=32, head_dim=32, n_groups=2, expand=2))
     model = HybridForCausalLM(cfg)
+    gdn, mamba = model.model.layers[0].mixer, model.model.layers[2].mixer
+    bias = mamba.conv1d.bias.detach().clone()
     touched = apply_legacy_init(model, ["conv"])
     assert len(touched) == 4  # q / k / v of GDN, Mamba2's conv
-    w = _cat(c.weight for c in _convs(model))
-    bound = 1.0 / math.sqrt(WIDTH)
-    assert w.abs().max().item() <= bound and w.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.05)
-    mamba = model.model.layers[2].mixer
-    assert torch.count_nonzero(mamba.conv1d.bias) == 0  # only the named parts
+    _assert_conv1d_default(_cat([gdn.q_conv1d.weight, gdn.k_conv1d.weight, gdn.v_conv1d.weight]))
+    assert torch.equal(mamba.conv1d.bias, bias)  # only the named parts
+    # Mamba2's conv as fla initialises it (our default before it went back to PyTorch's)
+    touched = apply_legacy_init(model, ["mamba2_conv_fla"], cfg.initializer_range)
+    assert touched == ["model.layers.2.mixer.conv1d.weight", "model.layers.2.mixer.conv1d.bias"]
+    assert mamba.conv1d.weight.std().item() == pytest.approx(cfg.initializer_range, rel=0.1)
+    assert torch.count_nonzero(mamba.conv1d.bias) == 0
     apply_legacy_init(model, LEGACY_PARTS, cfg.initializer_range)
-    assert mamba.conv1d.bias.abs().max().item() > 0.1
+    _assert_conv1d_default(mamba.conv1d.weight, mamba.conv1d.bias)
     assert mamba.out_proj.weight.std().item() == pytest.approx(cfg.initializer_range, rel=0.05)
     with pytest.raises(ValueError, match="unknown"):
         apply_legacy_init(model, ["convs"])
@@ -160,6 +177,10 @@ def test_every_parameter_group_matches_fla(family, seeded):
             for t in (x, y):
                 dt = torch.nn.functional.softplus(t)
                 assert dt.min().item() >= 1e-3 * (1 - 1e-4) and dt.max().item() <= 0.1 * (1 + 1e-4), key
+            continue
+        if family == "mamba2" and key.startswith("conv1d."):  # ours PyTorch's default, fla's normal(0, 0.02) / 0
+            _assert_conv1d_default(x)
+            assert y.std().item() == pytest.approx(0.02, rel=0.1) if key == "conv1d.weight" else y.std().item() == 0
             continue
         if y.std().item() == 0:  # constants: norm weights 1, D 1, biases 0
             assert torch.equal(x, y), key

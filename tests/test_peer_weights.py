@@ -18,7 +18,7 @@ from hybridlm.bench import loss_parity as LP
 from hybridlm.bench.peer_weights import load_peer_weights, mapped_peer_state
 from hybridlm.model import HybridForCausalLM
 
-PEER_ARGS = SimpleNamespace(seq=64, peer_chunk_size=16, peer_init="fla")
+PEER_ARGS = SimpleNamespace(seq=64, peer_chunk_size=16, peer_init="fla", peer_norm="grouped")
 PATTERNS = {"gdn": "G-G-", "kda": "K-K-", "mamba2": "MMM"}
 REL_TOL = 1e-4
 

@@ -63,6 +63,7 @@ import torch
 from hybridlm.bench.common import (DEFAULT_DATA, DEFAULT_SOURCES, DEFAULT_TOKENIZER, free_memory, model_section,
                                    versions, write_report)
 from hybridlm.bench import peer_ssd
+from hybridlm.bench.peer_norm import NORMS, set_gated_norms
 from hybridlm.bench.peer_weights import fla_mamba2_reads_groups_tiled, load_peer_weights
 from hybridlm.bench.peers import build_peer as speed_peer
 from hybridlm.data import DataConfig, PackedBatches, PackedTokens, ensure_prepared, read_meta, validation_batches
@@ -205,6 +206,9 @@ def build_peer(kind: str, family: str, config, seed: int, args):
     model = Mamba2ForCausalLM(cfg)
     info = {"class": f"{'fla' if kind == 'fla' else 'transformers'}.{type(model).__name__}",
             "config": cfg.to_diff_dict(), "init": "its own (_init_weights)"}
+    if kind == "hf":
+        set_gated_norms(model, args.peer_norm)  # whatever transformers is installed (hybridlm/bench/peer_norm.py)
+        info["norm"] = args.peer_norm
     if kind == "fla":
         if fla_mamba2_reads_groups_tiled(model):
             info["note"] = ("without mamba_ssm fla's torch SSD gives head h the B / C of group h % n_groups, ours "
@@ -539,9 +543,9 @@ def merge(paths: Sequence[str], out: Path) -> Dict[str, Any]:
 
 
 # settings that must be equal for a finished run of an earlier report to stand beside this one's
-RESUME_KEYS = ("family", "steps", "config", "model_override", "pattern", "peer", "peer_class", "ours_params",
-               "peer_params", "micro_batch", "seq_len", "precision", "optim", "val_interval", "val_batches",
-               "val_batch_hashes", "data")
+RESUME_KEYS = ("family", "steps", "config", "model_override", "pattern", "peer", "peer_class", "peer_norm",
+               "ours_params", "peer_params", "micro_batch", "seq_len", "precision", "optim", "val_interval",
+               "val_batches", "val_batch_hashes", "data")
 
 
 def run_name(args, role: str, variant: Optional[str], engine_precision: Optional[str]) -> str:
@@ -620,6 +624,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--peer hf: the SSD its mixers run: chunked (fla's chunk_simple_gla on CUDA, the project's "
                         "torch recurrence on a CPU; checked against the reference on the first batch before "
                         "training) or reference (transformers' own torch SSD, ~5 s a step at 300M, 8 x 2048)")
+    p.add_argument("--peer-norm", choices=NORMS, default="grouped",
+                   help="--peer hf: its gated RMSNorm over groups of d_inner / n_groups channels as in mamba_ssm and "
+                        "ours, or over all of d_inner as transformers before 5.24 computes it (whatever version is "
+                        "installed)")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--lr", type=float, default=6e-4)
@@ -757,8 +765,7 @@ def main(argv=None) -> Dict[str, Any]:
     if args.peer == "ours":
         report["peer_init"] = args.peer_init
     if args.peer == "hf":
-        report["peer_ssd"] = args.peer_ssd
-        report["peer_ssd_check"] = ssd_check
+        report.update(peer_ssd=args.peer_ssd, peer_ssd_check=ssd_check, peer_norm=peer_info["norm"])
     if args.peer_config:
         report.update(peer_config_name=args.peer_config, peer_model_override=args.peer_model_override,
                       peer_pattern=peer_config.hybrid_override_pattern)

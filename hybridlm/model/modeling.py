@@ -24,7 +24,7 @@ from hybridlm.model.fast_generate import fast_path_plan, say_why
 from hybridlm.model.graphs import graphed_generate
 from hybridlm.model.layers import SUBLAYERS, Mamba2, RMSNorm
 from hybridlm.model.layers.conv import ShortConv
-from hybridlm.model.layers.init import init_residual_out_proj, init_short_conv
+from hybridlm.model.layers.init import init_residual_out_proj, init_short_conv, init_short_conv_uniform
 from hybridlm.model.loss import IGNORE_INDEX, linear_cross_entropy
 from hybridlm.ops.backend import use_triton
 
@@ -78,8 +78,9 @@ class HybridPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         """fla's from-scratch init (docs/initialisation.md): linears, short convs and embeddings normal(0,
         initializer_range), biases 0, norm weights 1, the mixers' A_log / dt_bias / D by their own
-        ``reset_recurrent_parameters``; Mamba2's out_proj depth-scaled as in fla's Mamba2 (transformers applies
-        this to children before parents, so it overrides the nn.Linear branch)."""
+        ``reset_recurrent_parameters``; Mamba2's out_proj depth-scaled as in fla's Mamba2 and its conv at
+        PyTorch's Conv1d default as in mamba_ssm (transformers applies this to children before parents, so the
+        Mamba2 branch overrides the nn.Linear and ShortConv branches)."""
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=std)
@@ -100,6 +101,8 @@ class HybridPreTrainedModel(PreTrainedModel):
             # every sublayer adds to the residual stream: fla's num_hidden_layers for a pure Mamba2 stack,
             # mamba_ssm's 2 x n_layer with MLPs
             init_residual_out_proj(module.out_proj, len(self.config.layer_plan))
+            # its conv after the ShortConv branch above (children come first): PyTorch's default, not fla's
+            init_short_conv_uniform(module.conv1d)
 
 
 class HybridModel(HybridPreTrainedModel):

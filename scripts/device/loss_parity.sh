@@ -13,8 +13,10 @@
 #   SEEDS="0 1"                 peer seeds (their spread is the yardstick); ours runs with the first
 #   ABLATION=1                  also ours with other inits, whole and part by part (the ablation table):
 #                               gdn / kda: fla's weights (peer) and the previous init (legacy = the conv weights);
-#                               mamba2: transformers' A_log, conv, whole (peer); its unscaled out_proj was
-#                               measured in session 11: transformers' unscaled out_proj did not close the gap
+#                               mamba2: the previous conv (fla's: legacy:mamba2_conv_fla), transformers' weights
+#                               (peer); transformers' A_log and unscaled out_proj were measured (sessions 11-12)
+#   PEER_NORM=grouped           mamba2: the transformers peer's gated norm, grouped as mamba_ssm and ours (default)
+#                               or d_inner (transformers before 5.24: the device's 5.17 computes that by itself)
 #   OURS_INIT="fla legacy:conv" explicit variants instead (overrides ABLATION); the default is "fla peer": ours
 #                               from its own init and from the peer's exact initial weights (a gap that the peer
 #                               run closes is the initialisation, one it keeps is everything else)
@@ -41,7 +43,7 @@ source scripts/device/common.sh
 export DEADLINE_AT=$(( EPOCHSECONDS + ${DEADLINE:-560} ))
 declare -A CONFIG=([gdn]=gdn_300m [kda]=kda_300m [mamba2]=mamba2_300m)
 declare -A ABLATE=([gdn]="fla peer legacy" [kda]="fla peer legacy"
-                   [mamba2]="fla peer:A_log peer:conv1d peer")
+                   [mamba2]="fla legacy:mamba2_conv_fla peer")
 # fla's Mamba2 without mamba_ssm wires B / C groups to heads in another order than ours (hybridlm/bench/
 # peer_weights.py): with mamba2_300m's 8 groups of 4 heads it is not the same model, transformers' Mamba2 is
 declare -A PEER=([gdn]=fla [kda]=fla [mamba2]=hf [hybrid]=ours)
@@ -62,7 +64,7 @@ run_family() {  # family gpu
       --config "${CONFIG[$fam]}" --out "$1" --data "$DATA" \
       --steps "${!steps_var:-${STEPS:-300}}" $([ "${RESUME:-0}" = 1 ] && echo --resume) --micro-batch "${MB:-8}" --seq "${SEQ:-2048}" --lr 6e-4 --min-lr 6e-5 --warmup 30 \
       ${ENGINE:+--ours-engine $ENGINE} ${EXTRA[$fam]:-} --val-interval "${VAL_INTERVAL:-25}" --val-batches "${VAL_BATCHES:-8}" --log-interval 25 \
-      --peer "${PEER[$fam]}" --seeds ${SEEDS:-0 1} --ours-init $init --peer-chunk-size "${MAMBA2_CHUNK:-64}" "${@:2}" \
+      --peer "${PEER[$fam]}" $([ "${PEER[$fam]}" = hf ] && echo --peer-norm "${PEER_NORM:-grouped}") --seeds ${SEEDS:-0 1} --ours-init $init --peer-chunk-size "${MAMBA2_CHUNK:-64}" "${@:2}" \
       >> "$1.log" 2>&1
   }
   if [ -n "${SPLIT:-}" ]; then  # two processes on the GPU (each side's small steps leave it idle half the time)

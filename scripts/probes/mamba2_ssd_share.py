@@ -1,11 +1,12 @@
 """How much the SSD contributes at initialisation, next to the D skip, in one Mamba2 layer of mamba2_300m's shape
 (hidden 1024, d_state 64, head_dim 64, 8 groups, expand 2) on unit-RMS random input, for three conv inits:
-ours (fla's normal(0, 0.02), bias 0), PyTorch's Conv1d weight U(+-1/sqrt(width)) with bias 0 (``legacy:conv``), and
-transformers' Mamba2 (that weight and a uniform bias). in_proj is normal(0, 0.02) in all three.
+fla's normal(0, 0.02) with bias 0 (our Mamba2's before; ``legacy:mamba2_conv_fla``), PyTorch's Conv1d weight
+U(+-1/sqrt(width)) with bias 0, and PyTorch's Conv1d default for weight and bias (mamba_ssm's, transformers' and now
+ours). in_proj is normal(0, 0.02) in all three.
 
     python scripts/probes/mamba2_ssd_share.py
 
-Prints rms(SSD output), rms(D x) and their ratio (BENCHMARKS.md, "Session 11").
+Prints rms(SSD output), rms(D x) and their ratio (BENCHMARKS.md, "Session 11"; docs/initialisation.md).
 """
 import os
 import sys
@@ -17,14 +18,13 @@ sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 
 import hybridlm.model.layers.mamba2 as mamba2_module  # noqa: E402
 from conftest import tiny_config  # noqa: E402
-from hybridlm.model.layers.init import init_short_conv  # noqa: E402
-from hybridlm.model.legacy_init import init_short_conv_legacy  # noqa: E402
+from hybridlm.model.layers.init import init_short_conv, init_short_conv_uniform  # noqa: E402
 
 CONV_INITS = {
-    "ours: conv normal(0, 0.02), bias 0": lambda conv: init_short_conv(conv, 0.02),
-    "conv U(+-0.5), bias 0 (legacy:conv)": lambda conv: (init_short_conv(conv, 0.02),
-                                                         init_short_conv_legacy(conv, weight=True, bias=False)),
-    "transformers: conv U(+-0.5), bias U(+-0.5)": lambda conv: init_short_conv_legacy(conv),
+    "fla: conv normal(0, 0.02), bias 0 (ours before)": lambda conv: init_short_conv(conv, 0.02),
+    "conv U(+-0.5), bias 0": lambda conv: (init_short_conv(conv, 0.02),
+                                           init_short_conv_uniform(conv, weight=True, bias=False)),
+    "Conv1d default: U(+-0.5), bias U(+-0.5) (ours)": lambda conv: init_short_conv_uniform(conv),
 }
 
 

@@ -9,8 +9,8 @@ from hybridlm.ops.elementwise import short_conv, short_conv_with_state
 class ShortConv(nn.Module):
     """Holds a depthwise kernel ``weight [dim, width]`` (and optional bias), initialised as fla initialises its
     ``ShortConvolution``: weight normal(0, std) with the model's ``initializer_range`` (set by the model's
-    ``_init_weights``; 0.02 standalone), bias 0. The previous init (PyTorch's Conv1d default, std ~0.29 at
-    width 4) is :func:`hybridlm.model.legacy_init.init_short_conv_legacy`."""
+    ``_init_weights``; 0.02 standalone), bias 0. Mamba2 re-draws its conv with PyTorch's Conv1d default (std ~0.29
+    at width 4: :func:`hybridlm.model.layers.init.init_short_conv_uniform`), as GDN / KDA had it before."""
 
     def __init__(self, dim: int, width: int, bias: bool = False):
         super().__init__()

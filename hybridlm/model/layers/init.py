@@ -3,7 +3,11 @@
 From scratch every mixer is initialised as flash-linear-attention's models are (``fla/models/*/modeling_*.py``
 ``_init_weights``): projections, short convolutions and embeddings normal(0, ``initializer_range``), biases 0,
 norm weights 1; A_log / dt_bias as below; Mamba2's ``out_proj`` also gets the depth-scaled uniform init that
-fla's (and mamba_ssm's) Mamba2 uses.
+fla's (and mamba_ssm's) Mamba2 uses. One exception: Mamba2's conv keeps PyTorch's Conv1d default
+(:func:`init_short_conv_uniform`), as mamba_ssm, Megatron and transformers have it. fla's normal(0, 0.02) makes
+its B, C and x so small that the SSD's output starts at 1e-4 of the D skip's, and the model learned 0.10 nats
+slower in 300 steps (docs/initialisation.md); GDN and KDA L2-normalise q and k after the conv, so fla's small
+conv suits them.
 
 What this toolkit did before, part by part, is :mod:`hybridlm.model.legacy_init` (the loss-parity ablation).
 """
@@ -33,6 +37,18 @@ def init_short_conv(conv, std: float) -> None:
     nn.init.normal_(conv.weight, mean=0.0, std=std)
     if conv.bias is not None:
         nn.init.zeros_(conv.bias)
+
+
+def init_short_conv_uniform(conv, weight: bool = True, bias: bool = True) -> None:
+    """PyTorch's ``nn.Conv1d`` default for a depthwise kernel (fan-in = width): weight and bias
+    U(-1/sqrt(width), 1/sqrt(width)), std ~0.29 at width 4. Mamba2's conv (mamba_ssm, Megatron and transformers
+    leave their ``nn.Conv1d`` at this default)."""
+    bound = 1.0 / math.sqrt(conv.weight.shape[-1])
+    with torch.no_grad():
+        if weight:
+            nn.init.uniform_(conv.weight, -bound, bound)
+        if bias and conv.bias is not None:
+            nn.init.uniform_(conv.bias, -bound, bound)
 
 
 def init_residual_out_proj(linear: nn.Linear, num_residuals: int) -> None:

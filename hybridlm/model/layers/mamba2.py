@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_conv
-from hybridlm.model.layers.init import init_A_log, init_dt_bias
+from hybridlm.model.layers.init import init_A_log, init_dt_bias, init_short_conv_uniform
 from hybridlm.ops.backend import use_triton, use_triton_elementwise
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state
 from hybridlm.ops.elementwise import gated_rms_norm
@@ -49,6 +49,7 @@ class Mamba2(nn.Module):
         self.conv_dim = self.d_xb + self.d_b + self.n_groups * self.d_state
         self.in_proj = nn.Linear(d, self.d_inner + self.conv_dim + self.num_heads, bias=False)
         self.conv1d = ShortConv(self.conv_dim, a.conv_size, bias=a.conv_bias)
+        init_short_conv_uniform(self.conv1d)  # not fla's small normal: it starves the SSD (layers/init.py)
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
