@@ -89,6 +89,7 @@ from hybridlm.model.cache import HybridCache
 from hybridlm.model.fast_generate import fast_path_plan
 from hybridlm.model.generate import greedy_generate
 from hybridlm.model.layers.mamba2 import Mamba2
+from hybridlm.model.layers.mla import MultiHeadLatentAttention
 from hybridlm.model.graphs import GraphedDecoder
 from hybridlm.model.pattern import student_kinds
 from hybridlm.ops.backend import use_triton
@@ -632,6 +633,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mamba2-fused-step", choices=("on", "off"), default="on",
                    help="the hybrid's Mamba2 layers decode a cached token in one fused Triton kernel (on, the "
                         "default) or through the unfused ops (off: the before of a before / after)")
+    p.add_argument("--mla-split-k", choices=("on", "off"), default="off",
+                   help="the hybrid's MLA layers attend to the cache through the split-K Triton kernel "
+                        "(hybridlm/ops/latent_decode.py; on) or SDPA (off, the default until measured)")
     p.add_argument("--sdpa-cudnn", action="store_true",
                    help="leave cuDNN in SDPA's backend choice (default: off for both models; it builds a new "
                         "execution plan for every key length, i.e. at every eager decoding step)")
@@ -671,7 +675,8 @@ def main(argv=None) -> Dict[str, Any]:
         **versions(), "device": str(device), "dtype": args.dtype, "hybrid": args.hybrid, "teacher": args.teacher,
         "prompt_lens": args.prompt_lens, "new_tokens": args.new_tokens, "batches": sorted(set(args.batches)),
         "repeats": args.repeats, "warmup_steps": args.warmup_steps, "seed": args.seed,
-        "cuda_graph": args.cuda_graph, "via": args.via, "mamba2_fused_step": args.mamba2_fused_step, "teacher_cache": args.teacher_cache,
+        "cuda_graph": args.cuda_graph, "via": args.via, "mamba2_fused_step": args.mamba2_fused_step,
+        "mla_split_k": args.mla_split_k, "teacher_cache": args.teacher_cache,
         "sdpa_cudnn": args.sdpa_cudnn if cuda else None,
         "method": "explicit greedy loop shared by both models: prefill forward (use_cache, logits_to_keep=1) + "
                   "new_tokens-1 cached single-token forwards, argmax, no mask, no stopping; cuda-synchronised "
@@ -723,8 +728,10 @@ def main(argv=None) -> Dict[str, Any]:
                     vocab_size=model.config.vocab_size)
         report["models"][name] = info
         vocab = model.config.vocab_size
-        fused_before = Mamba2.fused_step  # a class switch: put back after this model, not left to later callers
+        # class switches: put back after this model, not left to later callers
+        fused_before, split_k_before = Mamba2.fused_step, MultiHeadLatentAttention.split_k_decode
         Mamba2.fused_step = args.mamba2_fused_step == "on"
+        MultiHeadLatentAttention.split_k_decode = args.mla_split_k == "on"
         try:
             for P in args.prompt_lens:
                 checked = False
@@ -737,7 +744,7 @@ def main(argv=None) -> Dict[str, Any]:
                     if entry["status"] != "ok":
                         break
         finally:
-            Mamba2.fused_step = fused_before
+            Mamba2.fused_step, MultiHeadLatentAttention.split_k_decode = fused_before, split_k_before
             del model
             free_memory()
     write(report, out)

@@ -14,7 +14,9 @@ the latent space, with kv_b's key rows absorbed into the query and its value row
 Padded keys are masked out and RoPE positions come per sequence from the attention mask.
 With a static cache (fixed-size buffer for CUDA graphs) the new entries are written in place at device-side
 slots and the absorbed attention runs over the whole buffer, unwritten slots masked (a prompt into an empty
-static cache still takes the expanded form over its own tokens).
+static cache still takes the expanded form over its own tokens). With ``split_k_decode`` the absorbed attention
+of a decode step runs :func:`hybridlm.ops.latent_decode.latent_attention_decode` on CUDA instead of SDPA: the
+cache split along its length over the whole GPU (SDPA walks it with one thread block at batch 1).
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybridlm.model.layers.norm import RMSNorm
 from hybridlm.model.layers.rope import apply_rope, rope_cos_sin
+from hybridlm.ops.backend import use_triton
+from hybridlm.ops.latent_decode import MAX_ROWS, latent_attention_decode
 
 # Attention over the cache leaves cuDNN's SDPA out: torch picks it first on Hopper, and it builds an execution
 # plan for every new key length, i.e. at every decoding step (with it, the eager decode of the upcycled
@@ -33,11 +37,16 @@ _CACHE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTI
 
 
 class MultiHeadLatentAttention(nn.Module):
+    # the split-K Triton kernel for the absorbed attention of decode steps (off until measured on a GPU:
+    # BENCHMARKS.md, "Generation throughput"; the generation bench's --mla-split-k turns it on)
+    split_k_decode: bool = False
+
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         a = config.mixer_args("mla")
         d = config.hidden_size
         self.layer_idx = layer_idx
+        self.backend = config.backend
         self.num_heads = a.num_heads
         self.nope, self.rope, self.v_dim = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
         self.kv_lora_rank, self.q_lora_rank = a.kv_lora_rank, a.q_lora_rank
@@ -111,6 +120,10 @@ class MultiHeadLatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, r)
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)
         q = torch.cat([torch.einsum("bthn,hnr->bhtr", q_nope, w_uk), q_rope.transpose(1, 2)], dim=-1)
+        if self._use_split_k(q, kv):
+            o = latent_attention_decode(q.reshape(B, H * T, q.shape[-1]), kv, None if mask is None else mask[:, 0],
+                                        self.scale, r, T)
+            return torch.einsum("bhtr,hvr->bthv", o.view(B, H, T, r), w_uv)
         q = q.reshape(B, 1, H * T, q.shape[-1])
         if mask is not None:  # [B|1, 1, T, S] -> the same rows for every head: [B|1, 1, H*T, S]
             mask = mask.reshape(-1, 1, T, mask.shape[-1])
@@ -119,6 +132,11 @@ class MultiHeadLatentAttention(nn.Module):
         with sdpa_kernel(_CACHE_SDPA_BACKENDS):
             o = F.scaled_dot_product_attention(q, k, k, attn_mask=mask, scale=self.scale)  # [B, 1, H*T, r + rope]
         return torch.einsum("bhtr,hvr->bthv", o[..., :r].reshape(B, H, T, r), w_uv)
+
+    def _use_split_k(self, q: torch.Tensor, kv: torch.Tensor) -> bool:
+        """A few query rows (a decode step) outside autograd, on the Triton path, q and the cache of one dtype."""
+        return (self.split_k_decode and q.shape[1] * q.shape[2] <= MAX_ROWS and not torch.is_grad_enabled()
+                and q.dtype == kv.dtype and use_triton(self.backend, kv))
 
     def _attend_cached(self, x, ctx):
         """A prompt (nothing cached yet) takes the expanded form; later tokens the absorbed one over the cache."""
