@@ -1,4 +1,6 @@
+import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,20 @@ def subprocess_env(**extra) -> dict:
     env.update(DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
     env.update(extra)
     return env
+
+
+def run_under_interpreter(commands: dict, timeout: int = 600) -> dict:
+    """Run each ``name: argv`` under Triton's interpreter (``TRITON_INTERPRET=1``), all at once, and return ``name:``
+    the JSON on its last stdout line; a failed run fails the caller with its stderr."""
+    procs = {name: subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=subprocess_env(TRITON_INTERPRET="1"))
+             for name, argv in commands.items()}
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, stderr[-3000:]
+        out[name] = json.loads(stdout.strip().splitlines()[-1])
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -11,13 +11,11 @@ fused linear cross-entropy), fp32.
 Measured (2-core CPU, both families at once, about 2 minutes): every difference at fp32 rounding, logits and losses
 <= ~1e-6 relative, gradients <= ~2e-5 (A_log) relative to the largest entry.
 """
-import json
-import subprocess
 import sys
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import run_under_interpreter
 
 pytest.importorskip("fla.models")
 pytest.importorskip("triton")
@@ -40,15 +38,7 @@ def _script(family):
 
 @pytest.fixture(scope="module")
 def results():
-    procs = {f: subprocess.Popen([sys.executable, "-c", _script(f)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, env=subprocess_env(TRITON_INTERPRET="1"))
-             for f in CASES}
-    out = {}
-    for family, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=800)
-        assert proc.returncode == 0, stderr[-3000:]
-        out[family] = json.loads(stdout.strip().splitlines()[-1])
-    return out
+    return run_under_interpreter({f: [sys.executable, "-c", _script(f)] for f in CASES}, timeout=800)
 
 
 @pytest.mark.slow

@@ -9,14 +9,13 @@
    tokens, static cache (CUDA-graph buffers) and a left-padded dynamic batch.
 """
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import subprocess_env, tiny_config
+from conftest import run_under_interpreter, tiny_config
 from hybridlm.ops.latent_decode import latent_attention_decode_reference
 
 # (batch, heads, T, latent, rope, keys, n_splits, mask kind, dtype)
@@ -150,15 +149,7 @@ def run_model_cases() -> dict:
 
 @pytest.fixture(scope="module")
 def interpreter_runs():
-    procs = {mode: subprocess.Popen([sys.executable, __file__, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, env=subprocess_env(TRITON_INTERPRET="1"))
-             for mode in ("kernel", "model")}
-    out = {}
-    for mode, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-3000:]
-        out[mode] = json.loads(stdout.strip().splitlines()[-1])
-    return out
+    return run_under_interpreter({mode: [sys.executable, __file__, mode] for mode in ("kernel", "model")})
 
 
 def test_kernel_equals_the_twin_in_the_interpreter(interpreter_runs):

@@ -15,13 +15,12 @@ Both subprocesses run at once (about 15 s each on a 2-core CPU).
 """
 import contextlib
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import subprocess_env, tiny_config
+from conftest import run_under_interpreter, tiny_config
 from hybridlm.model.cache import HybridCache, InferenceContext
 from hybridlm.model.layers.mamba2 import Mamba2
 from hybridlm.ops.mamba2_step import mamba2_decode_step_reference
@@ -249,15 +248,7 @@ def run_model_cases() -> dict:
 
 @pytest.fixture(scope="module")
 def interpreter_runs():
-    procs = {mode: subprocess.Popen([sys.executable, __file__, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, env=subprocess_env(TRITON_INTERPRET="1"))
-             for mode in ("kernel", "model")}
-    out = {}
-    for mode, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-3000:]
-        out[mode] = json.loads(stdout.strip().splitlines()[-1])
-    return out
+    return run_under_interpreter({mode: [sys.executable, __file__, mode] for mode in ("kernel", "model")})
 
 
 def test_kernel_equals_the_twin_in_the_interpreter(interpreter_runs):

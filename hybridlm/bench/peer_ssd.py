@@ -78,7 +78,8 @@ def install(op: GlaOp) -> None:
     modeling_mamba2.mamba2_chunk_scan = chunk_scan_via(op)
 
 
-def _loss_and_grads(model, ids: torch.Tensor, autocast: bool):
+def loss_and_grads(model, ids: torch.Tensor, autocast: bool):
+    """The loss of ``model`` on ``ids`` (its own labels) and every parameter's gradient, in fp32 copies."""
     model.zero_grad(set_to_none=True)
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
         loss = model(input_ids=ids, labels=ids).loss
@@ -91,9 +92,9 @@ def _loss_and_grads(model, ids: torch.Tensor, autocast: bool):
 def compare_on_batch(model, ids: torch.Tensor, op: GlaOp, autocast: bool) -> Dict[str, float]:
     """Loss and gradients of ``model`` on ``ids`` with its own SSD and with ``op``: the loss difference, and
     the worst cosine / relative norm difference over the parameter tensors' gradients."""
-    ref_loss, ref = _loss_and_grads(model, ids, autocast)
+    ref_loss, ref = loss_and_grads(model, ids, autocast)
     with patched_chunk_scan(op):
-        loss, new = _loss_and_grads(model, ids, autocast)
+        loss, new = loss_and_grads(model, ids, autocast)
     names = set(ref) | set(new)  # a tensor with a gradient on one side only is a zero gradient on the other
     zero = {n: torch.zeros_like(ref.get(n, new.get(n))) for n in names}
     ref, new = {n: ref.get(n, zero[n]) for n in names}, {n: new.get(n, zero[n]) for n in names}

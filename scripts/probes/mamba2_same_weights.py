@@ -79,16 +79,6 @@ def set_backend(model, backend: str) -> None:
             m.backend = backend
 
 
-def loss_and_grads(model, ids, bf16: bool):
-    model.zero_grad(set_to_none=True)
-    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.item(), grads
-
-
 def kind_of(name: str) -> str:
     for k in ("embed", "in_proj", "conv1d", "A_log", "dt_bias", ".D", "norm_weight", "out_proj", "norm"):
         if k in name:
@@ -150,7 +140,7 @@ def main():
 
     ref = {}
     for bf16 in (False, True):
-        loss, g = loss_and_grads(peer, ids, bf16)
+        loss, g = peer_ssd.loss_and_grads(peer, ids, bf16)
         ref[bf16] = (loss, peer_grads_as_ours(ours, peer, g))
     kinds = ["all", "embed", "in_proj", "conv1d", "A_log", "dt_bias", "D", "norm_weight", "out_proj"]
     print("rel. gradient difference per kind: " + " ".join(kinds))
@@ -167,7 +157,7 @@ def main():
         m2.Mamba2.forward = ORIGINAL_FORWARD if VARIANTS[name] is None else variant_forward(*VARIANTS[name])
         set_backend(ours, "torch" if name == "torch" else "auto")
         for bf16 in ((False, True) if name in ("default", "torch") else (True,)):
-            loss, g = loss_and_grads(ours, ids, bf16)
+            loss, g = peer_ssd.loss_and_grads(ours, ids, bf16)
             report(f"ours {name} {'bf16' if bf16 else 'fp32'}", loss, g)
     m2.Mamba2.forward = ORIGINAL_FORWARD
     set_backend(ours, "auto")
