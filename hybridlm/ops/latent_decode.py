@@ -40,6 +40,10 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -48,8 +52,8 @@ def _sm_count(index: int) -> int:
 def split_count(batch: int, keys: int, device: torch.device) -> int:
     """Ranges per row: about two programs per SM over the batch, each at least ``MIN_SPLIT`` keys."""
     sms = _sm_count(device.index or 0) if device.type == "cuda" else 8
-    want = max(1, -(-2 * sms // batch))
-    return max(1, min(want, -(-keys // MIN_SPLIT)))
+    want = max(1, _cdiv(2 * sms, batch))
+    return max(1, min(want, _cdiv(keys, MIN_SPLIT)))
 
 
 def _partials_kernel(q, kv, mask, o_part, ml_part,
@@ -160,8 +164,8 @@ def latent_attention_decode(q: torch.Tensor, kv: torch.Tensor, mask: Optional[to
     if q.stride(-1) != 1 or kv.stride(-1) != 1:
         raise ValueError("latent_attention_decode: q's and kv's last dims must be contiguous")
     n_splits = n_splits or split_count(B, S, q.device)
-    split_len = -(-(-(-S // n_splits)) // BLOCK_KEYS) * BLOCK_KEYS   # a multiple of the key block
-    n_splits = -(-S // split_len)
+    split_len = _cdiv(_cdiv(S, n_splits), BLOCK_KEYS) * BLOCK_KEYS   # a multiple of the key block
+    n_splits = _cdiv(S, split_len)
     R, RO = latent_dim, D - latent_dim
     BR, BRO, BM = max(16, _next_pow2(R)), max(16, _next_pow2(RO)), max(16, _next_pow2(M))
     o_part = torch.empty(B, n_splits, BM, R, dtype=torch.float32, device=q.device)
