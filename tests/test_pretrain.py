@@ -103,15 +103,6 @@ def test_run_writes_logs_checkpoints_export_and_sample(straight, austen_data):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ckpt_files
 
 
-def test_sigkill_then_resume_logs_the_same_losses_bitwise(tmp_path, austen_data, straight):
-    killed = run_pretrain(tmp_path / "killed", austen_data, env={"HYBRIDLM_FAULT_KILL_AT_STEP": "5"}, check=False)
-    assert killed.returncode == -signal.SIGKILL
-    assert max(losses(tmp_path / "killed")) == 5  # it got past the step-3 checkpoint, then died
-    resumed = run_pretrain(tmp_path / "killed", austen_data)
-    assert "resumed from" in resumed.stdout and "at step 3" in resumed.stdout
-    assert losses(tmp_path / "killed") == losses(straight[0])  # exact float equality, every step
-
-
 def test_resume_refuses_a_planted_pickle_with_one_error_line(tmp_path, austen_data, straight):
     """A crafted checkpoint in an output directory (run.resume is on by default) is refused, not run."""
     import shutil
@@ -138,16 +129,29 @@ def test_resume_refuses_a_planted_pickle_with_one_error_line(tmp_path, austen_da
     assert "Traceback" not in proc.stderr
 
 
-def test_kill_during_a_checkpoint_save_keeps_the_previous_one_and_resumes_bitwise(tmp_path, austen_data, straight):
-    out = tmp_path / "killed_in_save"
+def test_killed_in_a_save_then_preempted_resumes_bitwise_twice(tmp_path, austen_data, straight):
+    """One run stopped twice, as a cluster would: SIGKILLed in the middle of the step-6 checkpoint save (the
+    step-3 one must survive), then, resumed, pre-empted by SIGTERM after step 7 (it saves and exits 143); the
+    third launch finishes it with every step's loss equal to the uninterrupted run's, bit for bit."""
+    out = tmp_path / "twice"
     killed = run_pretrain(out, austen_data, env={"HYBRIDLM_FAULT_KILL_IN": "save:6"}, check=False)
     assert killed.returncode == -signal.SIGKILL
     ck = out / "checkpoints"
     assert (ck / "latest").read_text().strip() == "step_3" and not (ck / "step_6").exists()
     assert (ck / ".tmp_step_6").is_dir()  # the save that died, never committed
-    resumed = run_pretrain(out, austen_data)
-    assert "at step 3" in resumed.stdout and losses(out) == losses(straight[0])
-    assert not (ck / ".tmp_step_6").exists()  # cleared by the next save
+    assert max(losses(out)) == 6  # it trained past the surviving checkpoint before it died
+
+    stopped = run_pretrain(out, austen_data, env={"HYBRIDLM_FAULT_TERM_AT_STEP": "7"}, check=False)
+    assert stopped.returncode == 143 and "Traceback" not in stopped.stderr
+    assert "resumed from" in stopped.stdout and "at step 3" in stopped.stdout
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last.startswith("stopped: stopped by SIGTERM at step 7 of 8") and "rerun to resume" in last
+    assert (ck / "step_7").is_dir() and not (out / "final").exists()  # saved, not exported
+    assert not (ck / ".tmp_step_6").exists()  # cleared by the step-6 save of the resumed run
+
+    finished = run_pretrain(out, austen_data)
+    assert "resumed from" in finished.stdout and "at step 7" in finished.stdout
+    assert losses(out) == losses(straight[0])  # exact float equality, every step
 
 
 def test_kill_during_the_export_leaves_no_final_and_the_rerun_exports(tmp_path, austen_data):
@@ -166,18 +170,6 @@ def test_kill_during_the_export_leaves_no_final_and_the_rerun_exports(tmp_path, 
     assert json.loads((out / "result.json").read_text())["steps"] == 8
 
 
-def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes_bitwise(tmp_path, austen_data, straight):
-    out = tmp_path / "preempted"
-    stopped = run_pretrain(out, austen_data, env={"HYBRIDLM_FAULT_TERM_AT_STEP": "4"}, check=False)
-    assert stopped.returncode == 143 and "Traceback" not in stopped.stderr
-    last = stopped.stderr.strip().splitlines()[-1]
-    assert last.startswith("stopped: stopped by SIGTERM at step 4 of 8") and "rerun to resume" in last
-    assert (out / "checkpoints" / "step_4").is_dir() and not (out / "final").exists()  # saved, not exported
-    resumed = run_pretrain(out, austen_data)
-    assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
-    assert losses(out) == losses(straight[0])  # exact float equality, every step
-
-
 def test_nan_steps_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path, austen_data):
     out = tmp_path / "nan"
     run_pretrain(out, austen_data, "optim.max_steps=4", env={"HYBRIDLM_FAULT_NAN_AT_STEPS": "2"})
@@ -192,28 +184,26 @@ def test_nan_steps_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path, au
     assert (tmp_path / "nan2" / "checkpoints" / "step_3").is_dir()
 
 
-def test_two_ranks_match_one_rank(tmp_path, austen_data):
-    run_pretrain(tmp_path / "one", austen_data, "optim.max_steps=4", "run.eval_interval=0")
-    run_pretrain(tmp_path / "two", austen_data, "optim.max_steps=4", "run.eval_interval=0", nproc=2)
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
-    for step in one:
-        assert abs(one[step] - two[step]) < 1e-4 * abs(one[step]), (step, one[step], two[step])
-
-
 def test_a_two_rank_run_resumes_on_one_rank(tmp_path, austen_data, straight):
     """Pre-empted on 2 ranks, rescheduled on 1: the run resumes at its checkpoint with the optimizer state
     re-partitioned and the data position kept, so every step's loss is the uninterrupted run's (to float rounding
     of the gradient sums: one rank accumulates two micro-batches where two ranks average theirs)."""
     out = tmp_path / "elastic"
+    want = losses(straight[0])
+
+    def close_to_one_rank(got):
+        for step in got:
+            assert abs(got[step] - want[step]) < 1e-4 * abs(want[step]), (step, got[step], want[step])
+
     killed = run_pretrain(out, austen_data, env={"HYBRIDLM_FAULT_KILL_AT_STEP": "5"}, nproc=2, check=False)
     assert killed.returncode != 0 and (out / "checkpoints" / "step_3").is_dir()
+    two_ranks = losses(out)
+    assert set(range(1, 5)) <= set(two_ranks)  # (step 5's row races the launcher tearing rank 0 down)
+    close_to_one_rank(two_ranks)  # two ranks train as one rank does
     resumed = run_pretrain(out, austen_data)  # one rank now
     assert "at step 3" in resumed.stdout
-    got, want = losses(out), losses(straight[0])
-    assert sorted(got) == sorted(want) == list(range(1, 9))
-    for step in want:
-        assert abs(got[step] - want[step]) < 1e-4 * abs(want[step]), (step, got[step], want[step])
+    assert sorted(losses(out)) == list(range(1, 9))
+    close_to_one_rank(losses(out))
 
 
 @pytest.mark.parametrize("override,message", [
