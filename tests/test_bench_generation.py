@@ -139,10 +139,10 @@ def test_cuda_graph_option_decodes_through_the_static_cache(models, tmp_path):
     _, teacher, hybrid = models
     rep = G.main(["--hybrid", str(hybrid), "--teacher", str(teacher), "--prompt-lens", "8", "--new-tokens", str(NEW),
                   "--batches", "2", "--dtype", "fp32", "--out", str(tmp_path), "--warmup-steps", "1",
-                  "--check-generate", str(NEW), "--cuda-graph", "--mla-split-k", "on"])
-    assert rep["cuda_graph"] is True and rep["mla_split_k"] == "on"
-    # a class switch for the run (on CPU the kernel is not taken: no Triton path), put back afterwards
-    assert G.MultiHeadLatentAttention.split_k_decode is False
+                  "--check-generate", str(NEW), "--cuda-graph", "--mla-split-k", "off"])
+    assert rep["cuda_graph"] is True and rep["mla_split_k"] == "off"
+    # a class switch for the run (on CPU the kernel is not taken either way: no Triton path), put back afterwards
+    assert G.MultiHeadLatentAttention.split_k_decode is True
     by_model = {e["model"]: e for e in rep["entries"]}
     h, t = by_model["hybrid"], by_model["teacher"]
     assert h["status"] == "ok" and h["cuda_graph"] is True and h["graph_replayed"] is False

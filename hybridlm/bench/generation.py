@@ -633,9 +633,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mamba2-fused-step", choices=("on", "off"), default="on",
                    help="the hybrid's Mamba2 layers decode a cached token in one fused Triton kernel (on, the "
                         "default) or through the unfused ops (off: the before of a before / after)")
-    p.add_argument("--mla-split-k", choices=("on", "off"), default="off",
+    p.add_argument("--mla-split-k", choices=("on", "off"), default="on",
                    help="the hybrid's MLA layers attend to the cache through the split-K Triton kernel "
-                        "(hybridlm/ops/latent_decode.py; on) or SDPA (off, the default until measured)")
+                        "(hybridlm/ops/latent_decode.py; on, the default) or SDPA (off: the before of a before / after)")
     p.add_argument("--sdpa-cudnn", action="store_true",
                    help="leave cuDNN in SDPA's backend choice (default: off for both models; it builds a new "
                         "execution plan for every key length, i.e. at every eager decoding step)")

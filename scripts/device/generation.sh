@@ -9,7 +9,8 @@
 #   GPUS="1"  BATCHES="1 16 48 128"  PROMPT_LENS="8192 1024"  NEW_TOKENS=1024  DEADLINE_AT=<epoch seconds>
 #   PASSES="hybrid_graph hybrid_eager teacher" (a subset runs only those; also hybrid_generate, teacher_generate,
 #   teacher_static: each model through its own generate(), the teacher with its dynamic / static cache;
-#   hybrid_graph_splitk, hybrid_generate_splitk: the MLA layers' decode attention through the split-K kernel)
+#   hybrid_graph_sdpa, hybrid_generate_sdpa: the MLA layers' decode attention through SDPA instead of the split-K
+#   kernel, which is the default: the before of its before / after)
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/device/common.sh
@@ -41,9 +42,9 @@ if [ "$GPU_B" != "$GPU_A" ] && [[ $PASSES == *" teacher "* ]]; then
 fi
 [[ $PASSES == *" hybrid_graph "* ]] && { bench "$GPU_A" hybrid_graph --models hybrid --cuda-graph; pack_out; }
 [[ $PASSES == *" hybrid_graph_unfused "* ]] && { bench "$GPU_A" hybrid_graph_unfused --models hybrid --cuda-graph --mamba2-fused-step off; pack_out; }
-# the MLA layers' absorbed attention through the split-K kernel (hybridlm/ops/latent_decode.py) instead of SDPA
-[[ $PASSES == *" hybrid_graph_splitk "* ]] && { bench "$GPU_A" hybrid_graph_splitk --models hybrid --cuda-graph --mla-split-k on; pack_out; }
-[[ $PASSES == *" hybrid_generate_splitk "* ]] && { bench "$GPU_A" hybrid_generate_splitk --models hybrid --via generate --mla-split-k on --check-generate 32; pack_out; }
+# the MLA layers' absorbed attention through SDPA instead of the split-K kernel (hybridlm/ops/latent_decode.py)
+[[ $PASSES == *" hybrid_graph_sdpa "* ]] && { bench "$GPU_A" hybrid_graph_sdpa --models hybrid --cuda-graph --mla-split-k off; pack_out; }
+[[ $PASSES == *" hybrid_generate_sdpa "* ]] && { bench "$GPU_A" hybrid_generate_sdpa --models hybrid --via generate --mla-split-k off --check-generate 32; pack_out; }
 [[ $PASSES == *" hybrid_eager "* ]] && { bench "$GPU_A" hybrid_eager --models hybrid --check-generate 32; pack_out; }
 # through plain generate(): the hybrid's (its CUDA-graph fast path), the teacher's (transformers', dynamic / static cache)
 [[ $PASSES == *" hybrid_generate "* ]] && { bench "$GPU_A" hybrid_generate --models hybrid --via generate --check-generate 32; pack_out; }

@@ -37,9 +37,10 @@ _CACHE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTI
 
 
 class MultiHeadLatentAttention(nn.Module):
-    # the split-K Triton kernel for the absorbed attention of decode steps (off until measured on a GPU:
-    # BENCHMARKS.md, "Generation throughput"; the generation bench's --mla-split-k turns it on)
-    split_k_decode: bool = False
+    # the split-K Triton kernel for the absorbed attention of decode steps: on an H200 it took the route's
+    # decode step from 5.93 to 2.91 ms at 8k / batch 48 and 5.56 to 2.19 at 8k / batch 1 (BENCHMARKS.md,
+    # "Generation throughput"); False puts SDPA back (the generation bench's --mla-split-k off)
+    split_k_decode: bool = True
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
