@@ -177,6 +177,7 @@ def test_via_generate_times_model_generate(models, tmp_path):
         assert e["status"] == "ok" and e["decode_via"] == "generate" and e["matches_generate"] is True
         assert e["full_forward_agree_tokens"] == NEW and e["cache_bytes"] is None
         assert e["decode_s"] > 0 and e["decode_ms_per_step"] == pytest.approx(1e3 * e["decode_s"] / (NEW - 1))
+        assert e["first_call_s"] > 0  # the warm-up: one call of the timed shape
     assert h["decode_path"] == "generate(): transformers' eager loop (not on CUDA)"
     assert t["generate_kwargs"] == {} and rep["comparisons"][0]["kv_ratio_measured"] is None
     assert_chart(tmp_path / "dyn" / "generation.png")

@@ -339,6 +339,49 @@ def test_graphed_generate_gives_generates_tokens():
 
 
 @torch.no_grad()
+def test_graphed_generate_keeps_its_cache_and_step_for_the_next_call_of_the_same_shape():
+    """The static cache (and on CUDA the captured step) of a call stays on the model: the next call of the same
+    shape reuses it, emptied, with nothing of the last prompt left in it; another shape, replaced weights or a
+    switched decode kernel build a new one; a copy of the model does not share it; release frees it."""
+    import copy
+    import pickle
+    from hybridlm.model.graphs import KeptDecoder, graphed_generate
+    from hybridlm.model.layers.mla import MultiHeadLatentAttention
+
+    model = _model("mixed")
+    new = 9
+
+    def reference(ids):  # transformers' loop, nothing kept
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                              pad_token_id=0)
+
+    a, b = _ids(2, 7, seed=1), _ids(2, 7, seed=2)
+    assert torch.equal(graphed_generate(model, a, new), reference(a))
+    kept = model.__dict__["_kept_decoder"]
+    first = kept.decoder
+    assert torch.equal(graphed_generate(model, b, new), reference(b))  # the same cache, emptied in place
+    assert kept.decoder is first
+    assert torch.equal(graphed_generate(model, a, 1), reference(a)[:, :8]) and kept.decoder is first  # no decode
+    assert torch.equal(graphed_generate(model, a[:1], new), reference(a[:1])) and kept.decoder is not first
+    second = kept.decoder
+    with pytest.MonkeyPatch.context() as mp:  # what the captured step runs changed: not the same step
+        mp.setattr(MultiHeadLatentAttention, "split_k_decode", not MultiHeadLatentAttention.split_k_decode)
+        graphed_generate(model, a[:1], new)
+    assert kept.decoder is not second
+    third = kept.decoder
+    model.double()  # new weight tensors: a graph of the old ones must not be replayed
+    assert torch.equal(graphed_generate(model, a[:1], new), reference(a[:1]))
+    assert kept.decoder is not third and kept.key[2] == torch.float64
+
+    twin = copy.deepcopy(model)
+    assert twin.__dict__["_kept_decoder"].decoder is None and kept.decoder is not None
+    assert torch.equal(graphed_generate(twin, a, new), reference(a))
+    assert pickle.loads(pickle.dumps(kept)).decoder is None
+    model.release_generation_graph()
+    assert kept.decoder is None and kept.key is None and isinstance(kept, KeptDecoder)
+
+
+@torch.no_grad()
 def test_generate_takes_the_fast_path_when_it_computes_the_same(caplog, monkeypatch):
     """model.generate(): a call the static cache serves (rows of one length; greedy, EOS, sampling) goes through
     graphed_generate (fast_path=True forces it on a CPU; on CUDA it is the default) and gives transformers' own

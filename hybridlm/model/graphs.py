@@ -111,6 +111,58 @@ class GraphedDecoder:
 STOP_CHECK_EVERY = 32
 
 
+class KeptDecoder:
+    """The static cache and captured step of a model's last :func:`graphed_generate` call, kept on the model so
+    the next call of the same shape skips the cache allocation, the eager warm-up steps and the capture (a cost
+    per call that a short generation otherwise pays again every time). A copy or pickle of the model gets an
+    empty one: a graph belongs to the buffers it was captured on."""
+
+    def __init__(self):
+        self.key: Optional[tuple] = None
+        self.decoder: Optional[GraphedDecoder] = None
+
+    def __deepcopy__(self, memo):
+        return KeptDecoder()
+
+    def __reduce__(self):
+        return KeptDecoder, ()
+
+    def release(self) -> None:
+        self.key = self.decoder = None
+
+
+def _reuse_key(model, batch: int, max_length: int, device, cuda_graph: Optional[bool]) -> tuple:
+    """What a kept decoder must share with a new call to serve it: the cache's shape and kind, the grad mode its
+    buffers were made under, and what the captured step baked in (the weights' addresses: a ``model.to()`` or a
+    replaced parameter makes new tensors; the layers' decode-kernel switches)."""
+    from hybridlm.model.layers.mamba2 import Mamba2
+    from hybridlm.model.layers.mla import MultiHeadLatentAttention
+    weights = tuple(t.data_ptr() for t in model.parameters()) + tuple(t.data_ptr() for t in model.buffers())
+    return (batch, max_length, model.dtype, str(device), cuda_graph, torch.is_inference_mode_enabled(),
+            model.training, MultiHeadLatentAttention.split_k_decode, Mamba2.fused_step, hash(weights))
+
+
+def kept_decoder(model, batch: int, max_length: int, device, cuda_graph: Optional[bool]) -> GraphedDecoder:
+    """The model's kept decoder, its cache emptied in place, when it fits this call; else a new one, kept instead
+    (the old one is dropped first, so its cache's memory can serve the new one)."""
+    kept = model.__dict__.setdefault("_kept_decoder", KeptDecoder())
+    key = _reuse_key(model, batch, max_length, device, cuda_graph)
+    if kept.key == key:
+        kept.decoder.cache.reset()
+        return kept.decoder
+    kept.release()
+    cache = HybridCache(model.config, max_length=max_length, batch_size=batch, dtype=model.dtype, device=device)
+    kept.key, kept.decoder = key, GraphedDecoder(model, cache, enabled=cuda_graph)
+    return kept.decoder
+
+
+def release_kept_decoder(model) -> None:
+    """Free the static cache and CUDA graph that :func:`graphed_generate` keeps on ``model`` for its next call."""
+    kept = model.__dict__.get("_kept_decoder")
+    if kept is not None:
+        kept.release()
+
+
 def _next_tokens(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: Optional[int],
                  generator: Optional[torch.Generator]) -> torch.Tensor:
     """[B, vocab] logits -> [B] token ids: argmax, or a draw from softmax(logits / temperature) over the top_k."""
@@ -136,7 +188,8 @@ def graphed_generate(model, input_ids: torch.LongTensor, max_new_tokens: int, eo
     With ``eos_token_id``, a row that produced it continues with ``pad_token_id`` (default: the EOS), and
     generation ends once every row has: the host looks every ``STOP_CHECK_EVERY`` steps (one sync each, not one
     per step), and the result is cut at the last row's EOS, so ``n`` is what ``generate()`` returns.
-    ``cuda_graph``: None = on CUDA.
+    ``cuda_graph``: None = on CUDA. The static cache and the captured step stay on the model for the next call
+    of the same batch size and length (:class:`KeptDecoder`; :func:`release_kept_decoder` frees them).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -144,10 +197,13 @@ def graphed_generate(model, input_ids: torch.LongTensor, max_new_tokens: int, eo
         raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
     B, P = input_ids.shape
     device = input_ids.device
-    cache = HybridCache(model.config, max_length=P + max_new_tokens - 1, batch_size=B, dtype=model.dtype,
-                        device=device)
+    if max_new_tokens > 1:  # a decode follows: the model's kept cache and graph when this call fits them
+        decoder = kept_decoder(model, B, P + max_new_tokens - 1, device, cuda_graph)
+        cache = decoder.cache
+    else:  # the prompt's token only: a cache of the prompt's length, not kept
+        cache = HybridCache(model.config, max_length=P, batch_size=B, dtype=model.dtype, device=device)
+        decoder = None
     logits = model(input_ids=input_ids, cache=cache, logits_to_keep=1).logits[:, -1]
-    decoder = GraphedDecoder(model, cache, enabled=cuda_graph)
     out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     pad = eos_token_id if pad_token_id is None else pad_token_id

@@ -21,7 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from hybridlm.model.cache import HybridCache, InferenceContext
 from hybridlm.model.configuration import HybridConfig, write_remote_code
 from hybridlm.model.fast_generate import fast_path_plan, say_why
-from hybridlm.model.graphs import graphed_generate
+from hybridlm.model.graphs import graphed_generate, release_kept_decoder
 from hybridlm.model.layers import SUBLAYERS, Mamba2, RMSNorm
 from hybridlm.model.layers.conv import ShortConv
 from hybridlm.model.layers.init import init_residual_out_proj, init_short_conv, init_short_conv_uniform
@@ -166,13 +166,18 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         exactly (rows of one length, greedy or temperature / top-k sampling, one EOS) goes through
         :func:`hybridlm.model.graphs.graphed_generate` instead, and any other says once why it does not
         (:mod:`hybridlm.model.fast_generate`). ``fast_path=False`` always takes transformers' loop; ``True`` takes
-        the static cache on a CPU too (no graph there: the same tokens)."""
+        the static cache on a CPU too (no graph there: the same tokens). The fast path keeps its static cache and
+        captured step on the model for the next call of the same shape: :meth:`release_generation_graph` frees them."""
         plan, why = fast_path_plan(self, inputs, generation_config, kwargs)
         if plan is not None:
             return graphed_generate(self, **plan)
         say_why(why)
         kwargs.pop("fast_path", None)
         return super().generate(inputs, generation_config, **kwargs)
+
+    def release_generation_graph(self) -> None:
+        """Free the static cache and CUDA graph that ``generate()``'s fast path keeps for its next call."""
+        release_kept_decoder(self)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

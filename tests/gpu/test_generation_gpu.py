@@ -153,7 +153,8 @@ def test_graphed_generate_equals_its_eager_run(name):
 @torch.no_grad()
 def test_generate_on_cuda_takes_the_graph_path_with_the_same_tokens(name):
     """On CUDA, plain model.generate() of full rows goes through graphed_generate (the captured step) and gives
-    the tokens of transformers' own loop (fast_path=False), fp32 greedy, EOS included."""
+    the tokens of transformers' own loop (fast_path=False), fp32 greedy, EOS included; a repeated call replays
+    the captured step kept from the first."""
     model = _model(name, torch.float32)
     ids = torch.randint(1, 4096, (3, 137), device="cuda")
     mask = torch.ones_like(ids)
@@ -161,6 +162,9 @@ def test_generate_on_cuda_takes_the_graph_path_with_the_same_tokens(name):
     slow = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0,
                           fast_path=False)
     assert torch.equal(fast, slow)
+    kept = model.__dict__["_kept_decoder"].decoder  # a second call of the shape replays the kept graph
+    again = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    assert torch.equal(again, fast) and model.__dict__["_kept_decoder"].decoder is kept and kept.graph is not None
     eos = int(slow[1, 137 + 5])
     kw = dict(attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=eos)
     assert torch.equal(model.generate(ids, **kw), model.generate(ids, fast_path=False, **kw))
