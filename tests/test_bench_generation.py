@@ -139,14 +139,19 @@ def test_cuda_graph_option_decodes_through_the_static_cache(models, tmp_path):
     _, teacher, hybrid = models
     rep = G.main(["--hybrid", str(hybrid), "--teacher", str(teacher), "--prompt-lens", "8", "--new-tokens", str(NEW),
                   "--batches", "2", "--dtype", "fp32", "--out", str(tmp_path), "--warmup-steps", "1",
-                  "--check-generate", str(NEW), "--cuda-graph", "--mla-split-k", "off"])
-    assert rep["cuda_graph"] is True and rep["mla_split_k"] == "off"
+                  "--check-generate", str(NEW), "--cuda-graph", "--mla-split-k", "off", "--profile-decode", "2"])
+    assert rep["cuda_graph"] is True and rep["mla_split_k"] == "off" and rep["profile_decode"] == 2
     # a class switch for the run (on CPU the kernel is not taken either way: no Triton path), put back afterwards
     assert G.MultiHeadLatentAttention.split_k_decode is True
     by_model = {e["model"]: e for e in rep["entries"]}
     h, t = by_model["hybrid"], by_model["teacher"]
     assert h["status"] == "ok" and h["cuda_graph"] is True and h["graph_replayed"] is False
     assert h["decode_path"].startswith("static HybridCache")
+    # the profiled steps (CPU: op self time): every step's ops counted, the model's matmuls among them
+    prof = h["decode_profile"]
+    assert prof["profiled_steps"] == 2 and prof["ms_per_step"] > 0 and prof["calls_per_step"] > 10
+    assert any(c["category"] == "matmul (GEMM)" and c["ms_per_step"] > 0 for c in prof["categories"])
+    assert "decode_profile" not in t
     assert 0 <= h["graph_capture_s"] < 0.5  # no graph on CPU: capture() returns at once
     assert h["matches_generate"] is True and h["full_forward_agree_tokens"] == NEW
     assert t["cuda_graph"] is False and "decode_path" not in t and t["matches_generate"] is True

@@ -84,6 +84,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hybridlm.bench.common import free_memory, is_oom, merge_reports, versions, write_report
+from hybridlm.bench.profile_step import StepProfiler, format_profile
 from hybridlm.kv_report import kv_report, load_teacher_config
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.cache import HybridCache
@@ -319,6 +320,26 @@ def generate_decode(model, input_ids: torch.LongTensor, new_tokens: int, run: Op
     return run
 
 
+@torch.inference_mode()
+def profile_decode(model, input_ids: torch.LongTensor, steps: int) -> Dict[str, Any]:
+    """Where a decode step's time goes: ``steps`` single-token steps on a static cache, launched one by one (the
+    kernels a CUDA-graph replay runs), under torch.profiler: device time per category, the top kernels and the
+    kernel launches per step. Their total against the replayed step's ms per step separates the kernels' own
+    time from the time between them."""
+    B, P = input_ids.shape
+    cache = HybridCache(model.config, max_length=P + steps + 2, batch_size=B, dtype=model.dtype,
+                        device=input_ids.device)
+    nxt = model(input_ids=input_ids, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+    decoder = GraphedDecoder(model, cache, enabled=False)
+    for _ in range(2):  # compiles and autotuning stay out of the profile
+        nxt = decoder.step(nxt)[:, -1].argmax(-1, keepdim=True)
+    profiler = StepProfiler(skip=0, active=steps, device=input_ids.device)
+    for _ in range(steps):
+        nxt = decoder.step(nxt)[:, -1].argmax(-1, keepdim=True)
+        profiler()
+    return profiler.summary()
+
+
 def generate_kwargs(name: str, args) -> Dict[str, Any]:
     """What ``--via generate`` passes to the model's ``generate`` besides the prompt and length."""
     if name == "teacher" and getattr(args, "teacher_cache", "dynamic") == "static":
@@ -422,6 +443,9 @@ def measure_entry(model, name: str, prompt_len: int, batch: int, args, device: t
                 entry["graph_replayed"] = run.graph_replayed
             if r == 0:
                 stats = cache_stats(run.cache) if run.cache is not None else {}
+                if getattr(args, "profile_decode", 0) and name == "hybrid" and via == "loop":
+                    run.phase = "decode profile"
+                    entry["decode_profile"] = profile_decode(model, ids, args.profile_decode)
                 if check_generate:
                     run.phase = "generate check"
                     checks = check_tokens(model, ids, run.tokens[:, :min(check_generate, args.new_tokens)])
@@ -646,6 +670,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sdpa-cudnn", action="store_true",
                    help="leave cuDNN in SDPA's backend choice (default: off for both models; it builds a new "
                         "execution plan for every key length, i.e. at every eager decoding step)")
+    p.add_argument("--profile-decode", type=int, default=0, metavar="N",
+                   help="the hybrid (explicit loop): N more decode steps on a static cache under torch.profiler, "
+                        "launched one by one; device time per kernel category, top kernels and launches per step "
+                        "recorded as decode_profile")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="only merge these reports into --out (JSON + PNG), run nothing")
@@ -655,8 +683,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error("--hybrid is required to measure the hybrid")
         if ("teacher" in args.models or "hybrid" in args.models) and not args.teacher:
             p.error("--teacher is required (the teacher is measured, and its config predicts the KV ratio)")
-        if args.new_tokens < 1 or args.repeats < 1 or args.warmup_steps < 0:
-            p.error("--new-tokens and --repeats must be >= 1, --warmup-steps >= 0")
+        if args.new_tokens < 1 or args.repeats < 1 or args.warmup_steps < 0 or args.profile_decode < 0:
+            p.error("--new-tokens and --repeats must be >= 1, --warmup-steps and --profile-decode >= 0")
         if min(args.prompt_lens) < 1 or min(args.batches) < 1:
             p.error("--prompt-lens and --batches must be >= 1")
     return args
@@ -683,7 +711,7 @@ def main(argv=None) -> Dict[str, Any]:
         "prompt_lens": args.prompt_lens, "new_tokens": args.new_tokens, "batches": sorted(set(args.batches)),
         "repeats": args.repeats, "warmup_steps": args.warmup_steps, "seed": args.seed,
         "cuda_graph": args.cuda_graph, "via": args.via, "mamba2_fused_step": args.mamba2_fused_step,
-        "mla_split_k": args.mla_split_k, "teacher_cache": args.teacher_cache,
+        "mla_split_k": args.mla_split_k, "teacher_cache": args.teacher_cache, "profile_decode": args.profile_decode,
         "sdpa_cudnn": args.sdpa_cudnn if cuda else None,
         "method": "explicit greedy loop shared by both models: prefill forward (use_cache, logits_to_keep=1) + "
                   "new_tokens-1 cached single-token forwards, argmax, no mask, no stopping; cuda-synchronised "
@@ -713,6 +741,8 @@ def main(argv=None) -> Dict[str, Any]:
                 entry["kv_ratio_predicted"] = pred.get("compression")
         report["entries"].append(entry)
         print(progress_line(entry, t0), flush=True)
+        if entry.get("decode_profile"):
+            print(format_profile(entry["decode_profile"]), flush=True)
         write(report, out)
 
     for name in MODELS:

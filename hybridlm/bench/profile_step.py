@@ -96,6 +96,7 @@ class StepProfiler:
             "clock": "CUDA kernel self time" if cuda else "CPU op self time",
             "profiled_steps": steps,
             "ms_per_step": total / 1e3 / steps,
+            "calls_per_step": sum(r["calls"] for r in rows) / steps,  # kernel launches on a GPU, ops on a CPU
             "categories": [{"category": c, "ms_per_step": us / 1e3 / steps, "share": us / total}
                            for c, us in sorted(per_cat.items(), key=lambda kv: -kv[1])],
             "top": [{**r, "ms_per_step": r["self_us"] / 1e3 / steps, "share": r["self_us"] / total}
@@ -104,7 +105,8 @@ class StepProfiler:
 
 
 def format_profile(summary: Dict[str, Any], limit: Optional[int] = 10) -> str:
-    lines = [f"  {summary['clock']}: {summary['ms_per_step']:.1f} ms per step"]
+    lines = [f"  {summary['clock']}: {summary['ms_per_step']:.2f} ms per step, "
+             f"{summary.get('calls_per_step', 0):.0f} calls per step"]
     for c in summary["categories"]:
         lines.append(f"    {100 * c['share']:5.1f}%  {c['ms_per_step']:8.2f} ms  {c['category']}")
     for r in summary["top"][:limit]:

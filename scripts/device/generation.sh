@@ -7,6 +7,7 @@
 # eager decode (transformers' DynamicCache). GPUS="0 1": the teacher runs on the second GPU meanwhile; one GPU:
 # one after the other. Reports: $LOGS/generation_{graph,eager}/ = the hybrid's pass joined with the teacher's.
 #   GPUS="1"  BATCHES="1 16 48 128"  PROMPT_LENS="8192 1024"  NEW_TOKENS=1024  DEADLINE_AT=<epoch seconds>
+#   PROFILE_DECODE=N (hybrid_graph: N eager steps under torch.profiler per entry, where a step's time goes)
 #   PASSES="hybrid_graph hybrid_eager teacher" (a subset runs only those; also hybrid_generate, teacher_generate,
 #   teacher_static: each model through its own generate(), the teacher with its dynamic / static cache;
 #   hybrid_graph_sdpa, hybrid_generate_sdpa: the MLA layers' decode attention through SDPA instead of the split-K
@@ -40,7 +41,7 @@ if [ "$GPU_B" != "$GPU_A" ] && [[ $PASSES == *" teacher "* ]]; then
   bench "$GPU_B" teacher --models teacher --check-generate 32 &
   TEACHER_PID=$!
 fi
-[[ $PASSES == *" hybrid_graph "* ]] && { bench "$GPU_A" hybrid_graph --models hybrid --cuda-graph; pack_out; }
+[[ $PASSES == *" hybrid_graph "* ]] && { bench "$GPU_A" hybrid_graph --models hybrid --cuda-graph ${PROFILE_DECODE:+--profile-decode $PROFILE_DECODE}; pack_out; }
 [[ $PASSES == *" hybrid_graph_unfused "* ]] && { bench "$GPU_A" hybrid_graph_unfused --models hybrid --cuda-graph --mamba2-fused-step off; pack_out; }
 # the MLA layers' absorbed attention through SDPA instead of the split-K kernel (hybridlm/ops/latent_decode.py)
 [[ $PASSES == *" hybrid_graph_sdpa "* ]] && { bench "$GPU_A" hybrid_graph_sdpa --models hybrid --cuda-graph --mla-split-k off; pack_out; }
