@@ -53,6 +53,7 @@ from hybridlm.data import DataConfig, PackedBatches, PackedTokens, ensure_prepar
 from hybridlm.engine import barrier, init_distributed
 from hybridlm.engine.config import PRECISIONS
 from hybridlm.model.configuration import resolve_model_config
+from hybridlm.model.layers.mamba2 import Mamba2
 from hybridlm.model.summary import build_on_meta, model_summary
 from hybridlm.training import train_loop
 from hybridlm.utils.atomic import save_figure
@@ -335,6 +336,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model keys for every config and peer base, e.g. hidden_size=64")
     p.add_argument("--fla-fused-linear-ce", action="store_true",
                    help="fla peers with fuse_linear_cross_entropy (default: fla's default fuse_cross_entropy)")
+    p.add_argument("--mamba2-compile-inputs", choices=("on", "off"), default="off",
+                   help="ours: Mamba2's SSD inputs (dt softplus, decay, the scaled and head-broadcast B and C) "
+                        "through torch.compile on the Triton path (hybridlm/ops/mamba2_inputs.py; off, the default, "
+                        "is the eager ops)")
     p.add_argument("--compare-to", default=None,
                    help="a train_speed.json (e.g. of one GPU): adds each entry's tokens/s ratio to it")
     p.add_argument("--run-dir", default=None, help="where the runs' metrics go (default: a temp dir, removed)")
@@ -354,6 +359,7 @@ def main(argv=None) -> Dict[str, Any]:
         return merge(args.merge, out)
 
     t0 = time.perf_counter()
+    Mamba2.compile_ssd_inputs = args.mamba2_compile_inputs == "on"  # a process-wide switch: this run's setting
     dist = init_distributed()
     world, main_rank, device = dist.world_size, dist.rank == 0, dist.device
     cuda = device.type == "cuda"
@@ -377,6 +383,7 @@ def main(argv=None) -> Dict[str, Any]:
         **versions(), "seq_len": args.seq, "micro_batch": None if args.find_max_batch else args.micro_batch,
         "find_max_batch": args.find_max_batch, "steps": args.steps, "warmup": args.warmup,
         "precision": args.precision, "peak_tflops_per_gpu": args.peak_tflops, "flop_formula": F.FORMULA,
+        "mamba2_compile_inputs": args.mamba2_compile_inputs,
         "data": str(data_dir), "command": " ".join(sys.argv), "started": datetime.now(timezone.utc).isoformat(),
         "entries": [],
     }

@@ -113,6 +113,7 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "train_speed.json").read_text())
     assert report["world_size"] == 1 and report["precision"] == "fp32" and report["seq_len"] == 32
+    assert report["mamba2_compile_inputs"] == "off"
     entries = {e["name"]: e for e in report["entries"]}
     assert list(entries) == ["tiny_hybrid", "llama:tiny_hybrid", "fla_gdn"]
     assert entries["fla_gdn"]["status"] == "skipped" and "CUDA" in entries["fla_gdn"]["reason"]

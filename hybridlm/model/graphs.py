@@ -32,6 +32,8 @@ from typing import Optional
 import torch
 
 from hybridlm.model.cache import HybridCache
+from hybridlm.model.layers.mamba2 import Mamba2
+from hybridlm.model.layers.mla import MultiHeadLatentAttention
 
 
 class GraphedDecoder:
@@ -135,8 +137,6 @@ def _reuse_key(model, batch: int, max_length: int, device, cuda_graph: Optional[
     """What a kept decoder must share with a new call to serve it: the cache's shape and kind, the grad mode its
     buffers were made under, and what the captured step baked in (the weights' addresses: a ``model.to()`` or a
     replaced parameter makes new tensors; the layers' decode-kernel switches)."""
-    from hybridlm.model.layers.mamba2 import Mamba2
-    from hybridlm.model.layers.mla import MultiHeadLatentAttention
     weights = tuple(t.data_ptr() for t in model.parameters()) + tuple(t.data_ptr() for t in model.buffers())
     return (batch, max_length, model.dtype, str(device), cuda_graph, torch.is_inference_mode_enabled(),
             model.training, MultiHeadLatentAttention.split_k_decode, Mamba2.fused_step, hash(weights))

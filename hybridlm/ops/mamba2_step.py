@@ -103,7 +103,7 @@ def mamba2_decode_step_reference(z, xbc, dt, conv_state, ssm_state, conv_weight,
     c = repeat_heads(c, n_groups, N)                                    # [B,1,H,N]
     dt = F.softplus(dt.unsqueeze(1).float() + dt_bias.float())          # [B,1,H]
     g = -A_log.float().exp() * dt
-    groups = d_b // N                                                   # Mamba2._dt_scaled_keys
+    groups = d_b // N                                                   # hybridlm/ops/mamba2_inputs.py dt_scaled_keys
     k = (b.view(Bsz, 1, groups, 1, N) * dt.to(b.dtype).view(Bsz, 1, groups, H // groups, 1)).reshape(Bsz, 1, H, N)
     y, state = gated_recurrence_with_state(c, k, x, g, None, 1.0, ssm_state)
     ssm_state.copy_(state)

@@ -18,7 +18,6 @@ put non-zero B and x into the state.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_conv
@@ -26,12 +25,16 @@ from hybridlm.model.layers.init import init_A_log, init_dt_bias, init_short_conv
 from hybridlm.ops.backend import use_triton, use_triton_elementwise
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state
 from hybridlm.ops.elementwise import gated_rms_norm
+from hybridlm.ops.mamba2_inputs import compiled_ssd_inputs, repeat_heads, ssd_inputs
 from hybridlm.ops.mamba2_step import mamba2_decode_step
 
 
 class Mamba2(nn.Module):
     chunk_size: int = 64  # torch path's chunk length (tests shrink it)
     fused_step: bool = True  # Triton path: a cached one-token step in one kernel (tests compare it turned off)
+    # Triton path, training: the SSD's inputs through torch.compile (hybridlm/ops/mamba2_inputs.py); off until
+    # measured (pretrain.train_speed --mamba2-compile-inputs on)
+    compile_ssd_inputs: bool = False
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
@@ -73,10 +76,8 @@ class Mamba2(nn.Module):
             self.D.fill_(1.0)
 
     def _repeat_heads(self, t: torch.Tensor, groups: int, per_head: int) -> torch.Tensor:
-        """[B, T, groups * per_head] -> [B, T, num_heads, per_head], each group serving consecutive heads."""
-        B, T, _ = t.shape
-        t = t.view(B, T, groups, per_head)
-        return t if groups == self.num_heads else t.repeat_interleave(self.num_heads // groups, dim=2)
+        """[B, T, groups * per_head] -> [B, T, num_heads, per_head] (:func:`hybridlm.ops.mamba2_inputs.repeat_heads`)."""
+        return repeat_heads(t, groups, per_head, self.num_heads)
 
     def forward(self, hidden: torch.Tensor, ctx=None) -> torch.Tensor:
         Bsz, T, _ = hidden.shape
@@ -90,12 +91,9 @@ class Mamba2(nn.Module):
         xbc = run_short_conv(self.conv1d, xbc, triton, cache)
         if ctx is not None:
             xbc = ctx.zero_padding(xbc)
-        x, b, c = xbc.split([self.d_xb, self.d_b, self.n_groups * self.d_state], dim=-1)
-        x = self._repeat_heads(x, self.d_xb // self.head_dim, self.head_dim)            # [B,T,H,P]
-        c = self._repeat_heads(c, self.n_groups, self.d_state)                          # [B,T,H,N]
-        dt = F.softplus(dt.float() + self.dt_bias.float())                              # [B,T,H]
-        g = -self.A_log.float().exp() * dt
-        k = self._dt_scaled_keys(b, dt)                                                 # [B,T,H,N]
+        inputs = compiled_ssd_inputs() if self._compile_inputs(triton) else ssd_inputs
+        x, c, k, g = inputs(xbc, dt, self.dt_bias, self.A_log, head_dim=self.head_dim, d_state=self.d_state,
+                            n_groups=self.n_groups, d_xb=self.d_xb, d_b=self.d_b)   # [B,T,H,P], [B,T,H,N] x 2, [B,T,H]
         if triton:
             y, state = self._triton_ssd(c, k, x, g, cache)
         elif cache is None:
@@ -112,6 +110,10 @@ class Mamba2(nn.Module):
                            group_size=self.d_inner // self.n_groups,
                            triton=triton and use_triton_elementwise(self.backend, y))
         return self.out_proj(y.to(hidden.dtype))
+
+    def _compile_inputs(self, triton: bool) -> bool:
+        """Training on the Triton path (one shape a run; generation's prompt lengths would recompile)."""
+        return self.compile_ssd_inputs and triton and torch.is_grad_enabled()
 
     def _can_fuse_step(self, cache) -> bool:
         """A decode token continuing cached states (a one-token prompt has none yet: the chunked path starts
@@ -132,18 +134,6 @@ class Mamba2(nn.Module):
         if not cache.static:  # the states are the same tensors, updated in place: only the token count moves
             cache.advance(cache.state, 1)
         return self.out_proj(y.to(hidden.dtype).unsqueeze(1))
-
-    def _dt_scaled_keys(self, b: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
-        """``dt * B`` per head, [B, T, H, N]. The SSD update ``h = exp(g) h + dt B x^T`` scales the outer
-        product by dt, so dt can go onto B instead of x: broadcasting B's groups over their heads does the
-        head repetition and the scaling in one product, and x enters the scan as it is. The product is in B's
-        dtype (bf16 in training): the scan's kernel reads bf16 keys anyway, and an fp32 product would be an
-        fp32 [tokens, H * N] tensor forward and backward (as was x * dt in fp32)."""
-        Bsz, T, _ = b.shape
-        groups = self.d_b // self.d_state
-        per_group = self.num_heads // groups
-        scaled = b.view(Bsz, T, groups, 1, self.d_state) * dt.to(b.dtype).view(Bsz, T, groups, per_group, 1)
-        return scaled.reshape(Bsz, T, self.num_heads, self.d_state)
 
     @staticmethod
     def _triton_ssd(c, b, v, g, cache):
