@@ -146,3 +146,19 @@ def test_small_inference_calls_take_the_torch_path():
         assert is_small_inference_call(step)
         assert not is_small_inference_call(prompt)
     assert not is_small_inference_call(step)  # training: always the fused kernels
+
+
+def test_graph_capture_can_send_small_calls_through_the_kernels(monkeypatch):
+    """Inside small_calls_through_kernels (a CUDA graph's warm-up and capture with GraphedDecoder.small_kernels) a
+    decode step's norms take the fused kernels under ``auto``; outside, the torch ops; ``torch`` stays torch.
+    (This CPU has no Triton path: use_triton is stood in for by True to test the choice itself.)"""
+    from hybridlm.ops import backend
+    monkeypatch.setattr(backend, "use_triton", lambda name, x: name != "torch")
+    step = torch.zeros(4, 1, 576)
+    with torch.no_grad():
+        assert not backend.use_triton_elementwise("auto", step)
+        with backend.small_calls_through_kernels():
+            assert backend.use_triton_elementwise("auto", step)
+            assert not backend.use_triton_elementwise("torch", step)
+        assert not backend.use_triton_elementwise("auto", step)  # reset on the way out
+        assert backend.use_triton_elementwise("triton", step)

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 import statistics
 import sys
 import time
@@ -94,7 +94,7 @@ from hybridlm.model.layers.mamba2 import Mamba2
 from hybridlm.model.layers.mla import MultiHeadLatentAttention
 from hybridlm.model.graphs import GraphedDecoder
 from hybridlm.model.pattern import student_kinds
-from hybridlm.ops.backend import use_triton
+from hybridlm.ops.backend import small_calls_through_kernels, use_triton
 from hybridlm.teacher import load_teacher, resolve_teacher
 from hybridlm.utils.atomic import save_figure
 
@@ -331,12 +331,14 @@ def profile_decode(model, input_ids: torch.LongTensor, steps: int) -> Dict[str, 
                         device=input_ids.device)
     nxt = model(input_ids=input_ids, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
     decoder = GraphedDecoder(model, cache, enabled=False)
-    for _ in range(2):  # compiles and autotuning stay out of the profile
-        nxt = decoder.step(nxt)[:, -1].argmax(-1, keepdim=True)
-    profiler = StepProfiler(skip=0, active=steps, device=input_ids.device)
-    for _ in range(steps):
-        nxt = decoder.step(nxt)[:, -1].argmax(-1, keepdim=True)
-        profiler()
+    # the kernels of the captured step: with GraphedDecoder.small_kernels its norms and SwiGLU are fla's
+    with small_calls_through_kernels() if GraphedDecoder.small_kernels else nullcontext():
+        for _ in range(2):  # compiles and autotuning stay out of the profile
+            nxt = decoder.step(nxt)[:, -1].argmax(-1, keepdim=True)
+        profiler = StepProfiler(skip=0, active=steps, device=input_ids.device)
+        for _ in range(steps):
+            nxt = decoder.step(nxt)[:, -1].argmax(-1, keepdim=True)
+            profiler()
     return profiler.summary()
 
 
@@ -667,6 +669,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mla-split-k", choices=("on", "off"), default="on",
                    help="the hybrid's MLA layers attend to the cache through the split-K Triton kernel "
                         "(hybridlm/ops/latent_decode.py; on, the default) or SDPA (off: the before of a before / after)")
+    p.add_argument("--graph-small-kernels", choices=("on", "off"), default="off",
+                   help="the hybrid's captured decode step runs its norms and SwiGLU through fla's fused Triton "
+                        "kernels (on: fewer graph nodes) or the torch ops of an eager decode step (off, the default)")
     p.add_argument("--sdpa-cudnn", action="store_true",
                    help="leave cuDNN in SDPA's backend choice (default: off for both models; it builds a new "
                         "execution plan for every key length, i.e. at every eager decoding step)")
@@ -712,6 +717,7 @@ def main(argv=None) -> Dict[str, Any]:
         "repeats": args.repeats, "warmup_steps": args.warmup_steps, "seed": args.seed,
         "cuda_graph": args.cuda_graph, "via": args.via, "mamba2_fused_step": args.mamba2_fused_step,
         "mla_split_k": args.mla_split_k, "teacher_cache": args.teacher_cache, "profile_decode": args.profile_decode,
+        "graph_small_kernels": args.graph_small_kernels,
         "sdpa_cudnn": args.sdpa_cudnn if cuda else None,
         "method": "explicit greedy loop shared by both models: prefill forward (use_cache, logits_to_keep=1) + "
                   "new_tokens-1 cached single-token forwards, argmax, no mask, no stopping; cuda-synchronised "
@@ -766,9 +772,10 @@ def main(argv=None) -> Dict[str, Any]:
         report["models"][name] = info
         vocab = model.config.vocab_size
         # class switches: put back after this model, not left to later callers
-        fused_before, split_k_before = Mamba2.fused_step, MultiHeadLatentAttention.split_k_decode
+        switches_before = Mamba2.fused_step, MultiHeadLatentAttention.split_k_decode, GraphedDecoder.small_kernels
         Mamba2.fused_step = args.mamba2_fused_step == "on"
         MultiHeadLatentAttention.split_k_decode = args.mla_split_k == "on"
+        GraphedDecoder.small_kernels = args.graph_small_kernels == "on"
         try:
             for P in args.prompt_lens:
                 checked = False
@@ -781,7 +788,7 @@ def main(argv=None) -> Dict[str, Any]:
                     if entry["status"] != "ok":
                         break
         finally:
-            Mamba2.fused_step, MultiHeadLatentAttention.split_k_decode = fused_before, split_k_before
+            Mamba2.fused_step, MultiHeadLatentAttention.split_k_decode, GraphedDecoder.small_kernels = switches_before
             del model
             free_memory()
     write(report, out)

@@ -27,6 +27,7 @@ same results, so the logic is testable without a GPU.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -34,10 +35,16 @@ import torch
 from hybridlm.model.cache import HybridCache
 from hybridlm.model.layers.mamba2 import Mamba2
 from hybridlm.model.layers.mla import MultiHeadLatentAttention
+from hybridlm.ops.backend import small_calls_through_kernels
 
 
 class GraphedDecoder:
     """Single-token decode steps of ``model`` on the static ``cache``, replayed from one CUDA graph."""
+
+    # the captured step's norms and SwiGLU through fla's fused Triton kernels instead of the torch ops an eager
+    # decode step uses (fewer graph nodes; hybridlm/ops/backend.py); off until measured on a GPU (the generation
+    # bench's --graph-small-kernels on)
+    small_kernels: bool = False
 
     def __init__(self, model, cache: HybridCache, enabled: Optional[bool] = None, warmup_steps: int = 3):
         if not isinstance(cache, HybridCache) or not cache.is_static:
@@ -74,7 +81,8 @@ class GraphedDecoder:
         if not self.enabled or self.graph is not None:
             return
         self._check_room()
-        with self._grad_mode():
+        kernels = small_calls_through_kernels() if self.small_kernels else contextlib.nullcontext()
+        with self._grad_mode(), kernels:
             snap = self.cache.snapshot()
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -139,7 +147,8 @@ def _reuse_key(model, batch: int, max_length: int, device, cuda_graph: Optional[
     replaced parameter makes new tensors; the layers' decode-kernel switches)."""
     weights = tuple(t.data_ptr() for t in model.parameters()) + tuple(t.data_ptr() for t in model.buffers())
     return (batch, max_length, model.dtype, str(device), cuda_graph, torch.is_inference_mode_enabled(),
-            model.training, MultiHeadLatentAttention.split_k_decode, Mamba2.fused_step, hash(weights))
+            model.training, MultiHeadLatentAttention.split_k_decode, Mamba2.fused_step, GraphedDecoder.small_kernels,
+            hash(weights))
 
 
 def kept_decoder(model, batch: int, max_length: int, device, cuda_graph: Optional[bool]) -> GraphedDecoder:

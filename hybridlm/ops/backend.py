@@ -6,6 +6,8 @@ fla is imported lazily: importing it loads every op up front (10-26 s on a CPU m
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import torch
@@ -47,7 +49,24 @@ def is_small_inference_call(x: torch.Tensor) -> bool:
     return not torch.is_grad_enabled() and x.numel() <= SMALL_CALL_ROWS * x.shape[-1]
 
 
+_SMALL_CALLS_THROUGH_KERNELS = contextvars.ContextVar("small_calls_through_kernels", default=False)
+
+
+@contextlib.contextmanager
+def small_calls_through_kernels():
+    """Inside, small inference calls take the fused Triton kernels too. For a CUDA graph's capture and its warm-up
+    (which must run the same kernels, to tune them outside the capture): a replay has no host-side launch cost,
+    so one fused kernel is one node of the graph where the torch ops of a norm are four."""
+    token = _SMALL_CALLS_THROUGH_KERNELS.set(True)
+    try:
+        yield
+    finally:
+        _SMALL_CALLS_THROUGH_KERNELS.reset(token)
+
+
 def use_triton_elementwise(backend: str, x: torch.Tensor) -> bool:
     """:func:`use_triton` for the small fused kernels (norms, SwiGLU): under ``auto`` a small inference call
-    takes the torch path, which launches faster; a forced ``triton`` backend keeps the kernels."""
-    return use_triton(backend, x) and (backend != "auto" or not is_small_inference_call(x))
+    takes the torch path, which launches faster (unless :func:`small_calls_through_kernels` is on); a forced
+    ``triton`` backend keeps the kernels."""
+    return use_triton(backend, x) and (backend != "auto" or _SMALL_CALLS_THROUGH_KERNELS.get()
+                                       or not is_small_inference_call(x))

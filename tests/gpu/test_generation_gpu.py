@@ -133,6 +133,36 @@ def test_cuda_graph_decode_equals_eager_static_cache(name, dtype):
     assert _rel(again, eager_logits[1]) < 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["mla", "mamba2", "mixed"])
+@torch.no_grad()
+def test_captured_step_with_fused_small_kernels_decodes_like_the_torch_ops(name, dtype, monkeypatch):
+    """GraphedDecoder.small_kernels (the captured step's norms and SwiGLU through fla's kernels) against the
+    default captured step (torch ops), teacher-forced with the same tokens: logits to rounding, fp32 tokens equal."""
+    from hybridlm.model.cache import HybridCache
+    from hybridlm.model.graphs import GraphedDecoder
+    model = _model(name, dtype)
+    B, P, new = 3, 137, 12
+    ids = torch.randint(1, 4096, (B, P), device="cuda")
+    forced = torch.randint(1, 4096, (B, new), device="cuda")
+
+    def decode(small_kernels):
+        monkeypatch.setattr(GraphedDecoder, "small_kernels", small_kernels)
+        cache = HybridCache(model.config, max_length=P + new, batch_size=B, dtype=dtype, device="cuda")
+        model(input_ids=ids, cache=cache, logits_to_keep=1)
+        decoder = GraphedDecoder(model, cache)
+        logits = torch.cat([decoder.step(forced[:, i:i + 1]).clone() for i in range(new)], 1)
+        assert decoder.graph is not None
+        return logits
+
+    torch_ops, kernels = decode(False), decode(True)
+    err = _rel(kernels, torch_ops)
+    _record(f"generation/{name}/{str(dtype).split('.')[-1]}/graph_small_kernels", err)
+    assert err < (1e-4 if dtype == torch.float32 else 3e-2)
+    if dtype == torch.float32:
+        assert torch.equal(kernels.argmax(-1), torch_ops.argmax(-1))
+
+
 @pytest.mark.parametrize("name", ["mamba2", "mixed"])
 @torch.no_grad()
 def test_graphed_generate_equals_its_eager_run(name):
