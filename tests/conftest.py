@@ -88,6 +88,35 @@ def seeded():
     yield
 
 
+def greedy_decode(model, ids, new, cache=None, mask=None, forced=None, next_mask_column=None):
+    """The decode tests' loop: the prompt ``ids`` then ``new - 1`` cached steps, step ``i`` fed the last argmax or
+    ``forced[:, i]``. With a static ``cache`` the steps go through GraphedDecoder (a captured CUDA graph on CUDA,
+    eager steps on a CPU); without one, through the dynamic cache under ``mask``, which grows by
+    ``next_mask_column(i, mask)`` (default: a column of ones) at every step. Returns tokens ``[B, new]``, logits
+    ``[B, new, vocab]``, the cache and the decoder (None on the dynamic path)."""
+    from hybridlm.model.graphs import GraphedDecoder
+    decoder = None
+    if cache is not None:
+        decoder = GraphedDecoder(model, cache)
+        logits = [model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1:]]
+    else:
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        cache, logits = out.cache, [out.logits[:, -1:]]
+    tokens = [logits[0][:, -1].argmax(-1, keepdim=True)]
+    for i in range(new - 1):
+        nxt = tokens[-1] if forced is None else forced[:, i:i + 1]
+        if decoder is not None:
+            step = decoder.step(nxt).clone()  # the graph's output buffer: overwritten by the next step
+        else:
+            if mask is not None:
+                column = torch.ones_like(mask[:, :1]) if next_mask_column is None else next_mask_column(i, mask)
+                mask = torch.cat([mask, column], 1)
+            step = model(input_ids=nxt, attention_mask=mask, cache=cache).logits
+        logits.append(step)
+        tokens.append(step[:, -1].argmax(-1, keepdim=True))
+    return torch.cat(tokens, 1), torch.cat(logits, 1), cache, decoder
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()

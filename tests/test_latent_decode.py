@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_under_interpreter, tiny_config
+from conftest import greedy_decode, run_under_interpreter, tiny_config
 from hybridlm.ops.latent_decode import latent_attention_decode_reference
 
 # (batch, heads, T, latent, rope, keys, n_splits, mask kind, dtype)
@@ -95,7 +95,6 @@ def run_model_cases() -> dict:
     (forced on for the CPU tensors of the interpreter)."""
     from hybridlm.model import HybridForCausalLM
     from hybridlm.model.cache import HybridCache
-    from hybridlm.model.graphs import GraphedDecoder
     from hybridlm.model.layers import mla as L
 
     calls = []
@@ -107,23 +106,9 @@ def run_model_cases() -> dict:
 
     def decode(model, ids, static, mask=None):
         B, T = ids.shape
-        if static:
-            cache = HybridCache(model.config, max_length=T + NEW - 1, batch_size=B, dtype=torch.float32, device="cpu")
-            decoder = GraphedDecoder(model, cache)
-            logits = [model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1:]]
-        else:
-            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
-            cache, logits = out.cache, [out.logits[:, -1:]]
-        tokens = [logits[-1][:, -1].argmax(-1, keepdim=True)]
-        for _ in range(NEW - 1):
-            if static:
-                step = decoder.step(tokens[-1]).clone()
-            else:
-                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-                step = model(input_ids=tokens[-1], attention_mask=mask, cache=cache).logits
-            logits.append(step)
-            tokens.append(step[:, -1].argmax(-1, keepdim=True))
-        return torch.cat(tokens, 1), torch.cat(logits, 1)
+        cache = (HybridCache(model.config, max_length=T + NEW - 1, batch_size=B, dtype=torch.float32, device="cpu")
+                 if static else None)
+        return greedy_decode(model, ids, NEW, cache, mask)[:2]
 
     out = {}
     with torch.no_grad():

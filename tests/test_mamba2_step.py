@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from conftest import run_under_interpreter, tiny_config
+from conftest import greedy_decode, run_under_interpreter, tiny_config
 from hybridlm.model.cache import HybridCache, InferenceContext
 from hybridlm.model.layers.mamba2 import Mamba2
 from hybridlm.ops.mamba2_step import mamba2_decode_step_reference
@@ -172,7 +172,6 @@ def run_model_cases() -> dict:
     """Greedy decoding of a tiny ``M-*-M-`` hybrid: unfused (the CPU path) against its Mamba2 layers' one-token
     steps forced onto the Triton path, i.e. the fused kernel (the interpreter runs it)."""
     from hybridlm.model import HybridForCausalLM
-    from hybridlm.model.graphs import GraphedDecoder
     from hybridlm.model.layers import mamba2 as M
 
     calls = []
@@ -194,30 +193,20 @@ def run_model_cases() -> dict:
 
     def decode(model, ids, new, static, mask=None, forced=None):
         B, T = ids.shape
+        cache, ptrs = None, None
         if static:
             cache = HybridCache(model.config, max_length=T + new - 1, batch_size=B, dtype=torch.float32, device="cpu")
             ptrs = {k: t.data_ptr() for k, t in cache.static_tensors().items()}
-            decoder = GraphedDecoder(model, cache)
-            logits = [model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1:]]
-        else:
-            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
-            cache, logits = out.cache, [out.logits[:, -1:]]
-        tokens = [logits[-1][:, -1].argmax(-1, keepdim=True)]
-        for i in range(new - 1):
-            nxt = tokens[-1] if forced is None else forced[:, i:i + 1]
-            if static:
-                step = decoder.step(nxt).clone()
-            else:
-                if mask is not None:
-                    col = torch.ones_like(mask[:, :1])
-                    col[1] = int(i != 1)  # row 1's second decode token is padding
-                    mask = torch.cat([mask, col], 1)
-                step = model(input_ids=nxt, attention_mask=mask, cache=cache).logits
-            logits.append(step)
-            tokens.append(step[:, -1].argmax(-1, keepdim=True))
+
+        def column(i, mask):  # row 1's second decode token is padding
+            col = torch.ones_like(mask[:, :1])
+            col[1] = int(i != 1)
+            return col
+
+        tokens, logits, cache, _ = greedy_decode(model, ids, new, cache, mask, forced, column)
         same_buffers = (not static) or ptrs == {k: t.data_ptr() for k, t in cache.static_tensors().items()}
         states = [t.clone() for layer in cache.layers for t in layer.tensors().values()]
-        return torch.cat(tokens, 1), torch.cat(logits, 1), states, same_buffers
+        return tokens, logits, states, same_buffers
 
     def rel(a, b):
         return ((a.double() - b.double()).norm() / b.double().norm()).item()

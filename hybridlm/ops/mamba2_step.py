@@ -45,10 +45,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from hybridlm.ops.chunked_recurrence import gated_recurrence_with_state
 from hybridlm.ops.elementwise import gated_rms_norm, short_conv_with_state
+from hybridlm.ops.mamba2_inputs import ssd_inputs
 
 # bound on the first use of the kernel (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
 tl = None
@@ -85,26 +85,15 @@ def mamba2_decode_step_reference(z, xbc, dt, conv_state, ssm_state, conv_weight,
     """The torch twin of :func:`mamba2_decode_step`: ``Mamba2.forward``'s cached one-token step (torch path)
     from ``in_proj``'s output to ``out_proj``'s input, through the same ops in the same order. Updates
     ``conv_state`` and ``ssm_state`` in place (``copy_``, as a static cache does); returns ``y [B, d_inner]``."""
-    Bsz, d_inner, H, repeat, d_b, _ = _dims(z, xbc, dt, conv_weight, head_dim, d_state, n_groups, d_xb)
-    P, N = head_dim, d_state
+    Bsz, d_inner, _, _, d_b, _ = _dims(z, xbc, dt, conv_weight, head_dim, d_state, n_groups, d_xb)
     if z_bias is not None:
         z = z + z_bias.to(z.dtype)
     xbc, new_conv = short_conv_with_state(xbc.unsqueeze(1), conv_state, conv_weight, conv_bias, "silu", False)
     conv_state.copy_(new_conv)
     if keep is not None:  # InferenceContext.zero_padding
         xbc = xbc.masked_fill(~keep.view(Bsz, 1, 1), 0)
-    x, b, c = xbc.split([d_xb, d_b, n_groups * N], dim=-1)
-
-    def repeat_heads(t, groups, per_head):  # Mamba2._repeat_heads
-        t = t.view(Bsz, 1, groups, per_head)
-        return t if groups == H else t.repeat_interleave(H // groups, dim=2)
-
-    x = repeat_heads(x, d_xb // P, P)                                   # [B,1,H,P]
-    c = repeat_heads(c, n_groups, N)                                    # [B,1,H,N]
-    dt = F.softplus(dt.unsqueeze(1).float() + dt_bias.float())          # [B,1,H]
-    g = -A_log.float().exp() * dt
-    groups = d_b // N                                                   # hybridlm/ops/mamba2_inputs.py dt_scaled_keys
-    k = (b.view(Bsz, 1, groups, 1, N) * dt.to(b.dtype).view(Bsz, 1, groups, H // groups, 1)).reshape(Bsz, 1, H, N)
+    x, c, k, g = ssd_inputs(xbc, dt.unsqueeze(1), dt_bias, A_log, head_dim=head_dim, d_state=d_state,
+                            n_groups=n_groups, d_xb=d_xb, d_b=d_b)      # [B,1,H,P], [B,1,H,N] x 2, [B,1,H]
     y, state = gated_recurrence_with_state(c, k, x, g, None, 1.0, ssm_state)
     ssm_state.copy_(state)
     y = torch.addcmul(y, x, D.to(x.dtype).view(-1, 1))

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from conftest import greedy_decode
 from hybridlm.bench.mixers import SHAPES_300M
 from hybridlm.model import HybridConfig, HybridForCausalLM
 
@@ -85,7 +86,6 @@ def test_cuda_graph_decode_equals_eager_static_cache(name, dtype):
     """GraphedDecoder's replayed steps against eager steps on a static cache (same kernels: equal up to
     nondeterminism), greedy tokens included, and the static cache's eager steps against the dynamic cache."""
     from hybridlm.model.cache import HybridCache
-    from hybridlm.model.graphs import GraphedDecoder
     model = _model(name, dtype)
     B, P, new = 3, 137, 12
     ids = torch.randint(1, 4096, (B, P), device="cuda")
@@ -104,21 +104,17 @@ def test_cuda_graph_decode_equals_eager_static_cache(name, dtype):
         eager_tokens.append(eager_logits[-1][:, -1].argmax(-1, keepdim=True))
 
     graph_cache = static_cache()
-    first = prefill(graph_cache)
-    decoder = GraphedDecoder(model, graph_cache)
-    assert decoder.enabled
-    graph_logits, graph_tokens = [first], [first[:, -1].argmax(-1, keepdim=True)]
-    for i in range(new - 1):  # teacher-forced with the eager tokens, so one near-tie cannot derail the rest
-        graph_logits.append(decoder.step(eager_tokens[i]).clone())
-        graph_tokens.append(graph_logits[-1][:, -1].argmax(-1, keepdim=True))
-    assert decoder.graph is not None and graph_cache.get_seq_length() == P + new - 1
+    # teacher-forced with the eager tokens, so one near-tie cannot derail the rest
+    graph_tokens, graph_logits, _, decoder = greedy_decode(model, ids, new, graph_cache,
+                                                           forced=torch.cat(eager_tokens, 1))
+    assert decoder.enabled and decoder.graph is not None and graph_cache.get_seq_length() == P + new - 1
     assert graph_cache.length.item() == P + new - 1
     with pytest.raises(ValueError, match="full"):
         decoder.step(eager_tokens[-1])
-    err = _rel(torch.cat(graph_logits, 1), torch.cat(eager_logits, 1))
+    err = _rel(graph_logits, torch.cat(eager_logits, 1))
     _record(f"generation/{name}/{str(dtype).split('.')[-1]}/cuda_graph", err)
     assert err < 1e-3
-    assert torch.equal(torch.cat(graph_tokens, 1), torch.cat(eager_tokens, 1))
+    assert torch.equal(graph_tokens, torch.cat(eager_tokens, 1))
 
     dyn = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     dyn_logits = [dyn.logits]
@@ -144,14 +140,12 @@ def test_captured_step_with_fused_small_kernels_decodes_like_the_torch_ops(name,
     model = _model(name, dtype)
     B, P, new = 3, 137, 12
     ids = torch.randint(1, 4096, (B, P), device="cuda")
-    forced = torch.randint(1, 4096, (B, new), device="cuda")
+    forced = torch.randint(1, 4096, (B, new - 1), device="cuda")
 
     def decode(small_kernels):
         monkeypatch.setattr(GraphedDecoder, "small_kernels", small_kernels)
-        cache = HybridCache(model.config, max_length=P + new, batch_size=B, dtype=dtype, device="cuda")
-        model(input_ids=ids, cache=cache, logits_to_keep=1)
-        decoder = GraphedDecoder(model, cache)
-        logits = torch.cat([decoder.step(forced[:, i:i + 1]).clone() for i in range(new)], 1)
+        cache = HybridCache(model.config, max_length=P + new - 1, batch_size=B, dtype=dtype, device="cuda")
+        _, logits, _, decoder = greedy_decode(model, ids, new, cache, forced=forced)
         assert decoder.graph is not None
         return logits
 

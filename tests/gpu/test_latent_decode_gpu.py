@@ -4,6 +4,7 @@ same tokens through the kernel as through SDPA (needs CUDA)."""
 import pytest
 import torch
 
+from conftest import greedy_decode
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.cache import HybridCache
 from hybridlm.model.layers.mla import MultiHeadLatentAttention
@@ -39,7 +40,6 @@ def test_kernel_matches_the_twin(name, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @torch.no_grad()
 def test_graphed_decode_through_the_kernel_and_through_sdpa(dtype, monkeypatch):
-    from hybridlm.model.graphs import GraphedDecoder
     torch.manual_seed(0)
     cfg = HybridConfig(
         vocab_size=4096, hidden_size=256, intermediate_size=512, hybrid_override_pattern="*-M-*-M-", mixer="mamba2",
@@ -53,14 +53,9 @@ def test_graphed_decode_through_the_kernel_and_through_sdpa(dtype, monkeypatch):
     def run(split_k, forced=None):
         monkeypatch.setattr(MultiHeadLatentAttention, "split_k_decode", split_k)
         cache = HybridCache(model.config, max_length=P + new - 1, batch_size=B, dtype=dtype, device="cuda")
-        logits = [model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1:]]
-        tokens = [logits[0][:, -1].argmax(-1, keepdim=True)]
-        decoder = GraphedDecoder(model, cache)
-        for i in range(new - 1):
-            logits.append(decoder.step(tokens[-1] if forced is None else forced[:, i:i + 1]).clone())
-            tokens.append(logits[-1][:, -1].argmax(-1, keepdim=True))
+        tokens, logits, _, decoder = greedy_decode(model, ids, new, cache, forced=forced)
         assert decoder.graph is not None
-        return torch.cat(tokens, 1), torch.cat(logits, 1)
+        return tokens, logits
 
     base_tokens, base_logits = run(False)
     tokens, logits = run(True, forced=None if dtype == torch.float32 else base_tokens)

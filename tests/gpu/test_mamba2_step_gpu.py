@@ -4,6 +4,7 @@ and CUDA-graph captured decoding of a tiny hybrid giving the same tokens with an
 import pytest
 import torch
 
+from conftest import greedy_decode
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.cache import HybridCache, InferenceContext
 from hybridlm.model.layers.mamba2 import Mamba2
@@ -117,7 +118,6 @@ def test_graphed_decode_with_and_without_the_fused_step(mamba2, dtype, monkeypat
     """GraphedDecoder (a captured step replayed per token) on a static cache: the fused step gives the unfused
     step's greedy tokens (fp32; bf16 teacher-forced on them, logits within the bf16 tolerance), and the cache
     buffers keep their addresses."""
-    from hybridlm.model.graphs import GraphedDecoder
     model = _tiny_hybrid(dtype, **mamba2)
     B, P, new = 3, 37, 16
     ids = torch.randint(1, 4096, (B, P), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
@@ -126,15 +126,10 @@ def test_graphed_decode_with_and_without_the_fused_step(mamba2, dtype, monkeypat
         monkeypatch.setattr(Mamba2, "fused_step", fused)
         cache = HybridCache(model.config, max_length=P + new - 1, batch_size=B, dtype=dtype, device="cuda")
         ptrs = {k: t.data_ptr() for k, t in cache.static_tensors().items()}
-        logits = [model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1:]]
-        tokens = [logits[0][:, -1].argmax(-1, keepdim=True)]
-        decoder = GraphedDecoder(model, cache)
-        for i in range(new - 1):
-            logits.append(decoder.step(tokens[-1] if forced is None else forced[:, i:i + 1]).clone())
-            tokens.append(logits[-1][:, -1].argmax(-1, keepdim=True))
+        tokens, logits, _, decoder = greedy_decode(model, ids, new, cache, forced=forced)
         assert decoder.graph is not None
         assert ptrs == {k: t.data_ptr() for k, t in cache.static_tensors().items()}
-        return torch.cat(tokens, 1), torch.cat(logits, 1)
+        return tokens, logits
 
     base_tokens, base_logits = run(False)
     tokens, logits = run(True, forced=None if dtype == torch.float32 else base_tokens)
