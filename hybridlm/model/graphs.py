@@ -42,9 +42,9 @@ class GraphedDecoder:
     """Single-token decode steps of ``model`` on the static ``cache``, replayed from one CUDA graph."""
 
     # the captured step's norms and SwiGLU through fla's fused Triton kernels instead of the torch ops an eager
-    # decode step uses (fewer graph nodes; hybridlm/ops/backend.py); off until measured on a GPU (the generation
-    # bench's --graph-small-kernels on)
-    small_kernels: bool = False
+    # decode step uses (fewer graph nodes; hybridlm/ops/backend.py). On: 1.24-1.33x faster per step on an H200
+    # (BENCHMARKS.md, "Session 14: the captured step's small kernels"); the bench's --graph-small-kernels off is the before
+    small_kernels: bool = True
 
     def __init__(self, model, cache: HybridCache, enabled: Optional[bool] = None, warmup_steps: int = 3):
         if not isinstance(cache, HybridCache) or not cache.is_static:

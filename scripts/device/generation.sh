@@ -11,8 +11,8 @@
 #   PASSES="hybrid_graph hybrid_eager teacher" (a subset runs only those; also hybrid_generate, teacher_generate,
 #   teacher_static: each model through its own generate(), the teacher with its dynamic / static cache;
 #   hybrid_graph_sdpa, hybrid_generate_sdpa: the MLA layers' decode attention through SDPA instead of the split-K
-#   kernel, which is the default: the before of its before / after; hybrid_graph_kernels: the captured step's
-#   norms and SwiGLU through fla's fused kernels)
+#   kernel, which is the default: the before of its before / after; hybrid_graph_torch_small: the captured step's
+#   norms and SwiGLU through the torch ops instead of fla's fused kernels, the default: that change's before)
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/device/common.sh
@@ -45,8 +45,8 @@ fi
 [[ $PASSES == *" hybrid_graph "* ]] && { bench "$GPU_A" hybrid_graph --models hybrid --cuda-graph ${PROFILE_DECODE:+--profile-decode $PROFILE_DECODE}; pack_out; }
 [[ $PASSES == *" hybrid_graph_unfused "* ]] && { bench "$GPU_A" hybrid_graph_unfused --models hybrid --cuda-graph --mamba2-fused-step off; pack_out; }
 # the MLA layers' absorbed attention through SDPA instead of the split-K kernel (hybridlm/ops/latent_decode.py)
-# the captured step's norms and SwiGLU through fla's fused kernels (GraphedDecoder.small_kernels)
-[[ $PASSES == *" hybrid_graph_kernels "* ]] && { bench "$GPU_A" hybrid_graph_kernels --models hybrid --cuda-graph --graph-small-kernels on ${PROFILE_DECODE:+--profile-decode $PROFILE_DECODE}; pack_out; }
+# the captured step's norms and SwiGLU through the torch ops instead of fla's fused kernels (GraphedDecoder.small_kernels)
+[[ $PASSES == *" hybrid_graph_torch_small "* ]] && { bench "$GPU_A" hybrid_graph_torch_small --models hybrid --cuda-graph --graph-small-kernels off ${PROFILE_DECODE:+--profile-decode $PROFILE_DECODE}; pack_out; }
 [[ $PASSES == *" hybrid_graph_sdpa "* ]] && { bench "$GPU_A" hybrid_graph_sdpa --models hybrid --cuda-graph --mla-split-k off; pack_out; }
 [[ $PASSES == *" hybrid_generate_sdpa "* ]] && { bench "$GPU_A" hybrid_generate_sdpa --models hybrid --via generate --mla-split-k off --check-generate 32; pack_out; }
 [[ $PASSES == *" hybrid_eager "* ]] && { bench "$GPU_A" hybrid_eager --models hybrid --check-generate 32; pack_out; }
