@@ -671,8 +671,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(hybridlm/ops/latent_decode.py; on, the default) or SDPA (off: the before of a before / after)")
     p.add_argument("--graph-small-kernels", choices=("on", "off"), default="on",
                    help="the hybrid's captured decode step runs its norms and SwiGLU through fla's fused Triton "
-                        "kernels (on, the default: fewer graph nodes) or the torch ops of an eager decode step "
-                        "(off: the before of a before / after)")
+                        "kernels (on, the default: fewer graph nodes) or the torch ops of an eager decode "
+                        "step (off: the before of a before / after)")
     p.add_argument("--sdpa-cudnn", action="store_true",
                    help="leave cuDNN in SDPA's backend choice (default: off for both models; it builds a new "
                         "execution plan for every key length, i.e. at every eager decoding step)")

@@ -43,7 +43,7 @@ class GraphedDecoder:
 
     # the captured step's norms and SwiGLU through fla's fused Triton kernels instead of the torch ops an eager
     # decode step uses (fewer graph nodes; hybridlm/ops/backend.py). On: 1.24-1.33x faster per step on an H200
-    # (BENCHMARKS.md, "Session 14: the captured step's small kernels"); the bench's --graph-small-kernels off is the before
+    # (BENCHMARKS.md, "Session 14: the captured step's small kernels"); --graph-small-kernels off is the before
     small_kernels: bool = True
 
     def __init__(self, model, cache: HybridCache, enabled: Optional[bool] = None, warmup_steps: int = 3):
