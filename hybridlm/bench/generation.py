@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 import statistics
 import sys
 import time
@@ -94,7 +94,7 @@ from hybridlm.model.layers.mamba2 import Mamba2
 from hybridlm.model.layers.mla import MultiHeadLatentAttention
 from hybridlm.model.graphs import GraphedDecoder
 from hybridlm.model.pattern import student_kinds
-from hybridlm.ops.backend import small_calls_through_kernels, use_triton
+from hybridlm.ops.backend import use_triton
 from hybridlm.teacher import load_teacher, resolve_teacher
 from hybridlm.utils.atomic import save_figure
 
@@ -331,8 +331,8 @@ def profile_decode(model, input_ids: torch.LongTensor, steps: int) -> Dict[str, 
                         device=input_ids.device)
     nxt = model(input_ids=input_ids, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
     decoder = GraphedDecoder(model, cache, enabled=False)
-    # the kernels of the captured step: with GraphedDecoder.small_kernels its norms and SwiGLU are fla's
-    with small_calls_through_kernels() if GraphedDecoder.small_kernels else nullcontext():
+    # the kernels of the captured step (GraphedDecoder's switches: fla's small kernels, residual adds in the norms)
+    with GraphedDecoder.kernel_choices():
         for _ in range(2):  # compiles and autotuning stay out of the profile
             nxt = decoder.step(nxt)[:, -1].argmax(-1, keepdim=True)
         profiler = StepProfiler(skip=0, active=steps, device=input_ids.device)
@@ -673,6 +673,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the hybrid's captured decode step runs its norms and SwiGLU through fla's fused Triton "
                         "kernels (on, the default: fewer graph nodes) or the torch ops of an eager decode "
                         "step (off: the before of a before / after)")
+    p.add_argument("--graph-fuse-residual", choices=("on", "off"), default="off",
+                   help="the hybrid's captured decode step leaves each block's residual add to the next norm's "
+                        "fused kernel (on: one kernel where there were two) or adds apart (off, the default)")
     p.add_argument("--sdpa-cudnn", action="store_true",
                    help="leave cuDNN in SDPA's backend choice (default: off for both models; it builds a new "
                         "execution plan for every key length, i.e. at every eager decoding step)")
@@ -719,6 +722,7 @@ def main(argv=None) -> Dict[str, Any]:
         "cuda_graph": args.cuda_graph, "via": args.via, "mamba2_fused_step": args.mamba2_fused_step,
         "mla_split_k": args.mla_split_k, "teacher_cache": args.teacher_cache, "profile_decode": args.profile_decode,
         "graph_small_kernels": args.graph_small_kernels,
+        "graph_fuse_residual": args.graph_fuse_residual,
         "sdpa_cudnn": args.sdpa_cudnn if cuda else None,
         "method": "explicit greedy loop shared by both models: prefill forward (use_cache, logits_to_keep=1) + "
                   "new_tokens-1 cached single-token forwards, argmax, no mask, no stopping; cuda-synchronised "
@@ -773,10 +777,12 @@ def main(argv=None) -> Dict[str, Any]:
         report["models"][name] = info
         vocab = model.config.vocab_size
         # class switches: put back after this model, not left to later callers
-        switches_before = Mamba2.fused_step, MultiHeadLatentAttention.split_k_decode, GraphedDecoder.small_kernels
-        Mamba2.fused_step = args.mamba2_fused_step == "on"
-        MultiHeadLatentAttention.split_k_decode = args.mla_split_k == "on"
-        GraphedDecoder.small_kernels = args.graph_small_kernels == "on"
+        switches = (Mamba2, "fused_step"), (MultiHeadLatentAttention, "split_k_decode"), \
+            (GraphedDecoder, "small_kernels"), (GraphedDecoder, "fuse_residual")
+        switches_before = [getattr(owner, attr) for owner, attr in switches]
+        for (owner, attr), arg in zip(switches, (args.mamba2_fused_step, args.mla_split_k, args.graph_small_kernels,
+                                                 args.graph_fuse_residual)):
+            setattr(owner, attr, arg == "on")
         try:
             for P in args.prompt_lens:
                 checked = False
@@ -789,7 +795,8 @@ def main(argv=None) -> Dict[str, Any]:
                     if entry["status"] != "ok":
                         break
         finally:
-            Mamba2.fused_step, MultiHeadLatentAttention.split_k_decode, GraphedDecoder.small_kernels = switches_before
+            for (owner, attr), value in zip(switches, switches_before):
+                setattr(owner, attr, value)
             del model
             free_memory()
     write(report, out)

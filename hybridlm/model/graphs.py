@@ -35,7 +35,7 @@ import torch
 from hybridlm.model.cache import HybridCache
 from hybridlm.model.layers.mamba2 import Mamba2
 from hybridlm.model.layers.mla import MultiHeadLatentAttention
-from hybridlm.ops.backend import small_calls_through_kernels
+from hybridlm.ops.backend import residual_adds_in_norms, small_calls_through_kernels
 
 
 class GraphedDecoder:
@@ -45,6 +45,19 @@ class GraphedDecoder:
     # decode step uses (fewer graph nodes; hybridlm/ops/backend.py). On: 1.24-1.33x faster per step on an H200
     # (BENCHMARKS.md, "Session 14: the captured step's small kernels"); --graph-small-kernels off is the before
     small_kernels: bool = True
+    # each block's residual add done by the next norm's kernel inside the captured step (hybridlm/ops/backend.py);
+    # off until measured on a GPU (the generation bench's --graph-fuse-residual on)
+    fuse_residual: bool = False
+
+    @classmethod
+    def kernel_choices(cls) -> contextlib.ExitStack:
+        """The context a captured step is warmed up and recorded in: the class switches above."""
+        stack = contextlib.ExitStack()
+        if cls.small_kernels:
+            stack.enter_context(small_calls_through_kernels())
+        if cls.fuse_residual:
+            stack.enter_context(residual_adds_in_norms())
+        return stack
 
     def __init__(self, model, cache: HybridCache, enabled: Optional[bool] = None, warmup_steps: int = 3):
         if not isinstance(cache, HybridCache) or not cache.is_static:
@@ -81,8 +94,7 @@ class GraphedDecoder:
         if not self.enabled or self.graph is not None:
             return
         self._check_room()
-        kernels = small_calls_through_kernels() if self.small_kernels else contextlib.nullcontext()
-        with self._grad_mode(), kernels:
+        with self._grad_mode(), self.kernel_choices():
             snap = self.cache.snapshot()
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -148,7 +160,7 @@ def _reuse_key(model, batch: int, max_length: int, device, cuda_graph: Optional[
     weights = tuple(t.data_ptr() for t in model.parameters()) + tuple(t.data_ptr() for t in model.buffers())
     return (batch, max_length, model.dtype, str(device), cuda_graph, torch.is_inference_mode_enabled(),
             model.training, MultiHeadLatentAttention.split_k_decode, Mamba2.fused_step, GraphedDecoder.small_kernels,
-            hash(weights))
+            GraphedDecoder.fuse_residual, hash(weights))
 
 
 def kept_decoder(model, batch: int, max_length: int, device, cuda_graph: Optional[bool]) -> GraphedDecoder:

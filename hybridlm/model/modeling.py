@@ -26,7 +26,7 @@ from hybridlm.model.layers import SUBLAYERS, Mamba2, RMSNorm
 from hybridlm.model.layers.conv import ShortConv
 from hybridlm.model.layers.init import init_residual_out_proj, init_short_conv, init_short_conv_uniform
 from hybridlm.model.loss import IGNORE_INDEX, linear_cross_entropy
-from hybridlm.ops.backend import use_triton
+from hybridlm.ops.backend import residual_adds_in_norms_active, use_triton
 
 # transformers renamed the output's cache field past_key_values -> cache (5.2x); fill the one this version has
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -131,12 +131,27 @@ class HybridModel(HybridPreTrainedModel):
         ctx = None
         if cache is not None or attention_mask is not None or position_ids is not None:
             ctx = InferenceContext.build(cache, attention_mask, position_ids, x.shape[1], x.device)
+        if residual_adds_in_norms_active() and not self.training and not self._blocks_hooked():
+            return self._forward_residual_adds_in_norms(x, ctx)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
                 x = self._gradient_checkpointing_func(layer.__call__, x, ctx)
             else:
                 x = layer(x, ctx)
         return self.norm(x)
+
+    def _forward_residual_adds_in_norms(self, x: torch.Tensor, ctx: Optional[InferenceContext]) -> torch.Tensor:
+        """The blocks' function with each block's residual add left to the next norm (one fused kernel on fla's
+        path; the torch path adds, then normalises, as the blocks do)."""
+        delta = None
+        for layer in self.layers:
+            h, x = layer.norm.add_and_normalise(x, delta)
+            delta = layer.mixer(h, ctx)
+        return self.norm.add_and_normalise(x, delta)[0]
+
+    def _blocks_hooked(self) -> bool:
+        """A hook on a block expects the block's own call (its input, its output): keep the block loop then."""
+        return any(layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers)
 
 
 class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):

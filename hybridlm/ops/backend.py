@@ -64,6 +64,24 @@ def small_calls_through_kernels():
         _SMALL_CALLS_THROUGH_KERNELS.reset(token)
 
 
+_RESIDUAL_ADDS_IN_NORMS = contextvars.ContextVar("residual_adds_in_norms", default=False)
+
+
+@contextlib.contextmanager
+def residual_adds_in_norms():
+    """Inside, the model leaves each sublayer's residual add to the next norm (fla's norm takes the residual: one
+    kernel where there were two). For a CUDA graph's capture, where each kernel is a node of the replay."""
+    token = _RESIDUAL_ADDS_IN_NORMS.set(True)
+    try:
+        yield
+    finally:
+        _RESIDUAL_ADDS_IN_NORMS.reset(token)
+
+
+def residual_adds_in_norms_active() -> bool:
+    return _RESIDUAL_ADDS_IN_NORMS.get()
+
+
 def use_triton_elementwise(backend: str, x: torch.Tensor) -> bool:
     """:func:`use_triton` for the small fused kernels (norms, SwiGLU): under ``auto`` a small inference call
     takes the torch path, which launches faster (unless :func:`small_calls_through_kernels` is on); a forced

@@ -19,6 +19,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, triton: bool = F
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + delta), x + delta)``: a residual add and the next pre-norm. fla's kernel does both in one
+    launch (the sum in fp32, stored in ``x``'s dtype, the norm of the fp32 sum); the torch path adds in ``x``'s
+    dtype and normalises that, as a block followed by the next block's norm does."""
+    if triton:
+        from fla.modules.layernorm import rms_norm as fla_rms_norm
+        return fla_rms_norm(delta, weight, None, residual=x, eps=eps, prenorm=True)
+    total = x + delta
+    return rms_norm(total, weight, eps), total
+
+
 def _gate(z: torch.Tensor, activation: str) -> torch.Tensor:
     return torch.sigmoid(z) if activation == "sigmoid" else F.silu(z)
 

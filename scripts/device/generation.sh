@@ -12,7 +12,8 @@
 #   teacher_static: each model through its own generate(), the teacher with its dynamic / static cache;
 #   hybrid_graph_sdpa, hybrid_generate_sdpa: the MLA layers' decode attention through SDPA instead of the split-K
 #   kernel, which is the default: the before of its before / after; hybrid_graph_torch_small: the captured step's
-#   norms and SwiGLU through the torch ops instead of fla's fused kernels, the default: that change's before)
+#   norms and SwiGLU through the torch ops instead of fla's fused kernels, the default: that change's before;
+#   hybrid_graph_fused_residual: each block's residual add inside the next norm's kernel)
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/device/common.sh
@@ -47,6 +48,8 @@ fi
 # the MLA layers' absorbed attention through SDPA instead of the split-K kernel (hybridlm/ops/latent_decode.py)
 # the captured step's norms and SwiGLU through the torch ops instead of fla's fused kernels (GraphedDecoder.small_kernels)
 [[ $PASSES == *" hybrid_graph_torch_small "* ]] && { bench "$GPU_A" hybrid_graph_torch_small --models hybrid --cuda-graph --graph-small-kernels off ${PROFILE_DECODE:+--profile-decode $PROFILE_DECODE}; pack_out; }
+# each block's residual add inside the next norm's kernel (GraphedDecoder.fuse_residual)
+[[ $PASSES == *" hybrid_graph_fused_residual "* ]] && { bench "$GPU_A" hybrid_graph_fused_residual --models hybrid --cuda-graph --graph-fuse-residual on ${PROFILE_DECODE:+--profile-decode $PROFILE_DECODE}; pack_out; }
 [[ $PASSES == *" hybrid_graph_sdpa "* ]] && { bench "$GPU_A" hybrid_graph_sdpa --models hybrid --cuda-graph --mla-split-k off; pack_out; }
 [[ $PASSES == *" hybrid_generate_sdpa "* ]] && { bench "$GPU_A" hybrid_generate_sdpa --models hybrid --via generate --mla-split-k off --check-generate 32; pack_out; }
 [[ $PASSES == *" hybrid_eager "* ]] && { bench "$GPU_A" hybrid_eager --models hybrid --check-generate 32; pack_out; }

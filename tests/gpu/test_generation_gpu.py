@@ -131,10 +131,12 @@ def test_cuda_graph_decode_equals_eager_static_cache(name, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["mla", "mamba2", "mixed"])
+@pytest.mark.parametrize("switch", ["small_kernels", "fuse_residual"])
 @torch.no_grad()
-def test_captured_step_with_fused_small_kernels_decodes_like_the_torch_ops(name, dtype, monkeypatch):
-    """GraphedDecoder.small_kernels (the captured step's norms and SwiGLU through fla's kernels) against the
-    default captured step (torch ops), teacher-forced with the same tokens: logits to rounding, fp32 tokens equal."""
+def test_captured_step_with_a_kernel_switch_decodes_like_without_it(switch, name, dtype, monkeypatch):
+    """A GraphedDecoder switch on against off, the other switches at their defaults: ``small_kernels`` (the captured
+    step's norms and SwiGLU through fla's kernels instead of the torch ops), ``fuse_residual`` (each block's residual
+    add in the next norm's kernel). Teacher-forced with the same tokens: logits to rounding, fp32 tokens equal."""
     from hybridlm.model.cache import HybridCache
     from hybridlm.model.graphs import GraphedDecoder
     model = _model(name, dtype)
@@ -142,19 +144,19 @@ def test_captured_step_with_fused_small_kernels_decodes_like_the_torch_ops(name,
     ids = torch.randint(1, 4096, (B, P), device="cuda")
     forced = torch.randint(1, 4096, (B, new - 1), device="cuda")
 
-    def decode(small_kernels):
-        monkeypatch.setattr(GraphedDecoder, "small_kernels", small_kernels)
+    def decode(on):
+        monkeypatch.setattr(GraphedDecoder, switch, on)
         cache = HybridCache(model.config, max_length=P + new - 1, batch_size=B, dtype=dtype, device="cuda")
         _, logits, _, decoder = greedy_decode(model, ids, new, cache, forced=forced)
         assert decoder.graph is not None
         return logits
 
-    torch_ops, kernels = decode(False), decode(True)
-    err = _rel(kernels, torch_ops)
-    _record(f"generation/{name}/{str(dtype).split('.')[-1]}/graph_small_kernels", err)
+    off, on = decode(False), decode(True)
+    err = _rel(on, off)
+    _record(f"generation/{name}/{str(dtype).split('.')[-1]}/graph_{switch}", err)
     assert err < (1e-4 if dtype == torch.float32 else 3e-2)
     if dtype == torch.float32:
-        assert torch.equal(kernels.argmax(-1), torch_ops.argmax(-1))
+        assert torch.equal(on.argmax(-1), off.argmax(-1))
 
 
 @pytest.mark.parametrize("name", ["mamba2", "mixed"])

@@ -1,9 +1,11 @@
 """RMSNorm module (fla's fused kernel on GPU, torch on CPU)."""
+from typing import Optional
+
 import torch
 from torch import nn
 
 from hybridlm.ops.backend import use_triton_elementwise
-from hybridlm.ops.elementwise import rms_norm
+from hybridlm.ops.elementwise import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -15,3 +17,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, triton=use_triton_elementwise(self.backend, x))
+
+    def add_and_normalise(self, x: torch.Tensor, delta: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(x + delta), x + delta)``, one kernel on the fused path; ``delta=None``: ``(self(x), x)``."""
+        if delta is None:
+            return self(x), x
+        return add_rms_norm(x, delta, self.weight, self.eps, triton=use_triton_elementwise(self.backend, x))
