@@ -145,7 +145,8 @@ def test_cuda_graph_option_decodes_through_the_static_cache(models, tmp_path):
     assert rep["graph_small_kernels"] == "off" and G.GraphedDecoder.small_kernels is True  # switched back
     assert rep["graph_fuse_residual"] == "on" and G.GraphedDecoder.fuse_residual is False
     # a class switch for the run (on CPU the kernel is not taken either way: no Triton path), put back afterwards
-    assert G.MultiHeadLatentAttention.split_k_decode is True
+    from hybridlm.model.layers.mla import MultiHeadLatentAttention
+    assert MultiHeadLatentAttention.split_k_decode is True
     by_model = {e["model"]: e for e in rep["entries"]}
     h, t = by_model["hybrid"], by_model["teacher"]
     assert h["status"] == "ok" and h["cuda_graph"] is True and h["graph_replayed"] is False

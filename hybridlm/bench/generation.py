@@ -90,9 +90,7 @@ from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.cache import HybridCache
 from hybridlm.model.fast_generate import fast_path_plan
 from hybridlm.model.generate import greedy_generate
-from hybridlm.model.layers.mamba2 import Mamba2
-from hybridlm.model.layers.mla import MultiHeadLatentAttention
-from hybridlm.model.graphs import GraphedDecoder
+from hybridlm.model.graphs import DECODE_SWITCHES, GraphedDecoder
 from hybridlm.model.pattern import student_kinds
 from hybridlm.ops.backend import use_triton
 from hybridlm.teacher import load_teacher, resolve_teacher
@@ -777,11 +775,9 @@ def main(argv=None) -> Dict[str, Any]:
         report["models"][name] = info
         vocab = model.config.vocab_size
         # class switches: put back after this model, not left to later callers
-        switches = (Mamba2, "fused_step"), (MultiHeadLatentAttention, "split_k_decode"), \
-            (GraphedDecoder, "small_kernels"), (GraphedDecoder, "fuse_residual")
-        switches_before = [getattr(owner, attr) for owner, attr in switches]
-        for (owner, attr), arg in zip(switches, (args.mamba2_fused_step, args.mla_split_k, args.graph_small_kernels,
-                                                 args.graph_fuse_residual)):
+        switches_before = [getattr(owner, attr) for owner, attr in DECODE_SWITCHES]
+        for (owner, attr), arg in zip(DECODE_SWITCHES, (args.mamba2_fused_step, args.mla_split_k,
+                                                        args.graph_small_kernels, args.graph_fuse_residual)):
             setattr(owner, attr, arg == "on")
         try:
             for P in args.prompt_lens:
@@ -795,7 +791,7 @@ def main(argv=None) -> Dict[str, Any]:
                     if entry["status"] != "ok":
                         break
         finally:
-            for (owner, attr), value in zip(switches, switches_before):
+            for (owner, attr), value in zip(DECODE_SWITCHES, switches_before):
                 setattr(owner, attr, value)
             del model
             free_memory()

@@ -153,14 +153,20 @@ class KeptDecoder:
         self.key = self.decoder = None
 
 
+# every class switch a captured step bakes in: a kept decoder serves a call only under the same values, and the
+# generation bench sets them per run (--mamba2-fused-step, --mla-split-k, --graph-small-kernels,
+# --graph-fuse-residual, in this order)
+DECODE_SWITCHES = ((Mamba2, "fused_step"), (MultiHeadLatentAttention, "split_k_decode"),
+                   (GraphedDecoder, "small_kernels"), (GraphedDecoder, "fuse_residual"))
+
+
 def _reuse_key(model, batch: int, max_length: int, device, cuda_graph: Optional[bool]) -> tuple:
     """What a kept decoder must share with a new call to serve it: the cache's shape and kind, the grad mode its
     buffers were made under, and what the captured step baked in (the weights' addresses: a ``model.to()`` or a
     replaced parameter makes new tensors; the layers' decode-kernel switches)."""
     weights = tuple(t.data_ptr() for t in model.parameters()) + tuple(t.data_ptr() for t in model.buffers())
     return (batch, max_length, model.dtype, str(device), cuda_graph, torch.is_inference_mode_enabled(),
-            model.training, MultiHeadLatentAttention.split_k_decode, Mamba2.fused_step, GraphedDecoder.small_kernels,
-            GraphedDecoder.fuse_residual, hash(weights))
+            model.training, tuple(getattr(owner, attr) for owner, attr in DECODE_SWITCHES), hash(weights))
 
 
 def kept_decoder(model, batch: int, max_length: int, device, cuda_graph: Optional[bool]) -> GraphedDecoder:

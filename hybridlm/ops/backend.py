@@ -49,42 +49,40 @@ def is_small_inference_call(x: torch.Tensor) -> bool:
     return not torch.is_grad_enabled() and x.numel() <= SMALL_CALL_ROWS * x.shape[-1]
 
 
-_SMALL_CALLS_THROUGH_KERNELS = contextvars.ContextVar("small_calls_through_kernels", default=False)
+class ScopedFlag:
+    """A switch that ``with flag.on():`` turns on for the code run inside (a ContextVar: per thread and task)."""
+
+    def __init__(self, name: str):
+        self._var = contextvars.ContextVar(name, default=False)
+
+    @contextlib.contextmanager
+    def on(self):
+        token = self._var.set(True)
+        try:
+            yield
+        finally:
+            self._var.reset(token)
+
+    def active(self) -> bool:
+        return self._var.get()
 
 
-@contextlib.contextmanager
-def small_calls_through_kernels():
-    """Inside, small inference calls take the fused Triton kernels too. For a CUDA graph's capture and its warm-up
-    (which must run the same kernels, to tune them outside the capture): a replay has no host-side launch cost,
-    so one fused kernel is one node of the graph where the torch ops of a norm are four."""
-    token = _SMALL_CALLS_THROUGH_KERNELS.set(True)
-    try:
-        yield
-    finally:
-        _SMALL_CALLS_THROUGH_KERNELS.reset(token)
+# Inside, small inference calls take the fused Triton kernels too. For a CUDA graph's capture and its warm-up (which
+# must run the same kernels, to tune them outside the capture): a replay has no host-side launch cost, so one fused
+# kernel is one node of the graph where the torch ops of a norm are four.
+SMALL_CALLS_THROUGH_KERNELS = ScopedFlag("small_calls_through_kernels")
+small_calls_through_kernels = SMALL_CALLS_THROUGH_KERNELS.on
 
-
-_RESIDUAL_ADDS_IN_NORMS = contextvars.ContextVar("residual_adds_in_norms", default=False)
-
-
-@contextlib.contextmanager
-def residual_adds_in_norms():
-    """Inside, the model leaves each sublayer's residual add to the next norm (fla's norm takes the residual: one
-    kernel where there were two). For a CUDA graph's capture, where each kernel is a node of the replay."""
-    token = _RESIDUAL_ADDS_IN_NORMS.set(True)
-    try:
-        yield
-    finally:
-        _RESIDUAL_ADDS_IN_NORMS.reset(token)
-
-
-def residual_adds_in_norms_active() -> bool:
-    return _RESIDUAL_ADDS_IN_NORMS.get()
+# Inside, the model leaves each sublayer's residual add to the next norm (fla's norm takes the residual: one kernel
+# where there were two). For a CUDA graph's capture too (hybridlm/model/modeling.py _forward_residual_adds_in_norms).
+RESIDUAL_ADDS_IN_NORMS = ScopedFlag("residual_adds_in_norms")
+residual_adds_in_norms = RESIDUAL_ADDS_IN_NORMS.on
+residual_adds_in_norms_active = RESIDUAL_ADDS_IN_NORMS.active
 
 
 def use_triton_elementwise(backend: str, x: torch.Tensor) -> bool:
     """:func:`use_triton` for the small fused kernels (norms, SwiGLU): under ``auto`` a small inference call
     takes the torch path, which launches faster (unless :func:`small_calls_through_kernels` is on); a forced
     ``triton`` backend keeps the kernels."""
-    return use_triton(backend, x) and (backend != "auto" or _SMALL_CALLS_THROUGH_KERNELS.get()
+    return use_triton(backend, x) and (backend != "auto" or SMALL_CALLS_THROUGH_KERNELS.active()
                                        or not is_small_inference_call(x))
