@@ -61,13 +61,13 @@ def test_a_hooked_block_keeps_the_block_loop():
 
 
 def test_the_switch_reaches_a_captured_steps_context(monkeypatch):
-    assert not GraphedDecoder.fuse_residual  # off until measured on a GPU
-    with GraphedDecoder.kernel_choices():
-        assert not residual_adds_in_norms_active()
-    monkeypatch.setattr(GraphedDecoder, "fuse_residual", True)
+    assert GraphedDecoder.fuse_residual  # on by default since measured on a GPU
     with GraphedDecoder.kernel_choices():
         assert residual_adds_in_norms_active()
     assert not residual_adds_in_norms_active()
+    monkeypatch.setattr(GraphedDecoder, "fuse_residual", False)
+    with GraphedDecoder.kernel_choices():
+        assert not residual_adds_in_norms_active()
 
 
 # ------------------------------------------------------------------ the interpreter run (a subprocess)

@@ -671,9 +671,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the hybrid's captured decode step runs its norms and SwiGLU through fla's fused Triton "
                         "kernels (on, the default: fewer graph nodes) or the torch ops of an eager decode "
                         "step (off: the before of a before / after)")
-    p.add_argument("--graph-fuse-residual", choices=("on", "off"), default="off",
+    p.add_argument("--graph-fuse-residual", choices=("on", "off"), default="on",
                    help="the hybrid's captured decode step leaves each block's residual add to the next norm's "
-                        "fused kernel (on: one kernel where there were two) or adds apart (off, the default)")
+                        "fused kernel (on, the default: one kernel where there were two) or adds apart (off: the "
+                        "before of a before / after)")
     p.add_argument("--sdpa-cudnn", action="store_true",
                    help="leave cuDNN in SDPA's backend choice (default: off for both models; it builds a new "
                         "execution plan for every key length, i.e. at every eager decoding step)")

@@ -13,7 +13,8 @@
 #   hybrid_graph_sdpa, hybrid_generate_sdpa: the MLA layers' decode attention through SDPA instead of the split-K
 #   kernel, which is the default: the before of its before / after; hybrid_graph_torch_small: the captured step's
 #   norms and SwiGLU through the torch ops instead of fla's fused kernels, the default: that change's before;
-#   hybrid_graph_fused_residual: each block's residual add inside the next norm's kernel)
+#   hybrid_graph_residual_apart: each block's residual add as its own kernel instead of inside the next norm's
+#   kernel, the default: that change's before)
 set -u
 cd "$(dirname "$0")/../.."
 source scripts/device/common.sh
@@ -48,8 +49,8 @@ fi
 # the MLA layers' absorbed attention through SDPA instead of the split-K kernel (hybridlm/ops/latent_decode.py)
 # the captured step's norms and SwiGLU through the torch ops instead of fla's fused kernels (GraphedDecoder.small_kernels)
 [[ $PASSES == *" hybrid_graph_torch_small "* ]] && { bench "$GPU_A" hybrid_graph_torch_small --models hybrid --cuda-graph --graph-small-kernels off ${PROFILE_DECODE:+--profile-decode $PROFILE_DECODE}; pack_out; }
-# each block's residual add inside the next norm's kernel (GraphedDecoder.fuse_residual)
-[[ $PASSES == *" hybrid_graph_fused_residual "* ]] && { bench "$GPU_A" hybrid_graph_fused_residual --models hybrid --cuda-graph --graph-fuse-residual on ${PROFILE_DECODE:+--profile-decode $PROFILE_DECODE}; pack_out; }
+# each block's residual add as its own kernel, not inside the next norm's kernel (GraphedDecoder.fuse_residual off)
+[[ $PASSES == *" hybrid_graph_residual_apart "* ]] && { bench "$GPU_A" hybrid_graph_residual_apart --models hybrid --cuda-graph --graph-fuse-residual off ${PROFILE_DECODE:+--profile-decode $PROFILE_DECODE}; pack_out; }
 [[ $PASSES == *" hybrid_graph_sdpa "* ]] && { bench "$GPU_A" hybrid_graph_sdpa --models hybrid --cuda-graph --mla-split-k off; pack_out; }
 [[ $PASSES == *" hybrid_generate_sdpa "* ]] && { bench "$GPU_A" hybrid_generate_sdpa --models hybrid --via generate --mla-split-k off --check-generate 32; pack_out; }
 [[ $PASSES == *" hybrid_eager "* ]] && { bench "$GPU_A" hybrid_eager --models hybrid --check-generate 32; pack_out; }

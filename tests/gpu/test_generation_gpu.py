@@ -82,10 +82,15 @@ def test_left_padded_batch_decodes_like_each_sequence_alone(name):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(PATTERNS))
 @torch.no_grad()
-def test_cuda_graph_decode_equals_eager_static_cache(name, dtype):
+def test_cuda_graph_decode_equals_eager_static_cache(name, dtype, monkeypatch):
     """GraphedDecoder's replayed steps against eager steps on a static cache (same kernels: equal up to
-    nondeterminism), greedy tokens included, and the static cache's eager steps against the dynamic cache."""
+    nondeterminism), greedy tokens included, and the static cache's eager steps against the dynamic cache. The
+    captured step's kernel switches are off here, so both sides run the same ops; each switch on against off is
+    test_captured_step_with_a_kernel_switch_decodes_like_without_it."""
     from hybridlm.model.cache import HybridCache
+    from hybridlm.model.graphs import GraphedDecoder
+    monkeypatch.setattr(GraphedDecoder, "small_kernels", False)
+    monkeypatch.setattr(GraphedDecoder, "fuse_residual", False)
     model = _model(name, dtype)
     B, P, new = 3, 137, 12
     ids = torch.randint(1, 4096, (B, P), device="cuda")
