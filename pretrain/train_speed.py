@@ -55,6 +55,7 @@ from hybridlm.engine.config import PRECISIONS
 from hybridlm.model.configuration import resolve_model_config
 from hybridlm.model.layers.mamba2 import Mamba2
 from hybridlm.model.summary import build_on_meta, model_summary
+from hybridlm.ops.elementwise import CONV_KERNELS, set_conv_kernel
 from hybridlm.training import train_loop
 from hybridlm.utils.atomic import save_figure
 from pretrain.train import build_engine, prepare_pretraining
@@ -340,6 +341,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ours: Mamba2's SSD inputs (dt softplus, decay, the scaled and head-broadcast B and C) "
                         "through torch.compile on the Triton path (hybridlm/ops/mamba2_inputs.py; off, the default, "
                         "is the eager ops)")
+    p.add_argument("--conv-kernel", choices=CONV_KERNELS, default="project",
+                   help="ours: the Triton kernel of the mixers' short convs (project: hybridlm/ops/causal_conv.py, "
+                        "fla: fla's causal_conv1d)")
     p.add_argument("--compare-to", default=None,
                    help="a train_speed.json (e.g. of one GPU): adds each entry's tokens/s ratio to it")
     p.add_argument("--run-dir", default=None, help="where the runs' metrics go (default: a temp dir, removed)")
@@ -359,7 +363,8 @@ def main(argv=None) -> Dict[str, Any]:
         return merge(args.merge, out)
 
     t0 = time.perf_counter()
-    Mamba2.compile_ssd_inputs = args.mamba2_compile_inputs == "on"  # a process-wide switch: this run's setting
+    Mamba2.compile_ssd_inputs = args.mamba2_compile_inputs == "on"  # process-wide switches: this run's settings
+    set_conv_kernel(args.conv_kernel)
     dist = init_distributed()
     world, main_rank, device = dist.world_size, dist.rank == 0, dist.device
     cuda = device.type == "cuda"
@@ -383,8 +388,8 @@ def main(argv=None) -> Dict[str, Any]:
         **versions(), "seq_len": args.seq, "micro_batch": None if args.find_max_batch else args.micro_batch,
         "find_max_batch": args.find_max_batch, "steps": args.steps, "warmup": args.warmup,
         "precision": args.precision, "peak_tflops_per_gpu": args.peak_tflops, "flop_formula": F.FORMULA,
-        "mamba2_compile_inputs": args.mamba2_compile_inputs,
-        "data": str(data_dir), "command": " ".join(sys.argv), "started": datetime.now(timezone.utc).isoformat(),
+        "mamba2_compile_inputs": args.mamba2_compile_inputs, "conv_kernel": args.conv_kernel,
+        "model_override": args.model_override, "data": str(data_dir), "command": " ".join(sys.argv), "started": datetime.now(timezone.utc).isoformat(),
         "entries": [],
     }
     baseline = None

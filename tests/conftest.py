@@ -56,6 +56,25 @@ def run_under_interpreter(commands: dict, timeout: int = 600) -> dict:
     return out
 
 
+def interpreter_rounds_like_gpu():
+    """Compiled Triton rounds fp32 -> bf16 to nearest even (``.to(tl.bfloat16)``); the interpreter truncates
+    (triton/runtime/interpreter.py ``InterpreterBuilder.cast_impl``). Make it round as the GPU does, so bf16
+    runs compare rounding for rounding."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    cast = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
+            return interpreter.TensorHandle(bits.numpy().view(np.uint16), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
+
+
 @pytest.fixture(scope="session")
 def austen_data(tmp_path_factory):
     """The real embedded-default corpus (Jane Austen, Llama-3.2 tokenizer), prepared once per session."""

@@ -6,7 +6,7 @@
 2. The Triton kernel through the interpreter (``TRITON_INTERPRET=1``, a subprocess) against the twin: fp32
    to ~1e-6, and bf16 exactly (rounding point by point as the composed path does) once the interpreter's
    fp32 -> bf16 cast rounds to nearest even as compiled Triton does (the interpreter truncates: see
-   ``_interpreter_rtne``).
+   ``conftest.interpreter_rounds_like_gpu``).
 3. A tiny hybrid decoding through the kernel (its Mamba2 layers forced onto the Triton path for one-token
    steps, in the interpreter) against the same model's unfused CPU path: the same greedy tokens, dynamic and
    static cache (the static buffers keep their addresses), and a left-padded batch with a padded decode token.
@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from conftest import greedy_decode, run_under_interpreter, tiny_config
+from conftest import greedy_decode, interpreter_rounds_like_gpu, run_under_interpreter, tiny_config
 from hybridlm.model.cache import HybridCache, InferenceContext
 from hybridlm.model.layers.mamba2 import Mamba2
 from hybridlm.ops.mamba2_step import mamba2_decode_step_reference
@@ -94,25 +94,6 @@ def test_twin_equals_the_layers_cached_step(name, padded, dtype):
 
 # ------------------------------------------------------------------ the interpreter runs (subprocesses)
 
-def _interpreter_rtne():
-    """Compiled Triton rounds fp32 -> bf16 to nearest even (``.to(tl.bfloat16)``); the interpreter truncates
-    (triton/runtime/interpreter.py ``InterpreterBuilder.cast_impl``). Make it round as the GPU does, so bf16
-    runs compare rounding for rounding."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    cast = interpreter.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
-            return interpreter.TensorHandle(bits.numpy().view(np.uint16), tl.bfloat16)
-        return cast(self, src, dst_type)
-
-    interpreter.InterpreterBuilder.cast_impl = cast_impl
-
-
 # (batch, heads, head_dim, d_state, n_groups, d_xb (None: d_inner), conv width, conv bias, z bias, padded row,
 #  activations, parameters, conv-state buffer dtype)
 F32, BF16 = torch.float32, torch.bfloat16
@@ -159,7 +140,7 @@ def _kernel_case(case, seed):
 
 
 def run_kernel_cases() -> list:
-    _interpreter_rtne()
+    interpreter_rounds_like_gpu()
     return [_kernel_case(case, seed) for seed, case in enumerate(KERNEL_CASES)]
 
 

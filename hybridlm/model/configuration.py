@@ -169,6 +169,8 @@ class HybridConfig(PretrainedConfig):
         tie_word_embeddings: bool = True,
         backend: str = "auto",
         loss_chunks: int = 8,
+        fuse_residual_norm: bool = True,
+        fuse_projections: bool = True,
         bos_token_id: Optional[int] = None,
         eos_token_id: Optional[int] = None,
         pad_token_id: Optional[int] = None,
@@ -187,6 +189,12 @@ class HybridConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.backend = backend
         self.loss_chunks = loss_chunks
+        # training-time fusions, same function (docs/design.md, "Fused training paths")
+        self.fuse_residual_norm = fuse_residual_norm
+        self.fuse_projections = fuse_projections
+        for name in ("fuse_residual_norm", "fuse_projections"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if backend not in BACKENDS:
             raise ConfigError(f"backend: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "loss_chunks"):

@@ -131,7 +131,7 @@ class HybridModel(HybridPreTrainedModel):
         ctx = None
         if cache is not None or attention_mask is not None or position_ids is not None:
             ctx = InferenceContext.build(cache, attention_mask, position_ids, x.shape[1], x.device)
-        if residual_adds_in_norms_active() and not self.training and not self._blocks_hooked():
+        if self._residual_adds_in_norms():
             return self._forward_residual_adds_in_norms(x, ctx)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
@@ -148,6 +148,16 @@ class HybridModel(HybridPreTrainedModel):
             h, x = layer.norm.add_and_normalise(x, delta)
             delta = layer.mixer(h, ctx)
         return self.norm.add_and_normalise(x, delta)[0]
+
+    def _residual_adds_in_norms(self) -> bool:
+        """Training (``config.fuse_residual_norm``, as fla's models train) and a captured decode step
+        (:func:`~hybridlm.ops.backend.residual_adds_in_norms`) leave each residual add to the next norm; a hooked
+        block or gradient checkpointing (which wraps each block's call) keeps the block loop."""
+        if self._blocks_hooked():
+            return False
+        if self.training:
+            return self.config.fuse_residual_norm and not self.gradient_checkpointing
+        return residual_adds_in_norms_active()
 
     def _blocks_hooked(self) -> bool:
         """A hook on a block expects the block's own call (its input, its output): keep the block loop then."""

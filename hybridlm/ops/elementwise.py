@@ -11,6 +11,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from hybridlm.ops.causal_conv import causal_conv
+from hybridlm.ops.swiglu_packed import swiglu_packed_kernel
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, triton: bool = False) -> torch.Tensor:
     if triton:
@@ -63,9 +66,24 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return x.to(dtype)
 
 
+# The Triton kernel of the stateless conv: the project's (hybridlm/ops/causal_conv.py, a backward that reads its
+# inputs once) or fla's causal_conv1d. A process-wide switch (pretrain.train_speed --conv-kernel) for measuring both.
+CONV_KERNELS = ("project", "fla")
+_conv_kernel = "project"
+
+
+def set_conv_kernel(name: str) -> None:
+    global _conv_kernel
+    if name not in CONV_KERNELS:
+        raise ValueError(f"conv kernel must be one of {CONV_KERNELS}, got {name!r}")
+    _conv_kernel = name
+
+
 def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                activation: Optional[str] = "silu", triton: bool = False) -> torch.Tensor:
     """Depthwise causal convolution over time: x ``[B, T, D]``, weight ``[D, W]``; output ``[B, T, D]``."""
+    if triton and _conv_kernel == "project" and activation in (None, "silu", "swish"):
+        return causal_conv(x, weight, bias, silu=activation is not None)
     if triton:
         from fla.modules.convolution import causal_conv1d
         y, _ = causal_conv1d(x=x, weight=weight, bias=bias, activation=activation)
@@ -108,4 +126,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, triton: bool = False) -> torch.
     if triton:
         from fla.modules.activations import swiglu as fla_swiglu
         return fla_swiglu(gate, up)
+    return F.silu(gate) * up
+
+
+def swiglu_packed(y: torch.Tensor, triton: bool = False) -> torch.Tensor:
+    """:func:`swiglu` of the two halves of one packed projection ``y [..., 2F]`` (gate first, then up); on the
+    Triton path its gradient is one ``[..., 2F]`` tensor (hybridlm/ops/swiglu_packed.py)."""
+    if triton:
+        return swiglu_packed_kernel(y)
+    gate, up = y.chunk(2, dim=-1)
     return F.silu(gate) * up

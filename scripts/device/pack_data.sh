@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../.."
 for d in /.xfer/ /.xfer_a/ /.xfer_b/; do grep -qx "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
 PY=${PYTHON:-.venv/bin/python}
 CACHE=$($PY -c "from hybridlm.data.assets import cache_dir; print(cache_dir())")
-TEACHER=$($PY -m hybridlm.teacher fetch)
+TEACHER=$($PY -m hybridlm.teacher fetch | tail -n 1)  # the last line: DeepSpeed may log to stdout first
 prepare() { [ -f "$2/meta.json" ] || $PY -m pretrain.prepare --sources asset:janeausten --tokenizer "$1" --out "$2"; }
 prepare asset:llama3.2 data_cache/janeausten-llama3.2
 prepare "$TEACHER" data_cache/janeausten-smollm2

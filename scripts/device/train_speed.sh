@@ -6,6 +6,11 @@
 #   GPU=1                         which GPU
 #   PRECISION=bf16                ours' engine precision (bf16, bf16-mixed, fp32); reports get a _PRECISION suffix
 #   MAMBA2_COMPILE=on             Mamba2's SSD inputs through torch.compile (--mamba2-compile-inputs); reports get _compiled
+#   CONV_KERNEL=fla               ours' short convs through fla's causal_conv1d (--conv-kernel; default the project's);
+#                                 reports get _flaconv
+#   OVERRIDES="k=v ..."           model keys for ours (--model-override), e.g. "fuse_projections=false
+#                                 fuse_residual_norm=false" for the step without the training fusions
+#   TAG=_suffix                   appended to the report's name (for a run with OVERRIDES)
 # Reports: $LOGS/speed_<family>/train_speed.{json,png} (+ profile_<entry>.json); join them with --merge.
 set -u
 cd "$(dirname "$0")/../.."
@@ -21,10 +26,11 @@ for fam in ${FAMILIES:-gdn mamba2 kda mb16 1b}; do
   left=$(( ${DEADLINE_AT:-$((EPOCHSECONDS + 540))} - EPOCHSECONDS ))
   [ "$left" -lt 30 ] && { echo "train_speed: no time left for $fam"; break; }
   echo "[$(date +%T)] train_speed $fam (${left}s left)"
-  tag=$fam${PRECISION:+_$PRECISION}$([ "${MAMBA2_COMPILE:-off}" = on ] && echo _compiled)
+  tag=$fam${PRECISION:+_$PRECISION}$([ "${MAMBA2_COMPILE:-off}" = on ] && echo _compiled)$([ "${CONV_KERNEL:-project}" = fla ] && echo _flaconv)${TAG:-}
   CUDA_VISIBLE_DEVICES=${GPU:-1} timeout "$left" python3 -m pretrain.train_speed --out "$LOGS/speed_$tag" \
     --data data_cache/janeausten-llama3.2 --seq 2048 --steps ${STEPS:-10} --warmup 3 --profile ${PROFILE:-3} \
-    --precision "${PRECISION:-bf16}" --mamba2-compile-inputs "${MAMBA2_COMPILE:-off}" ${FAMILY[$fam]} > "$LOGS/speed_$tag.log" 2>&1
+    --precision "${PRECISION:-bf16}" --mamba2-compile-inputs "${MAMBA2_COMPILE:-off}" \
+    --conv-kernel "${CONV_KERNEL:-project}" ${OVERRIDES:+--model-override $OVERRIDES} ${FAMILY[$fam]} > "$LOGS/speed_$tag.log" 2>&1
   echo "[$(date +%T)] train_speed $tag: exit $?"
   grep -E "tok/s|tokens/s|OOM|Error|first step" "$LOGS/speed_$tag.log" | tail -n 8
   pack_out

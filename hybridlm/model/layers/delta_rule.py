@@ -18,6 +18,7 @@ from torch import nn
 
 from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_conv
 from hybridlm.model.layers.init import init_A_log, init_dt_bias
+from hybridlm.model.layers.projections import project
 from hybridlm.ops.backend import use_triton, use_triton_elementwise
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state, l2_normalize
 from hybridlm.ops.elementwise import gated_rms_norm
@@ -38,6 +39,7 @@ class DeltaRuleMixer(nn.Module):
         self.key_dim = self.num_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.norm_eps = args.norm_eps
+        self.fuse_projections = config.fuse_projections
         self.q_proj = nn.Linear(d, self.key_dim, bias=False)
         self.k_proj = nn.Linear(d, self.key_dim, bias=False)
         self.v_proj = nn.Linear(d, self.value_dim, bias=False)
@@ -65,11 +67,16 @@ class DeltaRuleMixer(nn.Module):
     def build_gate_projections(self, d: int, args) -> None:
         raise NotImplementedError
 
-    def gate_input(self, x: torch.Tensor) -> torch.Tensor:
-        """Pre-activation decay input, ``[B, T, HV]`` or ``[B, T, HV * K]``."""
+    def gate_projections(self) -> tuple:
+        """The first linear of the decay gate and of the output gate (each reads the mixer's input)."""
         raise NotImplementedError
 
-    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+    def gate_input(self, h: torch.Tensor) -> torch.Tensor:
+        """Pre-activation decay input, ``[B, T, HV]`` or ``[B, T, HV * K]``, from the first gate linear's output."""
+        raise NotImplementedError
+
+    def output_gate(self, h: torch.Tensor) -> torch.Tensor:
+        """The output gate's pre-activation from the first output-gate linear's output."""
         raise NotImplementedError
 
     def triton_delta_rule(self, q, k, v, a, b, initial_state=None, output_final_state=False):
@@ -93,13 +100,17 @@ class DeltaRuleMixer(nn.Module):
         B, T, _ = x.shape
         triton = use_triton(self.backend, x)
         cache, x = recurrent_context(ctx, self.layer_idx, x)
-        q = run_short_conv(self.q_conv1d, self.q_proj(x), triton, cache, "q")
-        k = run_short_conv(self.k_conv1d, self.k_proj(x), triton, cache, "k")
-        v = run_short_conv(self.v_conv1d, self.v_proj(x), triton, cache, "v")
+        # one GEMM for the six projections in training (hybridlm/model/layers/projections.py)
+        q, k, v, b, a, z = project(x, (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.gate_projections()),
+                                   fuse=self.fuse_projections)
+        q = run_short_conv(self.q_conv1d, q, triton, cache, "q")
+        k = run_short_conv(self.k_conv1d, k, triton, cache, "k")
+        v = run_short_conv(self.v_conv1d, v, triton, cache, "v")
         q = q.view(B, T, self.num_heads, self.head_k_dim)
         k = k.view(B, T, self.num_heads, self.head_k_dim)
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)
-        a, b = self.gate_input(x), self.b_proj(x)
+        # fused, a and b are column slices of one tensor; fla's kernels index them as contiguous [B, T, HV(, K)]
+        a, b = self.gate_input(a).contiguous(), b.contiguous()
         state = None if cache is None else cache.state
         if triton:
             o, state = self.triton_delta_rule(q, k, v, a, b, initial_state=state, output_final_state=cache is not None)
@@ -115,7 +126,7 @@ class DeltaRuleMixer(nn.Module):
                 o, state = gated_recurrence_with_state(q, k, v, g, beta, scale, state, self.chunk_size)
         if cache is not None:
             cache.advance(state, T)
-        gate = self.output_gate(x).view(B, T, self.num_v_heads, self.head_v_dim)
+        gate = self.output_gate(z).view(B, T, self.num_v_heads, self.head_v_dim)
         o = gated_rms_norm(o, gate, self.o_norm_weight, self.norm_eps,
                            activation=self.output_gate_activation,
                            triton=triton and use_triton_elementwise(self.backend, o))

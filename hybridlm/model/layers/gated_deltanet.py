@@ -15,11 +15,14 @@ class GatedDeltaNet(DeltaRuleMixer):
         self.a_proj = nn.Linear(d, self.num_v_heads, bias=False)
         self.g_proj = nn.Linear(d, self.value_dim, bias=False)
 
-    def gate_input(self, x):
-        return self.a_proj(x)
+    def gate_projections(self):
+        return self.a_proj, self.g_proj
 
-    def output_gate(self, x):
-        return self.g_proj(x)
+    def gate_input(self, h):
+        return h
+
+    def output_gate(self, h):
+        return h
 
     def triton_delta_rule(self, q, k, v, a, b, initial_state=None, output_final_state=False):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule

@@ -18,11 +18,14 @@ class KimiDeltaAttention(DeltaRuleMixer):
         self.g_proj = nn.Sequential(nn.Linear(d, rank, bias=False),
                                     nn.Linear(rank, self.value_dim, bias=True))
 
-    def gate_input(self, x):
-        return self.f_proj(x)
+    def gate_projections(self):
+        return self.f_proj[0], self.g_proj[0]
 
-    def output_gate(self, x):
-        return self.g_proj(x)
+    def gate_input(self, h):
+        return self.f_proj[1](h)
+
+    def output_gate(self, h):
+        return self.g_proj[1](h)
 
     def triton_delta_rule(self, q, k, v, a, b, initial_state=None, output_final_state=False):
         from fla.ops.kda import chunk_kda, fused_recurrent_kda

@@ -2,8 +2,9 @@
 import torch
 from torch import nn
 
+from hybridlm.model.layers.projections import fused_linear
 from hybridlm.ops.backend import use_triton_elementwise
-from hybridlm.ops.elementwise import swiglu
+from hybridlm.ops.elementwise import swiglu, swiglu_packed
 
 
 class SwiGLUMLP(nn.Module):
@@ -14,6 +15,12 @@ class SwiGLUMLP(nn.Module):
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
         self.backend = config.backend
+        self.fuse_projections = config.fuse_projections
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:  # position-wise: nothing to cache or mask
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), triton=use_triton_elementwise(self.backend, x)))
+        triton = use_triton_elementwise(self.backend, x)
+        # training: gate and up as one GEMM, SwiGLU over its packed output (hybridlm/model/layers/projections.py)
+        packed = fused_linear(x, (self.gate_proj, self.up_proj)) if self.fuse_projections else None
+        if packed is not None:
+            return self.down_proj(swiglu_packed(packed, triton))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), triton=triton))

@@ -1,0 +1,44 @@
+"""The stateless causal conv kernels (hybridlm/ops/causal_conv.py) compiled on a GPU: forward and the three
+gradients against the torch twin (in fp64 on the CPU) and against fla's causal_conv1d, at a Mamba2-300M layer's width
+with x a strided slice of the projection, as the model passes it (needs CUDA; the interpreter's CPU twin of this
+test is tests/test_causal_conv.py)."""
+import pytest
+import torch
+
+from hybridlm.ops.causal_conv import causal_conv, causal_conv_reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _grads(fn, x, weight, bias, dy):
+    leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (x, weight, bias)]
+    y = fn(*leaves)
+    y.backward(dy)
+    return [y.detach()] + [t.grad for t in leaves if t is not None]
+
+
+def _rel(a, b):
+    return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("T", [300, 2048])
+def test_kernels_match_the_twin_and_fla(dtype, bias, T):
+    from fla.modules.convolution import causal_conv1d
+    torch.manual_seed(0)
+    D, W = 3072, 4
+    proj = torch.randn(2, T, 1024 + D + 32, device="cuda", dtype=dtype)
+    x = proj[..., 1024:1024 + D]                                   # strided, as Mamba2's [x | B | C]
+    weight = (torch.rand(D, W, device="cuda") - 0.5).to(dtype)
+    b = (torch.randn(D, device="cuda") * 0.1).to(dtype) if bias else None
+    dy = torch.randn(2, T, D, device="cuda", dtype=dtype)
+    ours = _grads(lambda x, w, b: causal_conv(x, w, b), x, weight, b, dy)
+    cpu64 = lambda t: None if t is None else t.detach().cpu().double()  # noqa: E731 (no TF32 convs on the CPU)
+    twin = _grads(causal_conv_reference, cpu64(x), cpu64(weight), cpu64(b), cpu64(dy))
+    fla = _grads(lambda x, w, b: causal_conv1d(x=x, weight=w, bias=b, activation="silu")[0], x, weight, b, dy)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, o, t, f in zip(("y", "dx", "dw", "db"), ours, twin, fla):
+        assert o.dtype == dtype and o.shape == t.shape, name
+        assert _rel(o, t) < tol, (name, _rel(o, t))
+        assert _rel(o, t) <= 1.5 * _rel(f, t) + 1e-6, (name, _rel(o, t), _rel(f, t))  # no worse than fla's

@@ -1,0 +1,75 @@
+"""The training-time fusions on a GPU (needs CUDA; their CPU tests are tests/test_fused_training.py).
+
+1. The packed SwiGLU kernels (hybridlm/ops/swiglu_packed.py) compiled, at the 300M MLP's width with the packed
+   tensor a GEMM's output: forward and gradient against the torch twin in fp64 on the CPU, and no worse than fla's
+   ``swiglu`` of the two halves.
+2. A training step of a hybrid with every sublayer kind on fla's kernels, with ``fuse_projections`` and
+   ``fuse_residual_norm`` on against off (same weights): loss and every gradient (fla's fused add + norm and its
+   kernels reading column slices are what the CPU cannot run).
+"""
+import pytest
+import torch
+
+from hybridlm.model import HybridConfig, HybridForCausalLM
+from hybridlm.ops.swiglu_packed import swiglu_packed_kernel, swiglu_packed_reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _rel(a, b):
+    return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()
+
+
+def _value_and_grad(fn, y, dz):
+    leaf = y.detach().clone().requires_grad_(True)
+    z = fn(leaf)
+    z.backward(dz)
+    return z.detach(), leaf.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_packed_swiglu_matches_the_twin_and_fla(dtype):
+    from fla.modules.activations import swiglu
+    torch.manual_seed(0)
+    y = torch.randn(2, 1000, 2 * 4096, device="cuda", dtype=dtype) * 2
+    dz = torch.randn(2, 1000, 4096, device="cuda", dtype=dtype)
+    ours = _value_and_grad(swiglu_packed_kernel, y, dz)
+    twin = _value_and_grad(swiglu_packed_reference, y.double().cpu(), dz.double().cpu())
+    fla = _value_and_grad(lambda t: swiglu(*t.chunk(2, -1)), y, dz)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for name, o, t, f in zip(("z", "dy"), ours, twin, fla):
+        assert o.dtype == dtype and o.shape == t.shape, name
+        assert _rel(o, t) < tol, (name, _rel(o, t))
+        assert _rel(o, t) <= 1.5 * _rel(f, t) + 1e-7, (name, _rel(o, t), _rel(f, t))
+
+
+def _model(dtype, **keys):
+    torch.manual_seed(0)
+    cfg = HybridConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, backend="triton",
+                       hybrid_override_pattern="*-G-K-S-G-", initializer_range=0.05,
+                       mla=dict(num_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+                                qk_rope_head_dim=16, v_head_dim=32),
+                       gdn=dict(num_heads=2, head_dim=64, num_v_heads=4, head_v_dim=64),
+                       kda=dict(num_heads=2, head_dim=64, num_v_heads=2, head_v_dim=64),
+                       mamba2=dict(d_state=64, head_dim=64, n_groups=1, expand=2), **keys)
+    return HybridForCausalLM(cfg).cuda().to(dtype).train()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fused_training_step_matches_the_unfused_one(dtype):
+    fused = _model(dtype)
+    plain = _model(dtype, fuse_projections=False, fuse_residual_norm=False)
+    plain.load_state_dict(fused.state_dict())
+    ids = torch.randint(1, 1024, (2, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    out = []
+    for model in (fused, plain):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_f, grads_f), (loss_p, grads_p) = out
+    assert abs(loss_f - loss_p) < (1e-5 if dtype == torch.float32 else 2e-3) * abs(loss_p)
+    # fp32: the GEMMs (TF32 off by default) and norms differ only in summation order; bf16: each side rounds
+    # its own intermediates (the fused GEMM sums the input gradients in fp32 before one rounding)
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    worst = max((_rel(grads_f[n], grads_p[n]), n) for n in grads_p if grads_p[n].norm() > 0)
+    assert worst[0] < tol, worst
