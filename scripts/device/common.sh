@@ -9,7 +9,9 @@ LOGS=/tmp/device-logs   # raw logs stay here; pack_out bundles them (at most 8 f
 mkdir -p "$HYBRIDLM_CACHE" "$TRITON_CACHE_DIR" "$LOGS"
 # the shards' metadata names tokenizer and sources by their paths on the machine that prepared them
 relocate_meta() { sed -i "s#$(cat "$HYBRIDLM_CACHE/cache_root.txt")#$HYBRIDLM_CACHE#g" data_cache/*/meta.json 2>/dev/null; }
-if [ ! -f "$HYBRIDLM_CACHE/.unpacked" ]; then  # once per machine: later calls to a warm machine reuse it
+# once per machine (later calls to a warm machine reuse it); only with .xfer carried, else the marker would make
+# a later call that does carry it skip the unpacking (session 17 lost a call to that)
+if [ ! -f "$HYBRIDLM_CACHE/.unpacked" ] && [ -f .xfer/cache.tar.xz ]; then
   tar xJf .xfer/cache.tar.xz -C "$HYBRIDLM_CACHE"
   cp .xfer/cache_root.txt "$HYBRIDLM_CACHE/"  # later calls need not carry .xfer
   [ -f .xfer/data.tar.xz ] && tar xJf .xfer/data.tar.xz
