@@ -176,8 +176,11 @@ def test_profile_counts_kernels_only():
 
 def test_saved_activations_counts_what_autograd_keeps():
     """SwiGLU MLP on the torch path, bf16: the input x [d] for the two projections, gate and up [ffn] each, silu(gate)
-    [ffn] for the product, and the product [ffn] for down_proj: 2 bytes x (d + 4 ffn) per token, weights excluded."""
+    [ffn] for the product, and the product [ffn] for down_proj: 2 bytes x (d + 4 ffn) per token, weights excluded;
+    per step, whatever the length, the concatenated gate | up weight of the fused projection, 2 bytes x 2 ffn x d."""
     from hybridlm.bench.mixers import SHAPES_300M
     from hybridlm.bench.saved_activations import saved_bytes_per_token
     d, ffn = SHAPES_300M["hidden_size"], SHAPES_300M["intermediate_size"]
-    assert saved_bytes_per_token("mlp", seq=64)["bytes_per_token"] == 2 * (d + 4 * ffn)
+    counted = saved_bytes_per_token("mlp", seq=64)
+    assert counted["bytes_per_token"] == 2 * (d + 4 * ffn)
+    assert counted["bytes_per_step"] == 2 * 2 * ffn * d

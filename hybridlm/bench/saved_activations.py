@@ -2,11 +2,12 @@
 
     python -m hybridlm.bench.saved_activations [--kinds mamba2 gdn ...] [--seq 256] [--dtype bf16]
 
-Runs one forward of each sublayer (the seed's 300M shapes, torch path, so it works on CPU) under
+Runs forwards of each sublayer (the seed's 300M shapes, torch path, so it works on CPU) under
 ``torch.autograd.graph.saved_tensors_hooks`` and sums the distinct storages packed for the backward,
-parameters excluded. The recurrences' internals differ between the torch and the Triton path, the
-element-wise work around them (projections, gates, skips, casts) is the same code on both, so a change
-there shows here with the size it has on the GPU. Prints one JSON line per sublayer.
+parameters excluded, at two lengths: what grows with the length is per token, the rest per step. The
+recurrences' internals differ between the torch and the Triton path, the element-wise work around them
+(projections, gates, skips, casts) is the same code on both, so a change there shows here with the size it
+has on the GPU. Prints one JSON line per sublayer.
 """
 from __future__ import annotations
 
@@ -23,12 +24,8 @@ from hybridlm.utils.atomic import json_text
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def saved_bytes_per_token(kind: str, seq: int = 256, dtype: torch.dtype = torch.bfloat16) -> Dict[str, float]:
-    """``bytes_per_token`` kept for the backward by one forward of sublayer ``kind`` (batch 1, ``seq`` tokens)."""
-    torch.manual_seed(0)
-    config = HybridConfig(**{**SHAPES_300M, "vocab_size": 512, "backend": "torch"})
-    layer = SUBLAYERS[kind](config).to(dtype)
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+def _kept_bytes(layer, config, seq: int, dtype: torch.dtype, params: set) -> int:
+    """Bytes of the distinct non-parameter storages autograd packs in one forward of ``layer`` over ``seq`` tokens."""
     kept: Dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -40,8 +37,20 @@ def saved_bytes_per_token(kind: str, seq: int = 256, dtype: torch.dtype = torch.
     x = torch.randn(1, seq, config.hidden_size, dtype=dtype, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x)
+    return sum(kept.values())
+
+
+def saved_bytes_per_token(kind: str, seq: int = 256, dtype: torch.dtype = torch.bfloat16) -> Dict[str, float]:
+    """``bytes_per_token`` kept for the backward by one forward of sublayer ``kind`` (batch 1), from forwards over
+    ``seq`` and ``2 * seq`` tokens, and ``bytes_per_step``, what it keeps whatever the length (the concatenated
+    weights of a fused projection: hybridlm/model/layers/projections.py)."""
+    torch.manual_seed(0)
+    config = HybridConfig(**{**SHAPES_300M, "vocab_size": 512, "backend": "torch"})
+    layer = SUBLAYERS[kind](config).to(dtype)
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    one, two = (_kept_bytes(layer, config, n, dtype, params) for n in (seq, 2 * seq))
     return {"sublayer": kind, "seq": seq, "dtype": str(dtype).split(".")[-1],
-            "bytes_per_token": sum(kept.values()) / seq}
+            "bytes_per_token": (two - one) / seq, "bytes_per_step": 2 * one - two}
 
 
 def main(argv=None) -> None:

@@ -27,24 +27,23 @@ def swiglu_packed_reference(y: torch.Tensor) -> torch.Tensor:
     return (F.silu(g) * u).to(y.dtype)
 
 
-def _swiglu_packed_fwd_kernel(y, z, R, s_y, s_z, F_: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def _gate_and_up(y, R, s_y, F_: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """This program's tile: row and column offsets, its mask, and the gate and up halves in fp32."""
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     m = (o_r < R)[:, None] & (o_c < F_)[None, :]
     p = y + o_r[:, None].to(tl.int64) * s_y + o_c[None, :]
-    g = tl.load(p, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(p + F_, mask=m, other=0.0).to(tl.float32)
+    return o_r, o_c, m, tl.load(p, mask=m, other=0.0).to(tl.float32), tl.load(p + F_, mask=m, other=0.0).to(tl.float32)
+
+
+def _swiglu_packed_fwd_kernel(y, z, R, s_y, s_z, F_: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    o_r, o_c, m, g, u = _gate_and_up(y, R, s_y, F_, BR, BC)
     out = g * tl.sigmoid(g) * u
     tl.store(z + o_r[:, None].to(tl.int64) * s_z + o_c[None, :], out.to(z.dtype.element_ty), mask=m)
 
 
 def _swiglu_packed_bwd_kernel(y, dz, dy, R, s_y, s_dz, s_dy, F_: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
-    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
-    m = (o_r < R)[:, None] & (o_c < F_)[None, :]
-    p = y + o_r[:, None].to(tl.int64) * s_y + o_c[None, :]
-    g = tl.load(p, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(p + F_, mask=m, other=0.0).to(tl.float32)
+    o_r, o_c, m, g, u = _gate_and_up(y, R, s_y, F_, BR, BC)
     d = tl.load(dz + o_r[:, None].to(tl.int64) * s_dz + o_c[None, :], mask=m, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
     p_d = dy + o_r[:, None].to(tl.int64) * s_dy + o_c[None, :]
@@ -54,10 +53,11 @@ def _swiglu_packed_bwd_kernel(y, dz, dy, R, s_y, s_dz, s_dy, F_: tl.constexpr, B
 
 def _kernels():
     """``(forward, backward)``, jitted (and autotuned over the tile, on a GPU) on first use."""
-    global _KERNELS, tl
+    global _KERNELS, tl, _gate_and_up
     if _KERNELS is None:
         import triton
         import triton.language as tl  # noqa: F811 -- binds the module global the kernels' source names
+        _gate_and_up = triton.jit(_gate_and_up)
         kernels = [triton.jit(k) for k in (_swiglu_packed_fwd_kernel, _swiglu_packed_bwd_kernel)]
         if os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter runs one configuration
             configs = [triton.Config({"BR": br, "BC": bc}, num_warps=nw)

@@ -3,7 +3,7 @@
 1. The packed SwiGLU kernels (hybridlm/ops/swiglu_packed.py) compiled, at the 300M MLP's width with the packed
    tensor a GEMM's output: forward and gradient against the torch twin in fp64 on the CPU, and no worse than fla's
    ``swiglu`` of the two halves.
-2. A training step of a hybrid with every sublayer kind on fla's kernels, with ``fuse_projections`` and
+2. A training step of two blocks of each sublayer kind on fla's kernels (bf16), with ``fuse_projections`` and
    ``fuse_residual_norm`` on against off (same weights): loss and every gradient (fla's fused add + norm and its
    kernels reading column slices are what the CPU cannot run).
 """
@@ -43,22 +43,24 @@ def test_packed_swiglu_matches_the_twin_and_fla(dtype):
         assert _rel(o, t) <= 1.5 * _rel(f, t) + 1e-7, (name, _rel(o, t), _rel(f, t))
 
 
-def _model(dtype, **keys):
+def _model(pattern, **keys):
     torch.manual_seed(0)
     cfg = HybridConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, backend="triton",
-                       hybrid_override_pattern="*-G-K-S-G-", initializer_range=0.05,
+                       hybrid_override_pattern=pattern, initializer_range=0.05,
                        mla=dict(num_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
                                 qk_rope_head_dim=16, v_head_dim=32),
                        gdn=dict(num_heads=2, head_dim=64, num_v_heads=4, head_v_dim=64),
                        kda=dict(num_heads=2, head_dim=64, num_v_heads=2, head_v_dim=64),
                        mamba2=dict(d_state=64, head_dim=64, n_groups=1, expand=2), **keys)
-    return HybridForCausalLM(cfg).cuda().to(dtype).train()
+    return HybridForCausalLM(cfg).cuda().to(torch.bfloat16).train()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_fused_training_step_matches_the_unfused_one(dtype):
-    fused = _model(dtype)
-    plain = _model(dtype, fuse_projections=False, fuse_residual_norm=False)
+# one sublayer kind per case (each compiles only its own kernels: a fresh machine spends minutes autotuning fla's),
+# two blocks deep so that a residual add goes into a norm between them; bf16, as training runs
+@pytest.mark.parametrize("pattern", ["G-G-", "K-K-", "S-S-", "*-*-"], ids=["gdn", "kda", "mamba2", "mla"])
+def test_fused_training_step_matches_the_unfused_one(pattern):
+    fused = _model(pattern)
+    plain = _model(pattern, fuse_projections=False, fuse_residual_norm=False)
     plain.load_state_dict(fused.state_dict())
     ids = torch.randint(1, 1024, (2, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     out = []
@@ -67,9 +69,8 @@ def test_fused_training_step_matches_the_unfused_one(dtype):
         loss.backward()
         out.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
     (loss_f, grads_f), (loss_p, grads_p) = out
-    assert abs(loss_f - loss_p) < (1e-5 if dtype == torch.float32 else 2e-3) * abs(loss_p)
-    # fp32: the GEMMs (TF32 off by default) and norms differ only in summation order; bf16: each side rounds
-    # its own intermediates (the fused GEMM sums the input gradients in fp32 before one rounding)
-    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    assert abs(loss_f - loss_p) < 2e-3 * abs(loss_p)
+    # each side rounds its own bf16 intermediates (the fused GEMM sums the input gradients in fp32 before one
+    # rounding; fla's norm adds the residual in fp32): differences of a few bf16 roundings, not of a wrong split
     worst = max((_rel(grads_f[n], grads_p[n]), n) for n in grads_p if grads_p[n].norm() > 0)
-    assert worst[0] < tol, worst
+    assert worst[0] < 3e-2, worst
