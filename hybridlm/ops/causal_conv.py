@@ -11,7 +11,7 @@ tap order). Backward, pass 1 per ``[BT, BD]`` tile: the pre-activation from ``x`
 cache), ``da = dy * silu'(pre)`` stored in dy's dtype, and fp32 partials of ``dw`` and ``db`` from the same x tiles
 (summed after); pass 2: ``dx``, the transposed conv of ``da``. A first version did it in one pass, recomputing
 the pre-activation of the ``W - 1`` following rows for every tap instead of storing ``da``: at the Mamba2 shape
-it was slower than fla's (BENCHMARKS.md, "Session 16").
+it was slower than fla's (BENCHMARKS.md, "Session 17").
 
 :func:`causal_conv_reference` is the torch twin the tests hold the kernels to (through Triton's interpreter on
 CPU, compiled on GPU). No cached state: generation's conv continues from a state through
