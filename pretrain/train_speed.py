@@ -389,7 +389,8 @@ def main(argv=None) -> Dict[str, Any]:
         "find_max_batch": args.find_max_batch, "steps": args.steps, "warmup": args.warmup,
         "precision": args.precision, "peak_tflops_per_gpu": args.peak_tflops, "flop_formula": F.FORMULA,
         "mamba2_compile_inputs": args.mamba2_compile_inputs, "conv_kernel": args.conv_kernel,
-        "model_override": args.model_override, "data": str(data_dir), "command": " ".join(sys.argv), "started": datetime.now(timezone.utc).isoformat(),
+        "model_override": args.model_override, "data": str(data_dir), "command": " ".join(sys.argv),
+        "started": datetime.now(timezone.utc).isoformat(),
         "entries": [],
     }
     baseline = None

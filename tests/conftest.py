@@ -137,8 +137,15 @@ def greedy_decode(model, ids, new, cache=None, mask=None, forced=None, next_mask
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    """Relative L2 error of ``a`` against ``b`` in fp64 (on the CPU: the two may live on different devices)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest elementwise error of ``a`` against ``b``, relative to ``b``'s largest magnitude (at least 1)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1)).item()
 
 
 def save_tiny_llama(out, num_layers: int = 4):

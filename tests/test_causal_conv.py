@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import interpreter_rounds_like_gpu, run_under_interpreter
+from conftest import interpreter_rounds_like_gpu, max_rel_err, run_under_interpreter
 from hybridlm.ops.causal_conv import causal_conv_reference
 from hybridlm.ops.elementwise import short_conv
 
@@ -77,8 +77,7 @@ def run_kernel_cases() -> list:
         x, weight, b, silu, dy = _inputs(case, seed)
         want = _grads(causal_conv_reference, x, weight, b, silu, dy)
         got = _grads(causal_conv, x, weight, b, silu, dy)
-        errs = [(g.double() - w.double()).abs().max().item() / max(w.double().abs().max().item(), 1.0)
-                for g, w in zip(got, want)]
+        errs = [max_rel_err(g, w) for g, w in zip(got, want)]
         rows.append({"case": repr(case), "bf16": case[6] == BF16, "errors": errs, "n": len(got), "bias": case[4],
                      "dtypes_ok": all(g.dtype == w.dtype for g, w in zip(got, want))})
     return rows

@@ -71,6 +71,11 @@ def _launch_args() -> dict:
     return {"BR": 4, "BC": 16} if os.environ.get("TRITON_INTERPRET") == "1" else {}
 
 
+def _grid(R: int, F_: int):
+    """One program per ``[BR, BC]`` tile of the ``[R, F]`` output (and of each gradient half)."""
+    return lambda meta: (-(-R // meta["BR"]), -(-F_ // meta["BC"]))
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as ``[R, C]`` without a copy where its rows are evenly strided (a GEMM's output is)."""
     t2 = t.reshape(-1, t.shape[-1])
@@ -83,8 +88,7 @@ class _SwiGLUPacked(torch.autograd.Function):
         y2 = _rows(y)
         R, F2 = y2.shape
         z = torch.empty(R, F2 // 2, dtype=y.dtype, device=y.device)
-        grid = lambda meta: (-(-R // meta["BR"]), -(-(F2 // 2) // meta["BC"]))  # noqa: E731
-        _kernels()[0][grid](y2, z, R, y2.stride(0), z.stride(0), F_=F2 // 2, **_launch_args())
+        _kernels()[0][_grid(R, F2 // 2)](y2, z, R, y2.stride(0), z.stride(0), F_=F2 // 2, **_launch_args())
         ctx.save_for_backward(y)
         return z.view(*y.shape[:-1], F2 // 2)
 
@@ -94,8 +98,8 @@ class _SwiGLUPacked(torch.autograd.Function):
         y2, dz2 = _rows(y), _rows(dz)
         R, F2 = y2.shape
         dy = torch.empty(R, F2, dtype=y.dtype, device=y.device)
-        grid = lambda meta: (-(-R // meta["BR"]), -(-(F2 // 2) // meta["BC"]))  # noqa: E731
-        _kernels()[1][grid](y2, dz2, dy, R, y2.stride(0), dz2.stride(0), dy.stride(0), F_=F2 // 2, **_launch_args())
+        _kernels()[1][_grid(R, F2 // 2)](y2, dz2, dy, R, y2.stride(0), dz2.stride(0), dy.stride(0), F_=F2 // 2,
+                                          **_launch_args())
         return dy.view(y.shape)
 
 

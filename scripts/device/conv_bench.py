@@ -1,6 +1,7 @@
 """The stateless causal conv + SiLU, forward and backward, on a GPU: the project's kernels
 (hybridlm/ops/causal_conv.py) against fla's causal_conv1d at each mixer's training shapes, one JSON line per
-shape with the milliseconds of each, the bytes a pass must move and the bandwidth that implies.
+shape with the milliseconds of each, the bytes forward + backward must move and the time that takes at the
+H200's ~4.8 TB/s (the memory floor).
 
     python scripts/device/conv_bench.py [--micro-batch 64] [--out conv_bench.jsonl]
 """

@@ -5,6 +5,7 @@ test is tests/test_causal_conv.py)."""
 import pytest
 import torch
 
+from conftest import rel_err
 from hybridlm.ops.causal_conv import causal_conv, causal_conv_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -15,10 +16,6 @@ def _grads(fn, x, weight, bias, dy):
     y = fn(*leaves)
     y.backward(dy)
     return [y.detach()] + [t.grad for t in leaves if t is not None]
-
-
-def _rel(a, b):
-    return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -40,5 +37,5 @@ def test_kernels_match_the_twin_and_fla(dtype, bias, T):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for name, o, t, f in zip(("y", "dx", "dw", "db"), ours, twin, fla):
         assert o.dtype == dtype and o.shape == t.shape, name
-        assert _rel(o, t) < tol, (name, _rel(o, t))
-        assert _rel(o, t) <= 1.5 * _rel(f, t) + 1e-6, (name, _rel(o, t), _rel(f, t))  # no worse than fla's
+        assert rel_err(o, t) < tol, (name, rel_err(o, t))
+        assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-6, (name, rel_err(o, t), rel_err(f, t))  # no worse than fla's

@@ -10,14 +10,11 @@
 import pytest
 import torch
 
+from conftest import rel_err
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.ops.swiglu_packed import swiglu_packed_kernel, swiglu_packed_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-def _rel(a, b):
-    return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()
 
 
 def _value_and_grad(fn, y, dz):
@@ -39,8 +36,8 @@ def test_packed_swiglu_matches_the_twin_and_fla(dtype):
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     for name, o, t, f in zip(("z", "dy"), ours, twin, fla):
         assert o.dtype == dtype and o.shape == t.shape, name
-        assert _rel(o, t) < tol, (name, _rel(o, t))
-        assert _rel(o, t) <= 1.5 * _rel(f, t) + 1e-7, (name, _rel(o, t), _rel(f, t))
+        assert rel_err(o, t) < tol, (name, rel_err(o, t))
+        assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-7, (name, rel_err(o, t), rel_err(f, t))
 
 
 def _model(pattern, **keys):
@@ -72,5 +69,5 @@ def test_fused_training_step_matches_the_unfused_one(pattern):
     assert abs(loss_f - loss_p) < 2e-3 * abs(loss_p)
     # each side rounds its own bf16 intermediates (the fused GEMM sums the input gradients in fp32 before one
     # rounding; fla's norm adds the residual in fp32): differences of a few bf16 roundings, not of a wrong split
-    worst = max((_rel(grads_f[n], grads_p[n]), n) for n in grads_p if grads_p[n].norm() > 0)
+    worst = max((rel_err(grads_f[n], grads_p[n]), n) for n in grads_p if grads_p[n].norm() > 0)
     assert worst[0] < 3e-2, worst
