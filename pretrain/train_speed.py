@@ -55,7 +55,7 @@ from hybridlm.engine.config import PRECISIONS
 from hybridlm.model.configuration import resolve_model_config
 from hybridlm.model.layers.mamba2 import Mamba2
 from hybridlm.model.summary import build_on_meta, model_summary
-from hybridlm.ops.elementwise import CONV_KERNELS, set_conv_kernel
+from hybridlm.ops.backend import KERNEL_SOURCES, set_kernel_source
 from hybridlm.training import train_loop
 from hybridlm.utils.atomic import save_figure
 from pretrain.train import build_engine, prepare_pretraining
@@ -341,9 +341,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ours: Mamba2's SSD inputs (dt softplus, decay, the scaled and head-broadcast B and C) "
                         "through torch.compile on the Triton path (hybridlm/ops/mamba2_inputs.py; off, the default, "
                         "is the eager ops)")
-    p.add_argument("--conv-kernel", choices=CONV_KERNELS, default="project",
+    p.add_argument("--conv-kernel", choices=KERNEL_SOURCES, default="project",
                    help="ours: the Triton kernel of the mixers' short convs (project: hybridlm/ops/causal_conv.py, "
                         "fla: fla's causal_conv1d)")
+    p.add_argument("--norm-kernel", choices=KERNEL_SOURCES, default="project",
+                   help="ours: the Triton kernel of the RMSNorms and residual-add RMSNorms (project: "
+                        "hybridlm/ops/rms_norm.py, fla: fla's rms_norm)")
+    p.add_argument("--loss-kernel", choices=KERNEL_SOURCES, default="project",
+                   help="ours: the Triton kernel of the LM-head cross-entropy (project: hybridlm/ops/cross_entropy.py, "
+                        "fla: fla's fused cross-entropy)")
     p.add_argument("--compare-to", default=None,
                    help="a train_speed.json (e.g. of one GPU): adds each entry's tokens/s ratio to it")
     p.add_argument("--run-dir", default=None, help="where the runs' metrics go (default: a temp dir, removed)")
@@ -364,7 +370,9 @@ def main(argv=None) -> Dict[str, Any]:
 
     t0 = time.perf_counter()
     Mamba2.compile_ssd_inputs = args.mamba2_compile_inputs == "on"  # process-wide switches: this run's settings
-    set_conv_kernel(args.conv_kernel)
+    set_kernel_source("conv", args.conv_kernel)
+    set_kernel_source("norm", args.norm_kernel)
+    set_kernel_source("loss", args.loss_kernel)
     dist = init_distributed()
     world, main_rank, device = dist.world_size, dist.rank == 0, dist.device
     cuda = device.type == "cuda"
@@ -389,6 +397,7 @@ def main(argv=None) -> Dict[str, Any]:
         "find_max_batch": args.find_max_batch, "steps": args.steps, "warmup": args.warmup,
         "precision": args.precision, "peak_tflops_per_gpu": args.peak_tflops, "flop_formula": F.FORMULA,
         "mamba2_compile_inputs": args.mamba2_compile_inputs, "conv_kernel": args.conv_kernel,
+        "norm_kernel": args.norm_kernel, "loss_kernel": args.loss_kernel,
         "model_override": args.model_override, "data": str(data_dir), "command": " ".join(sys.argv),
         "started": datetime.now(timezone.utc).isoformat(),
         "entries": [],

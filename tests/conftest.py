@@ -1,6 +1,7 @@
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,15 @@ def run_under_interpreter(commands: dict, timeout: int = 600) -> dict:
         assert proc.returncode == 0, stderr[-3000:]
         out[name] = json.loads(stdout.strip().splitlines()[-1])
     return out
+
+
+def interpreter_run_of(test_file: str):
+    """A module-scoped fixture for a kernel test file: the JSON that ``python <test_file>`` prints on its last line
+    under Triton's interpreter (the file's ``__main__`` runs its kernel cases)."""
+    @pytest.fixture(scope="module")
+    def interpreter_run():
+        return run_under_interpreter({"kernel": [sys.executable, test_file]})["kernel"]
+    return interpreter_run
 
 
 def interpreter_rounds_like_gpu():

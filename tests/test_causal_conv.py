@@ -9,12 +9,11 @@
 The GPU twin of this test (compiled kernels against the twin and fla) is tests/gpu/test_causal_conv_gpu.py.
 """
 import json
-import sys
 
 import pytest
 import torch
 
-from conftest import interpreter_rounds_like_gpu, max_rel_err, run_under_interpreter
+from conftest import interpreter_rounds_like_gpu, interpreter_run_of, max_rel_err
 from hybridlm.ops.causal_conv import causal_conv_reference
 from hybridlm.ops.elementwise import short_conv
 
@@ -83,9 +82,7 @@ def run_kernel_cases() -> list:
     return rows
 
 
-@pytest.fixture(scope="module")
-def interpreter_run():
-    return run_under_interpreter({"kernel": [sys.executable, __file__]})["kernel"]
+interpreter_run = interpreter_run_of(__file__)
 
 
 def test_kernels_equal_the_twin_in_the_interpreter(interpreter_run):

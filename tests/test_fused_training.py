@@ -10,13 +10,12 @@ replaces, values and gradients.
    with rows strided as a slice of a wider tensor.
 """
 import json
-import sys
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import interpreter_rounds_like_gpu, max_rel_err, run_under_interpreter, tiny_config
+from conftest import interpreter_rounds_like_gpu, interpreter_run_of, max_rel_err, tiny_config
 from hybridlm.model import HybridForCausalLM
 from hybridlm.model.layers.projections import fused_linear, project
 from hybridlm.ops.elementwise import swiglu, swiglu_packed
@@ -140,9 +139,7 @@ def run_kernel_cases() -> list:
     return rows
 
 
-@pytest.fixture(scope="module")
-def interpreter_run():
-    return run_under_interpreter({"kernel": [sys.executable, __file__]})["kernel"]
+interpreter_run = interpreter_run_of(__file__)
 
 
 def test_packed_swiglu_kernels_equal_the_twin_in_the_interpreter(interpreter_run):

@@ -236,12 +236,16 @@ def test_saved_model_loads_through_trust_remote_code_without_importing_the_toolk
     assert _code_in(tmp_path / "resaved") == ([], False)
 
 
-def test_chunked_cross_entropy_triton_path_through_the_interpreter():
-    """The GPU path (fla's fused cross-entropy kernel per chunk) run on CPU by the Triton interpreter, which has
-    to be on before Triton is imported: a subprocess. Uneven chunks, ignored labels, an upstream gradient."""
-    script = textwrap.dedent("""
+@pytest.mark.parametrize("source", ["project", "fla"])
+def test_chunked_cross_entropy_triton_path_through_the_interpreter(source):
+    """The GPU path (the project's cross-entropy kernel per chunk, or fla's) run on CPU by the Triton interpreter,
+    which has to be on before Triton is imported: a subprocess. Uneven chunks, ignored labels, an upstream
+    gradient."""
+    script = textwrap.dedent(f"""
         import torch
         from hybridlm.model.loss import linear_cross_entropy
+        from hybridlm.ops.backend import set_kernel_source
+        set_kernel_source("loss", {source!r})
         torch.manual_seed(0)
         h = torch.randn(37, 16, requires_grad=True)
         w = torch.randn(50, 16, requires_grad=True)

@@ -4,8 +4,9 @@
 during the forward pass, so at most one chunk of logits exists at a time. Per chunk:
 
 * logits = hidden @ weight.T in the activations' dtype (bf16 GEMM on tensor cores in training);
-* the loss and d loss / d logits = (softmax - onehot) / n_valid: fla's fused Triton cross-entropy kernel on
-  GPU (written over the logits in place), torch ops on CPU;
+* the loss and d loss / d logits = (softmax - onehot) / n_valid: one Triton kernel on GPU that writes the
+  gradient over the chunk's logits (hybridlm/ops/cross_entropy.py; fla's fused cross-entropy with
+  ``--loss-kernel fla``), torch ops on CPU;
 * grad_hidden = dlogits @ weight and grad_weight += dlogits.T @ hidden: GEMMs in the activations' dtype,
   the weight gradient summed over chunks in fp32.
 
@@ -18,6 +19,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from hybridlm.ops.backend import kernel_source
+from hybridlm.ops.cross_entropy import cross_entropy_kernel
 
 IGNORE_INDEX = -100
 
@@ -60,7 +64,8 @@ class ChunkedLinearHead(torch.autograd.Function):
 
 class CrossEntropyChunk:
     """Per-chunk mean token cross-entropy for :class:`ChunkedLinearHead`: loss and d (loss / n_valid) / d logits,
-    written over the chunk's logits: fla's fused Triton kernel (``triton``) or torch ops."""
+    written over the chunk's logits: a Triton kernel (``triton``: the project's or fla's, see
+    hybridlm/ops/backend.py ``kernel_source``) or torch ops."""
 
     def __init__(self, labels: torch.Tensor, triton: bool = False):
         self.labels, self.triton = labels, triton
@@ -68,6 +73,10 @@ class CrossEntropyChunk:
 
     def __call__(self, logits: torch.Tensor, rows: slice, need_grad: bool):
         target, inv_n = self.labels[rows], self.inv_n
+        if self.triton and kernel_source("loss") == "project":
+            # one kernel: the losses, and the gradient written over this chunk's logits (which are ours)
+            losses = cross_entropy_kernel(logits, target, inv_n, write_grad=need_grad, ignore_index=IGNORE_INDEX)
+            return losses.sum() * inv_n, (logits if need_grad else None)
         if self.triton:
             from fla.modules.fused_cross_entropy import cross_entropy_loss
 

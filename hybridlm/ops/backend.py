@@ -86,3 +86,24 @@ def use_triton_elementwise(backend: str, x: torch.Tensor) -> bool:
     ``triton`` backend keeps the kernels."""
     return use_triton(backend, x) and (backend != "auto" or SMALL_CALLS_THROUGH_KERNELS.active()
                                        or not is_small_inference_call(x))
+
+
+# Where the project has its own Triton kernel for an op that fla also has, which one the Triton path runs: the
+# project's (the default) or fla's. Process-wide switches (pretrain.train_speed --conv-kernel / --norm-kernel /
+# --loss-kernel) for measuring both. conv: hybridlm/ops/causal_conv.py against fla's causal_conv1d; norm:
+# hybridlm/ops/rms_norm.py against fla's rms_norm (the plain and the residual-add RMSNorm; the gated norms stay
+# fla's); loss: hybridlm/ops/cross_entropy.py against fla's fused cross-entropy.
+KERNEL_SOURCES = ("project", "fla")
+_kernel_source = {"conv": "project", "norm": "project", "loss": "project"}
+
+
+def set_kernel_source(op: str, source: str) -> None:
+    if op not in _kernel_source:
+        raise ValueError(f"kernel switch: op must be one of {sorted(_kernel_source)}, got {op!r}")
+    if source not in KERNEL_SOURCES:
+        raise ValueError(f"{op} kernel must be one of {KERNEL_SOURCES}, got {source!r}")
+    _kernel_source[op] = source
+
+
+def kernel_source(op: str) -> str:
+    return _kernel_source[op]

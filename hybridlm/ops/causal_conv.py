@@ -19,11 +19,12 @@ CPU, compiled on GPU). No cached state: generation's conv continues from a state
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from hybridlm.ops.triton_launch import interpreting
 
 BT = 64  # rows of time per program (fixed: the partial-gradient buffers are sized by it)
 
@@ -127,7 +128,7 @@ def _kernels():
         _tap_sum = triton.jit(_tap_sum)
         kernels = [triton.jit(k) for k in (_causal_conv_fwd_kernel, _causal_conv_bwd_weight_kernel,
                                            _causal_conv_bwd_input_kernel)]
-        if os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter runs one configuration
+        if not interpreting():  # the interpreter runs one configuration
             configs = [triton.Config({"BD": bd}, num_warps=nw) for bd in (32, 64, 128, 256) for nw in (4, 8)]
             kernels = [triton.autotune(configs, key=["D", "W"])(k) for k in kernels]
         _KERNELS = tuple(kernels)
@@ -136,7 +137,7 @@ def _kernels():
 
 def _launch_args(D: int) -> dict:
     """The channel block where the autotuner does not choose it (the interpreter)."""
-    return {"BD": 16} if os.environ.get("TRITON_INTERPRET") == "1" else {}
+    return {"BD": 16} if interpreting() else {}
 
 
 class _CausalConv(torch.autograd.Function):

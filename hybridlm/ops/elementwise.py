@@ -11,11 +11,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from hybridlm.ops.backend import kernel_source
 from hybridlm.ops.causal_conv import causal_conv
+from hybridlm.ops.gated_norm import gated_norm_skip
+from hybridlm.ops.rms_norm import rms_norm_kernel
 from hybridlm.ops.swiglu_packed import swiglu_packed_kernel
 
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, triton: bool = False) -> torch.Tensor:
+    if triton and kernel_source("norm") == "project":
+        return rms_norm_kernel(x, weight, eps)
     if triton:
         from fla.modules.layernorm import rms_norm as fla_rms_norm
         return fla_rms_norm(x, weight, None, eps=eps)
@@ -24,9 +28,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, triton: bool = F
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                  triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(x + delta), x + delta)``: a residual add and the next pre-norm. fla's kernel does both in one
-    launch (the sum in fp32, stored in ``x``'s dtype, the norm of the fp32 sum); the torch path adds in ``x``'s
-    dtype and normalises that, as a block followed by the next block's norm does."""
+    """``(rms_norm(x + delta), x + delta)``: a residual add and the next pre-norm. The Triton kernels (ours and
+    fla's) do both in one launch (the sum in fp32, stored in ``x``'s dtype, the norm of the fp32 sum); the torch
+    path adds in ``x``'s dtype and normalises that, as a block followed by the next block's norm does."""
+    if triton and kernel_source("norm") == "project":
+        return rms_norm_kernel(x, weight, eps, delta=delta)
     if triton:
         from fla.modules.layernorm import rms_norm as fla_rms_norm
         return fla_rms_norm(delta, weight, None, residual=x, eps=eps, prenorm=True)
@@ -66,23 +72,26 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return x.to(dtype)
 
 
-# The Triton kernel of the stateless conv: the project's (hybridlm/ops/causal_conv.py, a backward that reads its
-# inputs once) or fla's causal_conv1d. A process-wide switch (pretrain.train_speed --conv-kernel) for measuring both.
-CONV_KERNELS = ("project", "fla")
-_conv_kernel = "project"
-
-
-def set_conv_kernel(name: str) -> None:
-    global _conv_kernel
-    if name not in CONV_KERNELS:
-        raise ValueError(f"conv kernel must be one of {CONV_KERNELS}, got {name!r}")
-    _conv_kernel = name
+def skip_gated_rms_norm(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
+                        eps: float, group_size: int, triton: bool = False) -> torch.Tensor:
+    """Mamba2's output stage: ``rms_norm_per_group((y + D_h x) * silu(z)) * weight`` (y, x, z ``[..., C]``, D per
+    head). The project's Triton kernel does it in one pass forward and backward (hybridlm/ops/gated_norm.py); the
+    other paths add the skip in the activations' dtype (an fp32 sum would be one more fp32 ``[tokens, C]`` tensor
+    kept for the norm's backward), then run :func:`gated_rms_norm`."""
+    if triton and kernel_source("norm") == "project" and not group_size & (group_size - 1):
+        return gated_norm_skip(y, x, D, z, weight, eps, group_size)
+    shape = y.shape
+    heads = D.shape[0]
+    y = torch.addcmul(y.reshape(*shape[:-1], heads, -1), x.reshape(*shape[:-1], heads, -1),
+                      D.to(x.dtype).view(-1, 1)).reshape(shape)
+    return gated_rms_norm(y, z, weight, eps, activation="swish", norm_before_gate=False, group_size=group_size,
+                          triton=triton)
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                activation: Optional[str] = "silu", triton: bool = False) -> torch.Tensor:
     """Depthwise causal convolution over time: x ``[B, T, D]``, weight ``[D, W]``; output ``[B, T, D]``."""
-    if triton and _conv_kernel == "project" and activation in (None, "silu", "swish"):
+    if triton and kernel_source("conv") == "project" and activation in (None, "silu", "swish"):
         return causal_conv(x, weight, bias, silu=activation is not None)
     if triton:
         from fla.modules.convolution import causal_conv1d

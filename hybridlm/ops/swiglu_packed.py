@@ -12,10 +12,10 @@ Math in fp32, results in the input's dtype, as fla's kernels: ``z = silu(g) * u`
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from hybridlm.ops.triton_launch import interpreting, rows_view
 
 tl = None  # bound on first use (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
 _KERNELS = None
@@ -59,7 +59,7 @@ def _kernels():
         import triton.language as tl  # noqa: F811 -- binds the module global the kernels' source names
         _gate_and_up = triton.jit(_gate_and_up)
         kernels = [triton.jit(k) for k in (_swiglu_packed_fwd_kernel, _swiglu_packed_bwd_kernel)]
-        if os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter runs one configuration
+        if not interpreting():  # the interpreter runs one configuration
             configs = [triton.Config({"BR": br, "BC": bc}, num_warps=nw)
                        for br, bc in ((1, 2048), (2, 1024), (4, 512), (8, 256), (4, 1024)) for nw in (4, 8)]
             kernels = [triton.autotune(configs, key=["F_"])(k) for k in kernels]
@@ -68,7 +68,7 @@ def _kernels():
 
 
 def _launch_args() -> dict:
-    return {"BR": 4, "BC": 16} if os.environ.get("TRITON_INTERPRET") == "1" else {}
+    return {"BR": 4, "BC": 16} if interpreting() else {}
 
 
 def _grid(R: int, F_: int):
@@ -76,16 +76,10 @@ def _grid(R: int, F_: int):
     return lambda meta: (-(-R // meta["BR"]), -(-F_ // meta["BC"]))
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``[R, C]`` without a copy where its rows are evenly strided (a GEMM's output is)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 class _SwiGLUPacked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y):
-        y2 = _rows(y)
+        y2 = rows_view(y)
         R, F2 = y2.shape
         z = torch.empty(R, F2 // 2, dtype=y.dtype, device=y.device)
         _kernels()[0][_grid(R, F2 // 2)](y2, z, R, y2.stride(0), z.stride(0), F_=F2 // 2, **_launch_args())
@@ -95,7 +89,7 @@ class _SwiGLUPacked(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dz):
         (y,) = ctx.saved_tensors
-        y2, dz2 = _rows(y), _rows(dz)
+        y2, dz2 = rows_view(y), rows_view(dz)
         R, F2 = y2.shape
         dy = torch.empty(R, F2, dtype=y.dtype, device=y.device)
         _kernels()[1][_grid(R, F2 // 2)](y2, dz2, dy, R, y2.stride(0), dz2.stride(0), dy.stride(0), F_=F2 // 2,

@@ -8,6 +8,9 @@
 #   MAMBA2_COMPILE=on             Mamba2's SSD inputs through torch.compile (--mamba2-compile-inputs); reports get _compiled
 #   CONV_KERNEL=fla               ours' short convs through fla's causal_conv1d (--conv-kernel; default the project's);
 #                                 reports get _flaconv
+#   NORM_KERNEL=fla               ours' RMSNorms through fla's rms_norm (--norm-kernel; default the project's);
+#                                 reports get _flanorm
+#   LOSS_KERNEL=fla               ours' LM-head cross-entropy through fla's kernel (--loss-kernel); reports get _flaloss
 #   OVERRIDES="k=v ..."           model keys for ours (--model-override), e.g. "fuse_projections=false
 #                                 fuse_residual_norm=false" for the step without the training fusions
 #   TAG=_suffix                   appended to the report's name (for a run with OVERRIDES)
@@ -26,11 +29,12 @@ for fam in ${FAMILIES:-gdn mamba2 kda mb16 1b}; do
   left=$(( ${DEADLINE_AT:-$((EPOCHSECONDS + 540))} - EPOCHSECONDS ))
   [ "$left" -lt 30 ] && { echo "train_speed: no time left for $fam"; break; }
   echo "[$(date +%T)] train_speed $fam (${left}s left)"
-  tag=$fam${PRECISION:+_$PRECISION}$([ "${MAMBA2_COMPILE:-off}" = on ] && echo _compiled)$([ "${CONV_KERNEL:-project}" = fla ] && echo _flaconv)${TAG:-}
+  tag=$fam${PRECISION:+_$PRECISION}$([ "${MAMBA2_COMPILE:-off}" = on ] && echo _compiled)$([ "${CONV_KERNEL:-project}" = fla ] && echo _flaconv)$([ "${NORM_KERNEL:-project}" = fla ] && echo _flanorm)$([ "${LOSS_KERNEL:-project}" = fla ] && echo _flaloss)${TAG:-}
   CUDA_VISIBLE_DEVICES=${GPU:-1} timeout "$left" python3 -m pretrain.train_speed --out "$LOGS/speed_$tag" \
     --data data_cache/janeausten-llama3.2 --seq 2048 --steps ${STEPS:-10} --warmup 3 --profile ${PROFILE:-3} \
     --precision "${PRECISION:-bf16}" --mamba2-compile-inputs "${MAMBA2_COMPILE:-off}" \
-    --conv-kernel "${CONV_KERNEL:-project}" ${OVERRIDES:+--model-override $OVERRIDES} ${FAMILY[$fam]} > "$LOGS/speed_$tag.log" 2>&1
+    --conv-kernel "${CONV_KERNEL:-project}" --norm-kernel "${NORM_KERNEL:-project}" \
+    --loss-kernel "${LOSS_KERNEL:-project}" ${OVERRIDES:+--model-override $OVERRIDES} ${FAMILY[$fam]} > "$LOGS/speed_$tag.log" 2>&1
   echo "[$(date +%T)] train_speed $tag: exit $?"
   grep -E "tok/s|tokens/s|OOM|Error|first step" "$LOGS/speed_$tag.log" | tail -n 8
   pack_out

@@ -24,7 +24,7 @@ from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_c
 from hybridlm.model.layers.init import init_A_log, init_dt_bias, init_short_conv_uniform
 from hybridlm.ops.backend import use_triton, use_triton_elementwise
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state
-from hybridlm.ops.elementwise import gated_rms_norm
+from hybridlm.ops.elementwise import skip_gated_rms_norm
 from hybridlm.ops.mamba2_inputs import compiled_ssd_inputs, repeat_heads, ssd_inputs
 from hybridlm.ops.mamba2_step import mamba2_decode_step
 
@@ -102,13 +102,9 @@ class Mamba2(nn.Module):
             y, state = gated_recurrence_with_state(c, k, x, g, None, 1.0, cache.state, self.chunk_size)
         if cache is not None:
             cache.advance(state, T)
-        # the D skip in the activations' dtype: an fp32 y + D * x would be one more fp32 [tokens, d_inner]
-        # tensor per layer, kept for the norm's backward (the gated norm computes in fp32 inside)
-        y = torch.addcmul(y, x, self.D.to(x.dtype).view(-1, 1))
-        y = gated_rms_norm(y.reshape(Bsz, T, self.d_inner), z, self.norm_weight, self.norm_eps,
-                           activation="swish", norm_before_gate=False,
-                           group_size=self.d_inner // self.n_groups,
-                           triton=triton and use_triton_elementwise(self.backend, y))
+        y = skip_gated_rms_norm(y.reshape(Bsz, T, self.d_inner), x.reshape(Bsz, T, self.d_inner), self.D, z,
+                                self.norm_weight, self.norm_eps, group_size=self.d_inner // self.n_groups,
+                                triton=triton and use_triton_elementwise(self.backend, y))
         return self.out_proj(y.to(hidden.dtype))
 
     def _compile_inputs(self, triton: bool) -> bool:

@@ -1,0 +1,194 @@
+"""The project's Triton kernels against the fla kernels they replace, forward and backward, on a GPU, at the 300M
+models' training shapes: one JSON line per (op, shape) with the milliseconds of each, the bytes the work must move
+and the time that takes at the H200's ~4.8 TB/s (the memory floor).
+
+    python scripts/device/kernel_bench.py [--ops conv norm ce] [--micro-batch 64] [--out kernel_bench.jsonl]
+
+conv: the short conv + SiLU (hybridlm/ops/causal_conv.py against fla's causal_conv1d), x a strided slice of the
+projection as the mixers pass it. norm: the residual-add RMSNorm (hybridlm/ops/rms_norm.py against fla's
+rms_norm with ``residual=``). ce: the cross-entropy of one chunk of LM-head logits with its gradient
+(hybridlm/ops/cross_entropy.py, one launch, against fla's fused cross-entropy forward + backward), also for
+each sweep block and warp count of the project's kernel (``--ce-configs``).
+(Until session 17 this script was scripts/device/conv_bench.py, which ran the conv part.)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+HBM_BYTES_PER_S = 4.8e12
+# (name, channels, width of the projection the conv's input is sliced from (0: its own tensor))
+# GDN-300M's fused input projection is q | k | v | beta | decay | gate: 256 + 256 + 512 + 8 + 8 + 512 columns
+CONV_SHAPES = [("mamba2_300m xbc", 3072, 5152), ("gdn_300m q / k", 256, 1552), ("gdn_300m v", 512, 1552)]
+
+
+def timed(fn, iters: int) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` CUDA-event-timed calls (after two warm-ups, which autotune)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _floor(row: dict, nbytes: int, ours: str, peer: str) -> dict:
+    row["bytes_fwd_bwd"] = nbytes
+    row["floor_ms_at_4.8TBps"] = nbytes / HBM_BYTES_PER_S * 1e3
+    row["speedup_fwd_bwd"] = row[f"{peer}_fwd_bwd_ms"] / row[f"{ours}_fwd_bwd_ms"]
+    return row
+
+
+def bench_conv(args) -> list:
+    from fla.modules.convolution import causal_conv1d
+
+    from hybridlm.ops.causal_conv import causal_conv
+    rows = []
+    for name, D, proj in CONV_SHAPES:
+        torch.manual_seed(0)
+        base = torch.randn(args.micro_batch, args.seq, proj or D, device="cuda", dtype=torch.bfloat16)
+        x = base[..., :D] if proj else base
+        weight = (torch.rand(D, 4, device="cuda") - 0.5).to(torch.bfloat16).requires_grad_(True)
+        dy = torch.randn(args.micro_batch, args.seq, D, device="cuda", dtype=torch.bfloat16)
+        kernels = {"project": lambda x: causal_conv(x, weight, None),
+                   "fla": lambda x: causal_conv1d(x=x, weight=weight, bias=None, activation="silu")[0]}
+        row = {"op": "conv", "shape": name, "B": args.micro_batch, "T": args.seq, "D": D, "strided": bool(proj)}
+        for kname, fn in kernels.items():
+            xg = x.detach().requires_grad_(True)
+
+            def fwd():
+                with torch.no_grad():
+                    fn(x)
+
+            def fwd_bwd():
+                fn(xg).backward(dy)
+                xg.grad = weight.grad = None
+            row[f"{kname}_fwd_ms"] = timed(fwd, args.iters)
+            row[f"{kname}_fwd_bwd_ms"] = timed(fwd_bwd, args.iters)
+        # forward reads x and writes y; backward reads x and dy and writes dx
+        rows.append(_floor(row, 5 * args.micro_batch * args.seq * D * 2, "project", "fla"))
+    return rows
+
+
+def bench_norm(args) -> list:
+    from fla.modules.layernorm import rms_norm as fla_rms_norm
+
+    from hybridlm.ops.rms_norm import rms_norm_kernel
+    R, D = args.micro_batch * args.seq, 1024
+    torch.manual_seed(0)
+    x, delta, dy, ds = (torch.randn(R, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    weight = torch.ones(D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kernels = {"project": lambda x, d: rms_norm_kernel(x, weight, 1e-6, d),
+               "fla": lambda x, d: fla_rms_norm(d, weight, None, residual=x, eps=1e-6, prenorm=True)}
+    row = {"op": "norm", "shape": "residual-add RMSNorm, hidden 1024", "rows": R, "D": D}
+    for kname, fn in kernels.items():
+        xg, dg = x.clone().requires_grad_(True), delta.clone().requires_grad_(True)
+
+        def fwd():
+            with torch.no_grad():
+                fn(x, delta)
+
+        def fwd_bwd():
+            y, s = fn(xg, dg)
+            torch.autograd.backward([y, s], [dy, ds])
+            xg.grad = dg.grad = weight.grad = None
+        row[f"{kname}_fwd_ms"] = timed(fwd, args.iters)
+        row[f"{kname}_fwd_bwd_ms"] = timed(fwd_bwd, args.iters)
+    # forward reads x, delta and writes y, s; backward reads s, dy, ds and writes dx
+    return [_floor(row, 8 * R * D * 2, "project", "fla"), bench_mamba2_output_stage(args)]
+
+
+def bench_mamba2_output_stage(args) -> dict:
+    """Mamba2-300M's D skip + gated grouped norm: hybridlm/ops/gated_norm.py against addcmul + fla's norm."""
+    from hybridlm.ops.backend import set_kernel_source
+    from hybridlm.ops.elementwise import skip_gated_rms_norm
+    R, C, H, G = args.micro_batch * args.seq, 2048, 32, 256
+    torch.manual_seed(0)
+    y, dout = (torch.randn(R, C, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    proj = torch.randn(R, 2 * C + 1056, device="cuda", dtype=torch.bfloat16)  # x and z slices of in_proj's output
+    x, z = proj[:, :C], proj[:, C + 1024:2 * C + 1024]
+    D = torch.ones(H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.ones(C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    row = {"op": "norm", "shape": "Mamba2-300M output stage: D skip + gated norm, 2048 channels in 8 groups",
+           "rows": R, "C": C}
+    for source in ("project", "fla"):
+        set_kernel_source("norm", source)
+        yg, pg = y.detach().clone().requires_grad_(True), proj.detach().clone().requires_grad_(True)
+        xg, zg = pg[:, :C], pg[:, C + 1024:2 * C + 1024]
+
+        def fwd():
+            with torch.no_grad():
+                skip_gated_rms_norm(y, x, D, z, weight, 1e-5, G, triton=True)
+
+        def fwd_bwd():
+            skip_gated_rms_norm(yg, xg, D, zg, weight, 1e-5, G, triton=True).backward(dout)
+            yg.grad = pg.grad = D.grad = weight.grad = None
+        row[f"{source}_fwd_ms"] = timed(fwd, args.iters)
+        row[f"{source}_fwd_bwd_ms"] = timed(fwd_bwd, args.iters)
+    set_kernel_source("norm", "project")
+    # forward reads y, x, z and writes out; backward reads y, x, z, dout and writes dy, dx, dz
+    return _floor(row, 11 * R * C * 2, "project", "fla")
+
+
+def bench_ce(args) -> list:
+    from fla.modules.fused_cross_entropy import cross_entropy_loss
+
+    import hybridlm.ops.cross_entropy as ce
+    R, V = args.micro_batch * args.seq // 8, 128256  # one of the chunked loss's 8 chunks
+    torch.manual_seed(0)
+    logits = (torch.randn(R, V, device="cuda") * 3).to(torch.bfloat16)
+    target = torch.randint(0, V, (R,), device="cuda")
+    inv_n = torch.tensor(1.0 / R, device="cuda")
+    buf = torch.empty_like(logits)
+
+    def fla():
+        leaf = buf.requires_grad_(True)
+        losses = cross_entropy_loss(leaf, target, ignore_index=-100, inplace_backward=True)[0]
+        torch.autograd.grad(losses, leaf, grad_outputs=inv_n.expand_as(losses))
+        buf.requires_grad_(False)
+
+    def ours():
+        ce.cross_entropy_kernel(buf, target, inv_n, write_grad=True)
+
+    # each timed call works on a fresh copy of the logits (both kernels write over them); the copy is timed apart
+    copy_ms = timed(lambda: buf.copy_(logits), args.iters)
+    row = {"op": "ce", "shape": "one chunk of LM-head logits, vocab 128256", "rows": R, "V": V, "copy_ms": copy_ms}
+    row["fla_fwd_bwd_ms"] = timed(lambda: (buf.copy_(logits), fla()), args.iters) - copy_ms
+    configs = {}
+    for bv, nw in args.ce_configs:
+        ce.BLOCK_V, ce.NUM_WARPS = bv, nw
+        configs[f"{bv}x{nw}"] = timed(lambda: (buf.copy_(logits), ours()), args.iters) - copy_ms
+    best = min(configs, key=configs.get)
+    row.update({"project_configs_ms": configs, "project_best": best, "project_fwd_bwd_ms": configs[best]})
+    # the logits read once and the gradient written once (a second read from L2)
+    return [_floor(row, 2 * R * V * 2, "project", "fla")]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ops", nargs="+", choices=("conv", "norm", "ce"), default=["conv", "norm", "ce"])
+    p.add_argument("--micro-batch", type=int, default=64)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--ce-configs", nargs="+", default=[(2048, 4), (4096, 8), (8192, 8), (8192, 16)],
+                   type=lambda s: tuple(int(v) for v in s.split("x")), help="BLOCK_VxNUM_WARPS of the ce kernel")
+    p.add_argument("--out", default=None, help="append the JSON lines here too")
+    args = p.parse_args()
+    for op in args.ops:
+        for row in {"conv": bench_conv, "norm": bench_norm, "ce": bench_ce}[op](args):
+            line = json.dumps(row)
+            print(line, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The RMSNorm kernels (hybridlm/ops/rms_norm.py), Mamba2's fused output stage (hybridlm/ops/gated_norm.py) and
+the cross-entropy kernel (hybridlm/ops/cross_entropy.py) compiled on a GPU, at the 300M models' training widths:
+against their torch twins in fp64 on the CPU, and no worse than the fla kernels they replace (needs CUDA; the
+interpreter's CPU twins of these tests are tests/test_rms_norm.py, tests/test_gated_norm.py and
+tests/test_cross_entropy.py)."""
+import pytest
+import torch
+
+from conftest import rel_err
+from hybridlm.ops.cross_entropy import cross_entropy_kernel, cross_entropy_reference
+from hybridlm.ops.gated_norm import gated_norm_skip_reference
+from hybridlm.ops.rms_norm import rms_norm_kernel, rms_norm_reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+
+
+def _norm_grads(fn, x, delta, weight, dy, ds):
+    leaves = [None if t is None else t.detach().clone().requires_grad_(True) for t in (x, delta, weight)]
+    y, s = fn(*leaves)
+    loss = (y.double() * dy.double()).sum() + (0 if s is None else (s.double() * ds.double()).sum())
+    loss.backward()
+    return [y.detach()] + ([] if s is None else [s.detach()]) + [t.grad for t in leaves if t is not None]
+
+
+@DTYPES
+@pytest.mark.parametrize("with_delta", [True, False], ids=["residual", "plain"])
+def test_rms_norm_matches_the_twin_and_fla(dtype, with_delta):
+    from fla.modules.layernorm import rms_norm as fla_rms_norm
+    torch.manual_seed(0)
+    R, D, eps = 4 * 2048 + 3, 1024, 1e-6  # rows not a multiple of any row block
+    x = torch.randn(R, D, device="cuda", dtype=dtype)
+    delta = torch.randn(R, D, device="cuda", dtype=dtype) if with_delta else None
+    weight = (1 + 0.1 * torch.randn(D, device="cuda")).to(dtype)
+    dy, ds = torch.randn(R, D, device="cuda", dtype=dtype), torch.randn(R, D, device="cuda", dtype=dtype)
+
+    def ours(x, d, w):
+        out = rms_norm_kernel(x, w, eps, d)
+        return out if d is not None else (out, None)
+
+    def fla(x, d, w):
+        if d is None:
+            return fla_rms_norm(x, w, None, eps=eps), None
+        return fla_rms_norm(d, w, None, residual=x, eps=eps, prenorm=True)
+
+    def twin(x, d, w):
+        y, s = rms_norm_reference(x, w, eps, d)
+        return y, (s if d is not None else None)
+
+    cpu64 = lambda t: None if t is None else t.detach().cpu().double()  # noqa: E731
+    got = _norm_grads(ours, x, delta, weight, dy, ds)
+    want = _norm_grads(twin, cpu64(x), cpu64(delta), cpu64(weight), cpu64(dy), cpu64(ds))
+    peer = _norm_grads(fla, x, delta, weight, dy, ds)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert len(got) == len(want) == len(peer) == (5 if with_delta else 3)
+    for i, (o, t, f) in enumerate(zip(got, want, peer)):
+        assert o.dtype == dtype and o.shape == t.shape, i
+        assert rel_err(o, t) < tol, (i, rel_err(o, t))
+        assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-6, (i, rel_err(o, t), rel_err(f, t))
+
+
+@DTYPES
+def test_mamba2_output_stage_matches_the_twin_and_fla(dtype):
+    """At Mamba2-300M's widths (2,048 channels, 32 heads, 8 groups), x and z strided slices of one projection;
+    the peer is the unfused path on fla's grouped gated norm (``--norm-kernel fla``)."""
+    from hybridlm.ops.backend import set_kernel_source
+    from hybridlm.ops.elementwise import skip_gated_rms_norm
+    torch.manual_seed(0)
+    R, C, H, G, eps = 4 * 1024 + 3, 2048, 32, 256, 1e-5
+    y = torch.randn(R, C, device="cuda", dtype=dtype)
+    proj = torch.randn(R, 2 * C + 64, device="cuda", dtype=dtype)
+    x, z = proj[:, 64:64 + C], proj[:, 64 + C:]
+    D = (1 + 0.3 * torch.randn(H, device="cuda")).to(dtype)
+    weight = (1 + 0.1 * torch.randn(C, device="cuda")).to(dtype)
+    dout = torch.randn(R, C, device="cuda", dtype=dtype)
+
+    def grads(fn, *inputs):
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+        out = fn(*leaves)
+        (out.double() * dout.to(out.device).double()).sum().backward()
+        return [out.detach()] + [t.grad for t in leaves]
+
+    def path(source):
+        def run(y, x, D, z, w):
+            set_kernel_source("norm", source)
+            try:
+                return skip_gated_rms_norm(y, x, D, z, w, eps, G, triton=True)
+            finally:
+                set_kernel_source("norm", "project")
+        return run
+
+    cpu64 = lambda t: t.detach().cpu().double()  # noqa: E731
+    got = grads(path("project"), y, x, D, z, weight)
+    peer = grads(path("fla"), y, x, D, z, weight)
+    want = grads(lambda *a: gated_norm_skip_reference(*a, eps, G), *(cpu64(t) for t in (y, x, D, z, weight)))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, o, t, f in zip(("out", "dy", "dx", "dD", "dz", "dw"), got, want, peer):
+        assert o.dtype == dtype and o.shape == t.shape, name
+        assert rel_err(o, t) < tol, (name, rel_err(o, t))
+        assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-6, (name, rel_err(o, t), rel_err(f, t))
+
+
+@DTYPES
+def test_cross_entropy_matches_the_twin_and_fla(dtype):
+    from fla.modules.fused_cross_entropy import cross_entropy_loss
+    torch.manual_seed(0)
+    R, V = 300, 128256  # Llama-3's vocabulary: the sweeps' last block is partial
+    logits = (torch.randn(R, V, device="cuda") * 4).to(dtype)
+    target = torch.randint(0, V, (R,), device="cuda")
+    target[::7] = -100
+    inv_n = (target != -100).sum().float().reciprocal()
+    buf = logits.clone()
+    losses = cross_entropy_kernel(buf, target, inv_n, write_grad=True)
+    want_losses, want_grad = cross_entropy_reference(logits.cpu().double(), target.cpu(), inv_n.cpu().double())
+    leaf = logits.clone().requires_grad_(True)
+    fla_losses = cross_entropy_loss(leaf, target, ignore_index=-100)[0]
+    (fla_grad,) = torch.autograd.grad(fla_losses, leaf, grad_outputs=inv_n.expand_as(fla_losses))
+    assert buf.dtype == dtype and losses.dtype == torch.float32
+    assert rel_err(losses, want_losses) < 1e-6
+    assert rel_err(buf, want_grad) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert rel_err(losses, want_losses) <= 1.5 * rel_err(fla_losses, want_losses) + 1e-7
+    assert rel_err(buf, want_grad) <= 1.5 * rel_err(fla_grad, want_grad) + 1e-6
+
+
+def test_chunked_loss_with_either_kernel_agrees():
+    """The model's chunked LM-head loss (hybridlm/model/loss.py) with the project's kernel against fla's: the loss
+    and the gradients of the hidden states and the head, bf16 as in training."""
+    from hybridlm.model.loss import linear_cross_entropy
+    from hybridlm.ops.backend import set_kernel_source
+    torch.manual_seed(0)
+    h = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(128256, 1024, device="cuda") * 0.02).to(torch.bfloat16)
+    y = torch.randint(0, 128256, (4096,), device="cuda")
+    y[::11] = -100
+    results = {}
+    try:
+        for source in ("fla", "project"):
+            set_kernel_source("loss", source)
+            hl, wl = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            loss = linear_cross_entropy(hl, wl, y, num_chunks=4, triton=True)
+            loss.backward()
+            results[source] = (loss.detach(), hl.grad, wl.grad)
+    finally:
+        set_kernel_source("loss", "project")
+    for a, b in zip(results["project"], results["fla"]):
+        assert rel_err(a, b) < 1e-2, rel_err(a, b)
