@@ -11,14 +11,20 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from hybridlm.ops.backend import kernel_source
+from hybridlm.ops.backend import is_small_inference_call, kernel_source
 from hybridlm.ops.causal_conv import causal_conv
 from hybridlm.ops.gated_norm import gated_norm_skip
 from hybridlm.ops.rms_norm import rms_norm_kernel
 from hybridlm.ops.swiglu_packed import swiglu_packed_kernel
 
+def _project_norm(x: torch.Tensor) -> bool:
+    """The project's norm kernels (hybridlm/ops/rms_norm.py) on the Triton path, except for a decode step's few
+    rows: the captured decode step was measured with fla's (docs/decoding.md), ours only at training shapes."""
+    return kernel_source("norm") == "project" and not is_small_inference_call(x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, triton: bool = False) -> torch.Tensor:
-    if triton and kernel_source("norm") == "project":
+    if triton and _project_norm(x):
         return rms_norm_kernel(x, weight, eps)
     if triton:
         from fla.modules.layernorm import rms_norm as fla_rms_norm
@@ -31,7 +37,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     """``(rms_norm(x + delta), x + delta)``: a residual add and the next pre-norm. The Triton kernels (ours and
     fla's) do both in one launch (the sum in fp32, stored in ``x``'s dtype, the norm of the fp32 sum); the torch
     path adds in ``x``'s dtype and normalises that, as a block followed by the next block's norm does."""
-    if triton and kernel_source("norm") == "project":
+    if triton and _project_norm(x):
         return rms_norm_kernel(x, weight, eps, delta=delta)
     if triton:
         from fla.modules.layernorm import rms_norm as fla_rms_norm
