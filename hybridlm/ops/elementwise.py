@@ -1,4 +1,5 @@
-"""Small fused pieces shared by the mixers, each with a torch path and an fla Triton path.
+"""Small fused pieces shared by the mixers, each with a torch path and a Triton path (the project's kernel where it
+has one, hybridlm/ops/backend.py ``kernel_source``; else fla's).
 
 Every function takes ``triton: bool`` (decided by :func:`hybridlm.ops.backend.use_triton`, or
 :func:`~hybridlm.ops.backend.use_triton_elementwise` for the small kernels) so both paths compute the same

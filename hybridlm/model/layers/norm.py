@@ -1,4 +1,4 @@
-"""RMSNorm module (fla's fused kernel on GPU, torch on CPU)."""
+"""RMSNorm module (a fused Triton kernel on GPU: hybridlm/ops/elementwise.py ``rms_norm``; torch on CPU)."""
 from typing import Optional
 
 import torch
