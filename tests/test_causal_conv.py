@@ -5,7 +5,8 @@
 2. The Triton forward and backward kernels through the interpreter (``TRITON_INTERPRET=1``, a subprocess)
    against the twin: fp32 to ~1e-5 (values and the three gradients); bf16 within a rounding. Cases cover
    sequences shorter than, equal to and longer than one 64-row tile (and not a multiple of it), widths 2 to 4,
-   with and without bias and SiLU, and ``x`` as a strided slice of a wider projection (as Mamba2 passes it).
+   with and without bias and SiLU, and ``x`` as a strided slice of a wider projection (as Mamba2 passes it); the
+   backward's pass 1 with one and with two time tiles per program.
 The GPU twin of this test (compiled kernels against the twin and fla) is tests/gpu/test_causal_conv_gpu.py.
 """
 import json
@@ -68,17 +69,22 @@ def test_twin_equals_the_torch_path_and_an_explicit_loop(case):
         torch.testing.assert_close(a, l, rtol=1e-5, atol=1e-5)
 
 
+TILES = (1, 2)  # time tiles per program of the backward's pass 1: 2 leaves a partial group at 70 and 130 rows
+
+
 def run_kernel_cases() -> list:
-    from hybridlm.ops.causal_conv import causal_conv
+    import hybridlm.ops.causal_conv as conv
     interpreter_rounds_like_gpu()
     rows = []
-    for seed, case in enumerate(CASES):
-        x, weight, b, silu, dy = _inputs(case, seed)
-        want = _grads(causal_conv_reference, x, weight, b, silu, dy)
-        got = _grads(causal_conv, x, weight, b, silu, dy)
-        errs = [max_rel_err(g, w) for g, w in zip(got, want)]
-        rows.append({"case": repr(case), "bf16": case[6] == BF16, "errors": errs, "n": len(got), "bias": case[4],
-                     "dtypes_ok": all(g.dtype == w.dtype for g, w in zip(got, want))})
+    for tiles in TILES:
+        conv.TILES_PER_PROGRAM = tiles
+        for seed, case in enumerate(CASES):
+            x, weight, b, silu, dy = _inputs(case, seed)
+            want = _grads(causal_conv_reference, x, weight, b, silu, dy)
+            got = _grads(conv.causal_conv, x, weight, b, silu, dy)
+            errs = [max_rel_err(g, w) for g, w in zip(got, want)]
+            rows.append({"case": repr(case), "tiles": tiles, "bf16": case[6] == BF16, "errors": errs, "n": len(got),
+                         "bias": case[4], "dtypes_ok": all(g.dtype == w.dtype for g, w in zip(got, want))})
     return rows
 
 
@@ -86,7 +92,7 @@ interpreter_run = interpreter_run_of(__file__)
 
 
 def test_kernels_equal_the_twin_in_the_interpreter(interpreter_run):
-    assert len(interpreter_run) == len(CASES)
+    assert len(interpreter_run) == len(CASES) * len(TILES)
     for r in interpreter_run:
         assert r["dtypes_ok"] and r["n"] == 3 + r["bias"], r  # y, dx, dw (, db)
         # bf16: y and dx within a rounding of the fp32-math twin; the weight / bias sums over many rows

@@ -7,9 +7,9 @@ weight gradient as one fp32 row per tile and tap. On an H200 that backward took 
 (12 layers of [64, 2048, 3072]; 3.4 ms a layer where reading x and dy and writing dx is ~0.5 ms of memory traffic).
 
 :func:`causal_conv` computes the same function (``silu(b + sum_i w[:, i] x[t - W + 1 + i])``, fp32 sums in fla's
-tap order). Backward, pass 1 per ``[BT, BD]`` tile: the pre-activation from ``x`` (its shifted tiles come from
-cache), ``da = dy * silu'(pre)`` stored in dy's dtype, and fp32 partials of ``dw`` and ``db`` from the same x tiles
-(summed after); pass 2: ``dx``, the transposed conv of ``da``. A first version did it in one pass, recomputing
+tap order). Backward, pass 1 per ``[BT, BD]`` tile (a program takes ``TILES_PER_PROGRAM`` of them in time): the
+pre-activation from ``x`` (its shifted tiles come from cache), ``da = dy * silu'(pre)`` stored in dy's dtype, and
+fp32 partials of ``dw`` and ``db`` from the same x tiles (one row per program, summed after); pass 2: ``dx``, the transposed conv of ``da``. A first version did it in one pass, recomputing
 the pre-activation of the ``W - 1`` following rows for every tap instead of storing ``da``: at the Mamba2 shape
 it was slower than fla's (BENCHMARKS.md, "Session 17").
 
@@ -26,7 +26,11 @@ import torch.nn.functional as F
 
 from hybridlm.ops.triton_launch import interpreting
 
-BT = 64  # rows of time per program (fixed: the partial-gradient buffers are sized by it)
+BT = 64  # rows of time per tile (fixed: the partial-gradient buffers are sized by it)
+# time tiles per program of the backward's pass 1, whose fp32 weight-gradient partials (one row per program) are
+# summed after: more tiles, fewer partials to write and sum. scripts/device/kernel_bench.py --conv-tiles sweeps it;
+# 1 is what BENCHMARKS.md's figures up to session 18 ran.
+TILES_PER_PROGRAM = 1
 
 # bound on first use (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
 tl = None
@@ -73,37 +77,45 @@ def _causal_conv_fwd_kernel(x, w, b, y, T, s_xb, s_xt, s_yb, s_yt,
     tl.store(p_y, acc.to(y.dtype.element_ty), mask=(o_t < T)[:, None] & m_d[None, :])
 
 
-def _causal_conv_bwd_weight_kernel(x, w, b, dy, da, dw, db, T, NT, s_xb, s_xt, s_dyb, s_dyt,
-                       D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
-    """Backward, pass 1, per tile: ``da = dy * silu'(pre)`` (stored, with SiLU, in dy's dtype and layout
-    ``[B, T, D]``), and this tile's fp32 partials ``dw[:, i] = sum_s da[s] x[s - W + 1 + i]``, ``db = sum_s da[s]``
-    (``dw [B * NT, D, W]``, ``db [B * NT, D]``). The shifted x tiles of the sums are the ones the pre-activation
-    just loaded: they come from cache."""
-    i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _causal_conv_bwd_weight_kernel(x, w, b, dy, da, dw, db, T, NG, s_xb, s_xt, s_dyb, s_dyt,
+                       D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                       TILES: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """Backward, pass 1, over ``TILES`` consecutive ``[BT, BD]`` tiles of time: per tile ``da = dy * silu'(pre)``
+    (stored, with SiLU, in dy's dtype and layout ``[B, T, D]``); summed over the tiles, this program's fp32
+    partials ``dw[:, i] = sum_s da[s] x[s - W + 1 + i]``, ``db = sum_s da[s]`` (``dw [B * NG, D, W]``,
+    ``db [B * NG, D]``, NG = the tile groups per sequence). The shifted x tiles of the sums are the ones the
+    pre-activation just loaded: they come from cache."""
+    i_d, i_g, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_d = i_d * BD + tl.arange(0, BD)
-    o_t = i_t * BT + tl.arange(0, BT)
     m_d = o_d < D
-    m = (o_t < T)[:, None] & m_d[None, :]
     p_x = x + i_b.to(tl.int64) * s_xb
-    b_da = tl.load(dy + i_b.to(tl.int64) * s_dyb + o_t[:, None] * s_dyt + o_d[None, :], mask=m,
-                   other=0.0).to(tl.float32)
-    if SILU:
-        pre = _tap_sum(p_x, s_xt, w, o_t, o_d, m_d, T, W, False)
+    o_w = tl.arange(0, WP)
+    acc_w = tl.zeros([BD, WP], dtype=tl.float32)  # column i: tap i's partial
+    acc_b = tl.zeros([BD], dtype=tl.float32)
+    for j in range(TILES):
+        o_t = (i_g * TILES + j) * BT + tl.arange(0, BT)
+        m = (o_t < T)[:, None] & m_d[None, :]
+        b_da = tl.load(dy + i_b.to(tl.int64) * s_dyb + o_t[:, None] * s_dyt + o_d[None, :], mask=m,
+                       other=0.0).to(tl.float32)
+        if SILU:
+            pre = _tap_sum(p_x, s_xt, w, o_t, o_d, m_d, T, W, False)
+            if HAS_BIAS:
+                pre += tl.load(b + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
+            sig = tl.sigmoid(pre)
+            b_da = b_da * sig * (1 + pre * (1 - sig))
+            p_da = da + i_b.to(tl.int64) * T * D + o_t[:, None] * D + o_d[None, :]
+            tl.store(p_da, b_da.to(da.dtype.element_ty), mask=m)
+        for i in tl.static_range(W):
+            o_x = o_t + (i - W + 1)
+            m_x = ((o_x >= 0) & (o_x < T))[:, None] & m_d[None, :]
+            xi = tl.load(p_x + o_x[:, None] * s_xt + o_d[None, :], mask=m_x, other=0.0).to(tl.float32)
+            acc_w += tl.where(o_w[None, :] == i, tl.sum(b_da * xi, 0)[:, None], 0.0)
         if HAS_BIAS:
-            pre += tl.load(b + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
-        sig = tl.sigmoid(pre)
-        b_da = b_da * sig * (1 + pre * (1 - sig))
-        p_da = da + i_b.to(tl.int64) * T * D + o_t[:, None] * D + o_d[None, :]
-        tl.store(p_da, b_da.to(da.dtype.element_ty), mask=m)
-    i_part = (i_b * NT + i_t).to(tl.int64)
-    for i in tl.static_range(W):
-        o_x = o_t + (i - W + 1)
-        m_x = ((o_x >= 0) & (o_x < T))[:, None] & m_d[None, :]
-        xi = tl.load(p_x + o_x[:, None] * s_xt + o_d[None, :], mask=m_x, other=0.0).to(tl.float32)
-        tl.store(dw + i_part * D * W + o_d * W + i, tl.sum(b_da * xi, 0), mask=m_d)
+            acc_b += tl.sum(b_da, 0)
+    i_part = (i_b * NG + i_g).to(tl.int64)
+    tl.store(dw + i_part * D * W + o_d[:, None] * W + o_w[None, :], acc_w, mask=m_d[:, None] & (o_w < W)[None, :])
     if HAS_BIAS:
-        tl.store(db + i_part * D + o_d, tl.sum(b_da, 0), mask=m_d)
+        tl.store(db + i_part * D + o_d, acc_b, mask=m_d)
 
 
 def _causal_conv_bwd_input_kernel(da, w, dx, T, s_dab, s_dat, s_dxb, s_dxt,
@@ -130,7 +142,8 @@ def _kernels():
                                            _causal_conv_bwd_input_kernel)]
         if not interpreting():  # the interpreter runs one configuration
             configs = [triton.Config({"BD": bd}, num_warps=nw) for bd in (32, 64, 128, 256) for nw in (4, 8)]
-            kernels = [triton.autotune(configs, key=["D", "W"])(k) for k in kernels]
+            keys = (["D", "W"], ["D", "W", "TILES"], ["D", "W"])
+            kernels = [triton.autotune(configs, key=key)(k) for k, key in zip(kernels, keys)]
         _KERNELS = tuple(kernels)
     return _KERNELS
 
@@ -160,17 +173,19 @@ class _CausalConv(torch.autograd.Function):
         Bsz, T, D = x.shape
         W = weight.shape[-1]
         NT = -(-T // BT)
+        tiles = TILES_PER_PROGRAM
+        NG = -(-NT // tiles)
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
         _, bwd_weight, bwd_input = _kernels()
         # without SiLU, da is dy itself; with it, pass 1 writes da (dy's dtype: what fla's backward reads too)
         da = torch.empty(Bsz, T, D, dtype=dy.dtype, device=x.device) if ctx.silu else dy
-        dw = torch.empty(Bsz * NT, D, W, dtype=torch.float32, device=x.device)
-        db = torch.empty(Bsz * NT, D, dtype=torch.float32, device=x.device) if bias is not None else None
+        dw = torch.empty(Bsz * NG, D, W, dtype=torch.float32, device=x.device)
+        db = torch.empty(Bsz * NG, D, dtype=torch.float32, device=x.device) if bias is not None else None
+        bwd_weight[lambda meta: (-(-D // meta["BD"]), NG, Bsz)](
+            x, weight, bias, dy, da, dw, db, T, NG, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), D=D, W=W,
+            WP=1 << (W - 1).bit_length(), BT=BT, TILES=tiles, HAS_BIAS=bias is not None, SILU=ctx.silu, **_launch_args(D))
         grid = lambda meta: (-(-D // meta["BD"]), NT, Bsz)  # noqa: E731
-        bwd_weight[grid](x, weight, bias, dy, da, dw, db, T, NT, x.stride(0), x.stride(1), dy.stride(0),
-                         dy.stride(1), D=D, W=W, BT=BT, HAS_BIAS=bias is not None, SILU=ctx.silu,
-                         **_launch_args(D))
         dx = torch.empty(Bsz, T, D, dtype=x.dtype, device=x.device)
         bwd_input[grid](da, weight, dx, T, da.stride(0), da.stride(1), dx.stride(0), dx.stride(1),
                         D=D, W=W, BT=BT, **_launch_args(D))

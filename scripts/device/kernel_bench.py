@@ -5,8 +5,9 @@ and the time that takes at the H200's ~4.8 TB/s (the memory floor).
     python scripts/device/kernel_bench.py [--ops conv norm ce] [--micro-batch 64] [--out kernel_bench.jsonl]
 
 conv: the short conv + SiLU (hybridlm/ops/causal_conv.py against fla's causal_conv1d), x a strided slice of the
-projection as the mixers pass it. norm: the residual-add RMSNorm (hybridlm/ops/rms_norm.py against fla's
-rms_norm with ``residual=``). ce: the cross-entropy of one chunk of LM-head logits with its gradient
+projection as the mixers pass it, for each ``--conv-tiles`` of the backward's pass 1. norm: the residual-add
+RMSNorm (hybridlm/ops/rms_norm.py against fla's rms_norm with ``residual=``), and Mamba2's output stage
+(hybridlm/ops/gated_norm.py against ``addcmul`` + fla's grouped gated norm). ce: the cross-entropy of one chunk of LM-head logits with its gradient
 (hybridlm/ops/cross_entropy.py, one launch, against fla's fused cross-entropy forward + backward), also for
 each sweep block and warp count of the project's kernel (``--ce-configs``).
 (Until session 17 this script was scripts/device/conv_bench.py, which ran the conv part.)
@@ -49,7 +50,8 @@ def _floor(row: dict, nbytes: int, ours: str, peer: str) -> dict:
 def bench_conv(args) -> list:
     from fla.modules.convolution import causal_conv1d
 
-    from hybridlm.ops.causal_conv import causal_conv
+    import hybridlm.ops.causal_conv as conv
+    causal_conv, default_tiles = conv.causal_conv, conv.TILES_PER_PROGRAM
     rows = []
     for name, D, proj in CONV_SHAPES:
         torch.manual_seed(0)
@@ -71,7 +73,16 @@ def bench_conv(args) -> list:
                 fn(xg).backward(dy)
                 xg.grad = weight.grad = None
             row[f"{kname}_fwd_ms"] = timed(fwd, args.iters)
-            row[f"{kname}_fwd_bwd_ms"] = timed(fwd_bwd, args.iters)
+            if kname == "project":  # each count of time tiles per program of the backward's pass 1
+                tiles = {}
+                for n in args.conv_tiles:
+                    conv.TILES_PER_PROGRAM = n
+                    tiles[n] = timed(fwd_bwd, args.iters)
+                conv.TILES_PER_PROGRAM = default_tiles
+                best = min(tiles, key=tiles.get)
+                row.update({"project_tiles_ms": tiles, "project_best_tiles": best, "project_fwd_bwd_ms": tiles[best]})
+            else:
+                row[f"{kname}_fwd_bwd_ms"] = timed(fwd_bwd, args.iters)
         # forward reads x and writes y; backward reads x and dy and writes dx
         rows.append(_floor(row, 5 * args.micro_batch * args.seq * D * 2, "project", "fla"))
     return rows
@@ -179,6 +190,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--ce-configs", nargs="+", default=[(2048, 4), (4096, 8), (8192, 8), (8192, 16)],
                    type=lambda s: tuple(int(v) for v in s.split("x")), help="BLOCK_VxNUM_WARPS of the ce kernel")
+    p.add_argument("--conv-tiles", nargs="+", type=int, default=[1, 4, 8],
+                   help="time tiles per program of the conv backward's pass 1 (hybridlm/ops/causal_conv.py)")
     p.add_argument("--out", default=None, help="append the JSON lines here too")
     args = p.parse_args()
     for op in args.ops:
