@@ -28,8 +28,8 @@ from hybridlm.ops.triton_launch import interpreting
 
 BT = 64  # rows of time per tile (fixed: the partial-gradient buffers are sized by it)
 # time tiles per program of the backward's pass 1, whose fp32 weight-gradient partials (one row per program) are
-# summed after: more tiles, fewer partials to write and sum. scripts/device/kernel_bench.py --conv-tiles sweeps it;
-# 1 is what BENCHMARKS.md's figures up to session 18 ran.
+# summed after: more tiles, fewer partials to write and sum. scripts/device/kernel_bench.py --conv-tiles sweeps it.
+# BENCHMARKS.md's figures up to session 18 ran one tile per program, before this loop existed (not yet measured).
 TILES_PER_PROGRAM = 1
 
 # bound on first use (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
