@@ -158,6 +158,13 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=1)).item()
 
 
+def kernel_case_row(got, want, **fields) -> dict:
+    """One interpreter case's JSON row: the kernel's outputs and gradients against the twin's (their count, each one's
+    :func:`max_rel_err`, and whether dtypes and shapes agree), plus ``fields``."""
+    return {**fields, "n": len(got), "n_want": len(want), "errors": [max_rel_err(g, w) for g, w in zip(got, want)],
+            "dtypes_ok": all(g.dtype == w.dtype and g.shape == w.shape for g, w in zip(got, want))}
+
+
 def save_tiny_llama(out, num_layers: int = 4):
     """A tiny random LlamaForCausalLM with the real Llama-3.2 tokenizer, saved as a teacher directory."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from conftest import interpreter_rounds_like_gpu, interpreter_run_of, max_rel_err
+from conftest import interpreter_rounds_like_gpu, interpreter_run_of, kernel_case_row
 from hybridlm.ops.causal_conv import causal_conv_reference
 from hybridlm.ops.elementwise import short_conv
 
@@ -82,9 +82,7 @@ def run_kernel_cases() -> list:
             x, weight, b, silu, dy = _inputs(case, seed)
             want = _grads(causal_conv_reference, x, weight, b, silu, dy)
             got = _grads(conv.causal_conv, x, weight, b, silu, dy)
-            errs = [max_rel_err(g, w) for g, w in zip(got, want)]
-            rows.append({"case": repr(case), "tiles": tiles, "bf16": case[6] == BF16, "errors": errs, "n": len(got),
-                         "bias": case[4], "dtypes_ok": all(g.dtype == w.dtype for g, w in zip(got, want))})
+            rows.append(kernel_case_row(got, want, case=repr(case), tiles=tiles, bf16=case[6] == BF16, bias=case[4]))
     return rows
 
 

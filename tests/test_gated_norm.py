@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import interpreter_rounds_like_gpu, interpreter_run_of, max_rel_err
+from conftest import interpreter_rounds_like_gpu, interpreter_run_of, kernel_case_row
 from hybridlm.ops.elementwise import skip_gated_rms_norm
 from hybridlm.ops.gated_norm import gated_norm_skip_reference
 
@@ -100,9 +100,7 @@ def run_kernel_cases() -> list:
         inputs = _inputs(case, seed)
         want = _grads(_twin, *inputs)
         got = _grads(lambda y, x, D, z, w, G: gated_norm_skip(y, x, D, z, w, EPS, G), *inputs)
-        rows.append({"case": repr(case), "bf16": case[5] == BF16, "n": len(got),
-                     "errors": [max_rel_err(g, w) for g, w in zip(got, want)],
-                     "dtypes_ok": all(g.dtype == w.dtype and g.shape == w.shape for g, w in zip(got, want))})
+        rows.append(kernel_case_row(got, want, case=repr(case), bf16=case[5] == BF16))
     return rows
 
 

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from conftest import interpreter_rounds_like_gpu, interpreter_run_of, max_rel_err
+from conftest import interpreter_rounds_like_gpu, interpreter_run_of, kernel_case_row
 from hybridlm.ops.elementwise import add_rms_norm, rms_norm
 from hybridlm.ops.rms_norm import rms_norm_reference
 
@@ -120,9 +120,7 @@ def run_kernel_cases() -> list:
         x, delta, weight, dy, ds = _inputs(case, seed)
         want = _grads(_twin, x, delta, weight, dy, ds)
         got = _grads(kernel, x, delta, weight, dy, ds)
-        rows.append({"case": repr(case), "bf16": case[4] == BF16, "n": len(got), "n_want": len(want),
-                     "errors": [max_rel_err(g, w) for g, w in zip(got, want)],
-                     "dtypes_ok": all(g.dtype == w.dtype and g.shape == w.shape for g, w in zip(got, want))})
+        rows.append(kernel_case_row(got, want, case=repr(case), bf16=case[4] == BF16))
     return rows
 
 
