@@ -307,6 +307,15 @@ def merge(paths: Sequence[str], out: Path) -> Dict[str, Any]:
     return merged
 
 
+# --<op>-kernel switches (hybridlm/ops/backend.py set_kernel_source): what the op is, ours, fla's
+KERNEL_SWITCHES = {
+    "conv": ("the mixers' short convs", "hybridlm/ops/causal_conv.py", "fla's causal_conv1d"),
+    "norm": ("the RMSNorms, residual-add RMSNorms and Mamba2's output stage",
+             "hybridlm/ops/rms_norm.py and hybridlm/ops/gated_norm.py", "fla's rms_norm and grouped gated norm"),
+    "loss": ("the LM-head cross-entropy", "hybridlm/ops/cross_entropy.py", "fla's fused cross-entropy"),
+}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pretrain.train_speed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -341,15 +350,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ours: Mamba2's SSD inputs (dt softplus, decay, the scaled and head-broadcast B and C) "
                         "through torch.compile on the Triton path (hybridlm/ops/mamba2_inputs.py; off, the default, "
                         "is the eager ops)")
-    p.add_argument("--conv-kernel", choices=KERNEL_SOURCES, default="project",
-                   help="ours: the Triton kernel of the mixers' short convs (project: hybridlm/ops/causal_conv.py, "
-                        "fla: fla's causal_conv1d)")
-    p.add_argument("--norm-kernel", choices=KERNEL_SOURCES, default="project",
-                   help="ours: the Triton kernel of the RMSNorms and residual-add RMSNorms (project: "
-                        "hybridlm/ops/rms_norm.py, fla: fla's rms_norm)")
-    p.add_argument("--loss-kernel", choices=KERNEL_SOURCES, default="project",
-                   help="ours: the Triton kernel of the LM-head cross-entropy (project: hybridlm/ops/cross_entropy.py, "
-                        "fla: fla's fused cross-entropy)")
+    for op, (what, ours, theirs) in KERNEL_SWITCHES.items():
+        p.add_argument(f"--{op}-kernel", choices=KERNEL_SOURCES, default="project",
+                       help=f"ours: the Triton kernel of {what} (project: {ours}, fla: {theirs})")
     p.add_argument("--compare-to", default=None,
                    help="a train_speed.json (e.g. of one GPU): adds each entry's tokens/s ratio to it")
     p.add_argument("--run-dir", default=None, help="where the runs' metrics go (default: a temp dir, removed)")
@@ -370,9 +373,8 @@ def main(argv=None) -> Dict[str, Any]:
 
     t0 = time.perf_counter()
     Mamba2.compile_ssd_inputs = args.mamba2_compile_inputs == "on"  # process-wide switches: this run's settings
-    set_kernel_source("conv", args.conv_kernel)
-    set_kernel_source("norm", args.norm_kernel)
-    set_kernel_source("loss", args.loss_kernel)
+    for op in KERNEL_SWITCHES:
+        set_kernel_source(op, getattr(args, f"{op}_kernel"))
     dist = init_distributed()
     world, main_rank, device = dist.world_size, dist.rank == 0, dist.device
     cuda = device.type == "cuda"
@@ -396,8 +398,8 @@ def main(argv=None) -> Dict[str, Any]:
         **versions(), "seq_len": args.seq, "micro_batch": None if args.find_max_batch else args.micro_batch,
         "find_max_batch": args.find_max_batch, "steps": args.steps, "warmup": args.warmup,
         "precision": args.precision, "peak_tflops_per_gpu": args.peak_tflops, "flop_formula": F.FORMULA,
-        "mamba2_compile_inputs": args.mamba2_compile_inputs, "conv_kernel": args.conv_kernel,
-        "norm_kernel": args.norm_kernel, "loss_kernel": args.loss_kernel,
+        "mamba2_compile_inputs": args.mamba2_compile_inputs,
+        **{f"{op}_kernel": getattr(args, f"{op}_kernel") for op in KERNEL_SWITCHES},
         "model_override": args.model_override, "data": str(data_dir), "command": " ".join(sys.argv),
         "started": datetime.now(timezone.utc).isoformat(),
         "entries": [],

@@ -91,8 +91,9 @@ def use_triton_elementwise(backend: str, x: torch.Tensor) -> bool:
 # Where the project has its own Triton kernel for an op that fla also has, which one the Triton path runs: the
 # project's (the default) or fla's. Process-wide switches (pretrain.train_speed --conv-kernel / --norm-kernel /
 # --loss-kernel) for measuring both. conv: hybridlm/ops/causal_conv.py against fla's causal_conv1d; norm:
-# hybridlm/ops/rms_norm.py against fla's rms_norm (the plain and the residual-add RMSNorm; the gated norms stay
-# fla's); loss: hybridlm/ops/cross_entropy.py against fla's fused cross-entropy.
+# hybridlm/ops/rms_norm.py against fla's rms_norm (the plain and the residual-add RMSNorm) and
+# hybridlm/ops/gated_norm.py against fla's grouped gated norm (Mamba2; GDN / KDA's per-head gated norm stays fla's);
+# loss: hybridlm/ops/cross_entropy.py against fla's fused cross-entropy.
 KERNEL_SOURCES = ("project", "fla")
 _kernel_source = {"conv": "project", "norm": "project", "loss": "project"}
 

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from hybridlm.ops.triton_launch import interpreting
+from hybridlm.ops.triton_launch import interpreting, next_power_of_2
 
 BT = 64  # rows of time per tile (fixed: the partial-gradient buffers are sized by it)
 # time tiles per program of the backward's pass 1, whose fp32 weight-gradient partials (one row per program) are
@@ -184,7 +184,7 @@ class _CausalConv(torch.autograd.Function):
         db = torch.empty(Bsz * NG, D, dtype=torch.float32, device=x.device) if bias is not None else None
         bwd_weight[lambda meta: (-(-D // meta["BD"]), NG, Bsz)](
             x, weight, bias, dy, da, dw, db, T, NG, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), D=D, W=W,
-            WP=1 << (W - 1).bit_length(), BT=BT, TILES=tiles, HAS_BIAS=bias is not None, SILU=ctx.silu, **_launch_args(D))
+            WP=next_power_of_2(W), BT=BT, TILES=tiles, HAS_BIAS=bias is not None, SILU=ctx.silu, **_launch_args(D))
         grid = lambda meta: (-(-D // meta["BD"]), NT, Bsz)  # noqa: E731
         dx = torch.empty(Bsz, T, D, dtype=x.dtype, device=x.device)
         bwd_input[grid](da, weight, dx, T, da.stride(0), da.stride(1), dx.stride(0), dx.stride(1),

@@ -18,6 +18,7 @@ from hybridlm.ops.gated_norm import gated_norm_skip
 from hybridlm.ops.rms_norm import rms_norm_kernel
 from hybridlm.ops.swiglu_packed import swiglu_packed_kernel
 
+
 def _project_norm(x: torch.Tensor) -> bool:
     """The project's norm kernels (hybridlm/ops/rms_norm.py) on the Triton path, except for a decode step's few
     rows: the captured decode step was measured with fla's (docs/decoding.md), ours only at training shapes."""

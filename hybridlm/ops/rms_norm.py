@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from hybridlm.ops.triton_launch import interpreting, persistent_programs
+from hybridlm.ops.triton_launch import interpreting, next_power_of_2, persistent_programs
 
 tl = None  # bound on first use (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
 _KERNELS = None
@@ -113,12 +113,11 @@ class _RMSNorm(torch.autograd.Function):
         y = torch.empty_like(x2)
         s = torch.empty_like(x2) if d2 is not None else x2
         rstd = torch.empty(R, dtype=torch.float32, device=x.device)
-        import triton
-        BD = triton.next_power_of_2(D)
         _kernels()[0][lambda meta: (-(-R // meta["BR"]),)](
-            x2, d2, weight, y, s, rstd, R, eps, D=D, BD=BD, HAS_DELTA=d2 is not None, **_launch_args())
+            x2, d2, weight, y, s, rstd, R, eps, D=D, BD=next_power_of_2(D), HAS_DELTA=d2 is not None,
+            **_launch_args())
         ctx.save_for_backward(s, weight, rstd)
-        ctx.has_delta, ctx.BD = delta is not None, BD
+        ctx.has_delta = delta is not None
         # without a delta, s is x itself: only y is returned
         return (y.view(shape), s.view(shape)) if ctx.has_delta else y.view(shape)
 
@@ -131,7 +130,7 @@ class _RMSNorm(torch.autograd.Function):
         dx = torch.empty_like(s)
         P = persistent_programs(s.device, R, PROGRAMS_PER_SM)
         dw = torch.empty(P, D, dtype=torch.float32, device=s.device)
-        _kernels()[1][(P,)](s, weight, rstd, dy2, ds2, dx, dw, R, D=D, BD=ctx.BD, HAS_DS=ds2 is not None,
+        _kernels()[1][(P,)](s, weight, rstd, dy2, ds2, dx, dw, R, D=D, BD=next_power_of_2(D), HAS_DS=ds2 is not None,
                             **_launch_args())
         dx = dx.view(dy.shape)
         return dx, (dx if ctx.has_delta else None), dw.sum(0).to(weight.dtype), None

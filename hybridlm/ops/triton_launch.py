@@ -12,6 +12,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (a block that covers a dimension), without importing triton on the hot path."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def rows_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` as ``[R, C]`` without a copy where its rows are evenly strided (a GEMM's output or a slice of it is)."""
     t2 = t.reshape(-1, t.shape[-1])
