@@ -4,8 +4,7 @@
 2. The Triton kernel through the interpreter (``TRITON_INTERPRET=1``, a subprocess) against the twin: losses,
    the gradient written over the logits (fp32 to ~1e-6, bf16 within a rounding), and the logits left untouched
    without ``write_grad``. Cases cover a vocabulary that is not a multiple of the sweep block, ignored rows,
-   labels on the first and last column, large logits (the online max must not overflow), and one program per
-   row as well as fewer programs that loop over the rows.
+   labels on the first and last column, and large logits (the online max must not overflow).
 The chunked loss that calls it is tested in tests/test_model.py (through the interpreter); the compiled kernel
 on a GPU in tests/gpu/test_loss_and_norm_kernels_gpu.py.
 """
@@ -44,28 +43,23 @@ def test_twin_equals_torch_cross_entropy_and_its_gradient(case):
     assert losses[0] == 0 and grad[0].abs().max() == 0  # the ignored row
 
 
-PROGRAMS = (0, 2)  # one program per row; two that loop over the rows
-
-
 def run_kernel_cases() -> list:
-    import hybridlm.ops.cross_entropy as ce
+    from hybridlm.ops.cross_entropy import cross_entropy_kernel
     interpreter_rounds_like_gpu()
     rows = []
-    for programs in PROGRAMS:
-        ce.PROGRAMS = programs
-        for seed, case in enumerate(CASES):
-            logits, target, inv_n = _inputs(case, seed)
-            want_losses, want_grad = cross_entropy_reference(logits, target, inv_n)
-            kept = logits.clone()
-            only_losses = ce.cross_entropy_kernel(kept, target, inv_n, write_grad=False)
-            buf = logits.clone()
-            losses = ce.cross_entropy_kernel(buf, target, inv_n, write_grad=True)
-            rows.append({"case": repr(case), "programs": programs, "bf16": case[2] == torch.bfloat16,
-                         "loss_err": max_rel_err(losses, want_losses),
-                         "loss_only_err": max_rel_err(only_losses, want_losses),
-                         "grad_err": max_rel_err(buf, want_grad) / max(1e-30, want_grad.abs().max().item()),
-                         "untouched": bool(torch.equal(kept, logits)), "dtype_ok": buf.dtype == logits.dtype,
-                         "ignored_row_zero": bool(losses[0] == 0 and buf[0].abs().max() == 0)})
+    for seed, case in enumerate(CASES):
+        logits, target, inv_n = _inputs(case, seed)
+        want_losses, want_grad = cross_entropy_reference(logits, target, inv_n)
+        kept = logits.clone()
+        only_losses = cross_entropy_kernel(kept, target, inv_n, write_grad=False)
+        buf = logits.clone()
+        losses = cross_entropy_kernel(buf, target, inv_n, write_grad=True)
+        rows.append({"case": repr(case), "bf16": case[2] == torch.bfloat16,
+                     "loss_err": max_rel_err(losses, want_losses),
+                     "loss_only_err": max_rel_err(only_losses, want_losses),
+                     "grad_err": max_rel_err(buf, want_grad) / max(1e-30, want_grad.abs().max().item()),
+                     "untouched": bool(torch.equal(kept, logits)), "dtype_ok": buf.dtype == logits.dtype,
+                     "ignored_row_zero": bool(losses[0] == 0 and buf[0].abs().max() == 0)})
     return rows
 
 
@@ -73,7 +67,7 @@ interpreter_run = interpreter_run_of(__file__)
 
 
 def test_kernel_equals_the_twin_in_the_interpreter(interpreter_run):
-    assert len(interpreter_run) == len(CASES) * len(PROGRAMS)
+    assert len(interpreter_run) == len(CASES)
     for r in interpreter_run:
         assert r["untouched"] and r["dtype_ok"] and r["ignored_row_zero"], r
         assert max(r["loss_err"], r["loss_only_err"]) < 1e-6, r

@@ -7,11 +7,12 @@ weight gradient as one fp32 row per tile and tap. On an H200 that backward took 
 (12 layers of [64, 2048, 3072]; 3.4 ms a layer where reading x and dy and writing dx is ~0.5 ms of memory traffic).
 
 :func:`causal_conv` computes the same function (``silu(b + sum_i w[:, i] x[t - W + 1 + i])``, fp32 sums in fla's
-tap order). Backward, pass 1 per ``[BT, BD]`` tile (a program takes ``TILES_PER_PROGRAM`` of them in time): the
+tap order). Backward, pass 1 per ``[BT, BD]`` tile (a program takes :func:`pass1_tiles` of them in time): the
 pre-activation from ``x`` (its shifted tiles come from cache), ``da = dy * silu'(pre)`` stored in dy's dtype, and
-fp32 partials of ``dw`` and ``db`` from the same x tiles (one row per program, summed after); pass 2: ``dx``, the transposed conv of ``da``. A first version did it in one pass, recomputing
-the pre-activation of the ``W - 1`` following rows for every tap instead of storing ``da``: at the Mamba2 shape
-it was slower than fla's (BENCHMARKS.md, "Session 17").
+fp32 partials of ``dw`` and ``db`` from the same x tiles, accumulated element-wise and summed over time once per
+program (one row per program, summed after); pass 2: ``dx``, the transposed conv of ``da``. A first version did
+it in one pass, recomputing the pre-activation of the ``W - 1`` following rows for every tap instead of storing
+``da``: at the Mamba2 shape it was slower than fla's (BENCHMARKS.md, "Session 17").
 
 :func:`causal_conv_reference` is the torch twin the tests hold the kernels to (through Triton's interpreter on
 CPU, compiled on GPU). No cached state: generation's conv continues from a state through
@@ -28,9 +29,18 @@ from hybridlm.ops.triton_launch import interpreting, next_power_of_2
 
 BT = 64  # rows of time per tile (fixed: the partial-gradient buffers are sized by it)
 # time tiles per program of the backward's pass 1, whose fp32 weight-gradient partials (one row per program) are
-# summed after: more tiles, fewer partials to write and sum. scripts/device/kernel_bench.py --conv-tiles sweeps it.
-# BENCHMARKS.md's figures up to session 18 ran one tile per program, before this loop existed (not yet measured).
-TILES_PER_PROGRAM = 1
+# summed after: more tiles, fewer partials to write and fewer sums over time, but fewer programs. 0 picks by width:
+# measured on an H200 at [64, 2048, D] (BENCHMARKS.md, "Session 19"), 32 tiles were fastest at D = 512 and 3,072,
+# one tile at D = 256 (its grid too small otherwise). scripts/device/kernel_bench.py --conv-tiles sweeps it.
+TILES_PER_PROGRAM = 0
+WIDE_TILES, WIDE_FROM = 32, 512
+
+
+def pass1_tiles(D: int, NT: int) -> int:
+    """Time tiles per program of the backward's pass 1 for ``D`` channels and ``NT`` tiles of time."""
+    tiles = TILES_PER_PROGRAM or (WIDE_TILES if D >= WIDE_FROM else 1)
+    return max(1, min(tiles, NT))
+
 
 # bound on first use (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
 tl = None
@@ -83,15 +93,17 @@ def _causal_conv_bwd_weight_kernel(x, w, b, dy, da, dw, db, T, NG, s_xb, s_xt, s
     """Backward, pass 1, over ``TILES`` consecutive ``[BT, BD]`` tiles of time: per tile ``da = dy * silu'(pre)``
     (stored, with SiLU, in dy's dtype and layout ``[B, T, D]``); summed over the tiles, this program's fp32
     partials ``dw[:, i] = sum_s da[s] x[s - W + 1 + i]``, ``db = sum_s da[s]`` (``dw [B * NG, D, W]``,
-    ``db [B * NG, D]``, NG = the tile groups per sequence). The shifted x tiles of the sums are the ones the
-    pre-activation just loaded: they come from cache."""
+    ``db [B * NG, D]``, NG = the tile groups per sequence). The products accumulate element-wise in a
+    ``[BT, WP, BD]`` tile (all taps' shifted x rows in one load, from cache: the pre-activation just read them)
+    and are summed over time once per program: a sum over the tile's rows crosses warps, and one per tap and
+    tile made this pass ~5x its memory time at Mamba2's width."""
     i_d, i_g, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
     p_x = x + i_b.to(tl.int64) * s_xb
     o_w = tl.arange(0, WP)
-    acc_w = tl.zeros([BD, WP], dtype=tl.float32)  # column i: tap i's partial
-    acc_b = tl.zeros([BD], dtype=tl.float32)
+    acc_w = tl.zeros([BT, WP, BD], dtype=tl.float32)  # [:, i, :]: tap i's products
+    acc_b = tl.zeros([BT, BD], dtype=tl.float32)
     for j in range(TILES):
         o_t = (i_g * TILES + j) * BT + tl.arange(0, BT)
         m = (o_t < T)[:, None] & m_d[None, :]
@@ -105,17 +117,17 @@ def _causal_conv_bwd_weight_kernel(x, w, b, dy, da, dw, db, T, NG, s_xb, s_xt, s
             b_da = b_da * sig * (1 + pre * (1 - sig))
             p_da = da + i_b.to(tl.int64) * T * D + o_t[:, None] * D + o_d[None, :]
             tl.store(p_da, b_da.to(da.dtype.element_ty), mask=m)
-        for i in tl.static_range(W):
-            o_x = o_t + (i - W + 1)
-            m_x = ((o_x >= 0) & (o_x < T))[:, None] & m_d[None, :]
-            xi = tl.load(p_x + o_x[:, None] * s_xt + o_d[None, :], mask=m_x, other=0.0).to(tl.float32)
-            acc_w += tl.where(o_w[None, :] == i, tl.sum(b_da * xi, 0)[:, None], 0.0)
+        o_x = o_t[:, None] + (o_w[None, :] - W + 1)  # [BT, WP]: the row tap i multiplies
+        m_x = (((o_x >= 0) & (o_x < T) & (o_w < W)[None, :]))[:, :, None] & m_d[None, None, :]
+        x3 = tl.load(p_x + o_x[:, :, None] * s_xt + o_d[None, None, :], mask=m_x, other=0.0).to(tl.float32)
+        acc_w += x3 * b_da[:, None, :]
         if HAS_BIAS:
-            acc_b += tl.sum(b_da, 0)
+            acc_b += b_da
     i_part = (i_b * NG + i_g).to(tl.int64)
-    tl.store(dw + i_part * D * W + o_d[:, None] * W + o_w[None, :], acc_w, mask=m_d[:, None] & (o_w < W)[None, :])
+    tl.store(dw + i_part * D * W + o_d[None, :] * W + o_w[:, None], tl.sum(acc_w, 0),
+             mask=(o_w < W)[:, None] & m_d[None, :])
     if HAS_BIAS:
-        tl.store(db + i_part * D + o_d, acc_b, mask=m_d)
+        tl.store(db + i_part * D + o_d, tl.sum(acc_b, 0), mask=m_d)
 
 
 def _causal_conv_bwd_input_kernel(da, w, dx, T, s_dab, s_dat, s_dxb, s_dxt,
@@ -142,8 +154,11 @@ def _kernels():
                                            _causal_conv_bwd_input_kernel)]
         if not interpreting():  # the interpreter runs one configuration
             configs = [triton.Config({"BD": bd}, num_warps=nw) for bd in (32, 64, 128, 256) for nw in (4, 8)]
-            keys = (["D", "W"], ["D", "W", "TILES"], ["D", "W"])
-            kernels = [triton.autotune(configs, key=key)(k) for k, key in zip(kernels, keys)]
+            # pass 1 holds [BT, WP, BD] fp32 accumulators: wide channel blocks would spill
+            pass1_configs = [triton.Config({"BD": bd}, num_warps=nw) for bd in (16, 32, 64) for nw in (4, 8)]
+            kernels = [triton.autotune(configs, key=["D", "W"])(kernels[0]),
+                       triton.autotune(pass1_configs, key=["D", "W", "TILES"])(kernels[1]),
+                       triton.autotune(configs, key=["D", "W"])(kernels[2])]
         _KERNELS = tuple(kernels)
     return _KERNELS
 
@@ -173,7 +188,7 @@ class _CausalConv(torch.autograd.Function):
         Bsz, T, D = x.shape
         W = weight.shape[-1]
         NT = -(-T // BT)
-        tiles = TILES_PER_PROGRAM
+        tiles = pass1_tiles(D, NT)
         NG = -(-NT // tiles)
         if dy.stride(-1) != 1:
             dy = dy.contiguous()

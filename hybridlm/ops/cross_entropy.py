@@ -7,10 +7,12 @@ the logits for the log-sum-exp, then autograd runs its backward, which reads the
 At 131k tokens and Llama-3's 128,256-word vocabulary that is 34 GB read twice and written once per step: 31 ms of
 GDN-300M's 520 ms step on an H200 (BENCHMARKS.md, "Session 17").
 
-Here a program computes a row's log-sum-exp in one sweep (an online max and sum per lane), then sweeps the row
-again to write the gradient over the logits in place. A row is 256 KB in bf16: with one program per row, ~2,000
-rows are in flight on an H200 and the second sweep reads HBM again (BENCHMARKS.md, "Session 18"); ``PROGRAMS``
-bounds the rows in flight so that it could come from L2.
+Here one program per row computes the log-sum-exp in one sweep (an online max and sum per lane), then sweeps the
+row again to write the gradient over the logits in place. A row is 256 KB in bf16: with ~2,000 rows in flight on
+an H200 the second sweep reads HBM again, so three passes over the chunk bound it, not the two of its floor.
+Tried and measured slower on an H200 (BENCHMARKS.md, "Session 19"): a bounded number of programs looping over
+the rows so that the second sweep could come from L2 (1.5-2.8x slower: too few loads in flight; the loop alone,
+at one row per program, cost the training step ~5 ms), and a one-exp online update of the first sweep.
 
 :func:`cross_entropy_reference` is the torch twin the tests hold the kernel to.
 """
@@ -24,9 +26,8 @@ tl = None  # bound on first use (triton is imported lazily, as fla is: hybridlm/
 _KERNEL = None
 # columns per sweep step and warps (not autotuned: the kernel writes over its input, so the autotuner's repeated
 # runs would need a copy of the chunk, GiBs at the training shapes); scripts/device/kernel_bench.py sweeps them.
-# PROGRAMS: 0 launches one program per row; n > 0 launches n that loop over the rows, which bounds the rows in
-# flight so that the second sweep of each can come from L2 (not yet measured).
-BLOCK_V, NUM_WARPS, PROGRAMS = 4096, 8, 0
+# 2048 x 4 is ~3 % faster alone, but not in the training step (BENCHMARKS.md, "Session 19").
+BLOCK_V, NUM_WARPS = 4096, 8
 
 
 def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor,
@@ -43,37 +44,34 @@ def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, scale: t
     return losses, grad.to(logits.dtype)
 
 
-def _cross_entropy_kernel(logits, target, losses, scale, R, V, s_row, IGNORE: tl.constexpr, BV: tl.constexpr,
+def _cross_entropy_kernel(logits, target, losses, scale, V, s_row, IGNORE: tl.constexpr, BV: tl.constexpr,
                           WRITE_GRAD: tl.constexpr):
-    """Rows ``pid, pid + P, ...`` (P programs: one per row, or fewer that loop, see ``PROGRAMS``)."""
+    row = tl.program_id(0).to(tl.int64)
+    p = logits + row * s_row
     o = tl.arange(0, BV)
-    pid, n_prog = tl.program_id(0).to(tl.int64), tl.num_programs(0).to(tl.int64)
-    for i in range(0, tl.cdiv(R - tl.program_id(0), tl.num_programs(0))):
-        row = pid + i * n_prog
-        p = logits + row * s_row
-        # sweep 1: per lane a running max and the sum of exp(x - max); finite start so an all-masked lane stays 0
-        m = tl.full([BV], -1e30, dtype=tl.float32)
-        acc = tl.zeros([BV], dtype=tl.float32)
+    # sweep 1: per lane a running max and the sum of exp(x - max); finite start so an all-masked lane stays 0
+    m = tl.full([BV], -1e30, dtype=tl.float32)
+    acc = tl.zeros([BV], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        x = tl.load(p + v0 + o, mask=v0 + o < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        acc = acc * tl.exp(m - m_new) + tl.exp(x - m_new)
+        m = m_new
+    m_row = tl.max(m, 0)
+    lse = m_row + tl.log(tl.sum(acc * tl.exp(m - m_row), 0))
+    label = tl.load(target + row)
+    valid = label != IGNORE
+    safe = tl.where(valid, label, 0)
+    x_label = tl.load(p + safe).to(tl.float32)
+    tl.store(losses + row, tl.where(valid, lse - x_label, 0.0))
+    if WRITE_GRAD:
+        # sweep 2: the gradient over the logits, in place
+        sc = tl.where(valid, tl.load(scale).to(tl.float32), 0.0)
         for v0 in range(0, V, BV):
-            x = tl.load(p + v0 + o, mask=v0 + o < V, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, x)
-            acc = acc * tl.exp(m - m_new) + tl.exp(x - m_new)
-            m = m_new
-        m_row = tl.max(m, 0)
-        lse = m_row + tl.log(tl.sum(acc * tl.exp(m - m_row), 0))
-        label = tl.load(target + row)
-        valid = label != IGNORE
-        safe = tl.where(valid, label, 0)
-        x_label = tl.load(p + safe).to(tl.float32)
-        tl.store(losses + row, tl.where(valid, lse - x_label, 0.0))
-        if WRITE_GRAD:
-            # sweep 2: the gradient over the logits, in place
-            sc = tl.where(valid, tl.load(scale).to(tl.float32), 0.0)
-            for v0 in range(0, V, BV):
-                cols = v0 + o
-                x = tl.load(p + cols, mask=cols < V, other=0.0).to(tl.float32)
-                g = tl.exp(x - lse) * sc - tl.where(cols == safe, sc, 0.0)
-                tl.store(p + cols, g.to(logits.dtype.element_ty), mask=cols < V)
+            cols = v0 + o
+            x = tl.load(p + cols, mask=cols < V, other=0.0).to(tl.float32)
+            g = tl.exp(x - lse) * sc - tl.where(cols == safe, sc, 0.0)
+            tl.store(p + cols, g.to(logits.dtype.element_ty), mask=cols < V)
 
 
 def _kernel():
@@ -97,7 +95,6 @@ def cross_entropy_kernel(logits: torch.Tensor, target: torch.Tensor, scale: torc
     R, V = logits.shape
     losses = torch.empty(R, dtype=torch.float32, device=logits.device)
     block, warps = (16, 1) if interpreting() else (BLOCK_V, NUM_WARPS)
-    grid = (min(R, PROGRAMS) if PROGRAMS > 0 else R,)
-    _kernel()[grid](logits, target.contiguous(), losses, scale.reshape(1).float(), R, V, logits.stride(0),
+    _kernel()[(R,)](logits, target.contiguous(), losses, scale.reshape(1).float(), V, logits.stride(0),
                     IGNORE=ignore_index, BV=block, WRITE_GRAD=write_grad, num_warps=warps)
     return losses

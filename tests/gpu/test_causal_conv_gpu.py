@@ -21,7 +21,7 @@ def _grads(fn, x, weight, bias, dy):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("T", [300, 2048])
-@pytest.mark.parametrize("tiles", [1, 4], ids=["tiles1", "tiles4"])
+@pytest.mark.parametrize("tiles", [1, 4, 32], ids=["tiles1", "tiles4", "tiles32"])
 def test_kernels_match_the_twin_and_fla(dtype, bias, T, tiles, monkeypatch):
     """``tiles``: time tiles per program of the backward's pass 1 (300 rows: 5 tiles, a partial group of 4)."""
     import hybridlm.ops.causal_conv as conv
