@@ -10,9 +10,10 @@ GDN-300M's 520 ms step on an H200 (BENCHMARKS.md, "Session 17").
 Here one program per row computes the log-sum-exp in one sweep (an online max and sum per lane), then sweeps the
 row again to write the gradient over the logits in place. A row is 256 KB in bf16: with ~2,000 rows in flight on
 an H200 the second sweep reads HBM again, so three passes over the chunk bound it, not the two of its floor.
-Tried and measured slower on an H200 (BENCHMARKS.md, "Session 19"): a bounded number of programs looping over
-the rows so that the second sweep could come from L2 (1.5-2.8x slower: too few loads in flight; the loop alone,
-at one row per program, cost the training step ~5 ms), and a one-exp online update of the first sweep.
+Tried on an H200 and dropped (BENCHMARKS.md, "Session 19"): a loop over rows, so that a bounded number of
+programs could keep the rows in flight within L2 for the second sweep. With 132-528 programs it was 1.5-2.8x
+slower (too few loads in flight); even at one row per program the loop cost the training step ~5 ms. A one-exp
+online update of the first sweep ran only together with that loop, so its own effect is unmeasured.
 
 :func:`cross_entropy_reference` is the torch twin the tests hold the kernel to.
 """
