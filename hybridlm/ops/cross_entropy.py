@@ -27,8 +27,9 @@ tl = None  # bound on first use (triton is imported lazily, as fla is: hybridlm/
 _KERNEL = None
 # columns per sweep step and warps (not autotuned: the kernel writes over its input, so the autotuner's repeated
 # runs would need a copy of the chunk, GiBs at the training shapes); scripts/device/kernel_bench.py sweeps them.
-# 2048 x 4 is ~3 % faster alone, but not in the training step (BENCHMARKS.md, "Session 19").
-BLOCK_V, NUM_WARPS = 4096, 8
+# On an H200 2048 x 4 beat 4096 x 8 alone (3.16 against 3.26 ms a chunk) and in GDN-300M's step (29.4 against
+# 32.9 ms of loss kernels, measured with the row loop dropped since): BENCHMARKS.md, "Session 19".
+BLOCK_V, NUM_WARPS = 2048, 4
 
 
 def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor,
