@@ -95,8 +95,9 @@ def _causal_conv_bwd_weight_kernel(x, w, b, dy, da, dw, db, T, NG, s_xb, s_xt, s
     partials ``dw[:, i] = sum_s da[s] x[s - W + 1 + i]``, ``db = sum_s da[s]`` (``dw [B * NG, D, W]``,
     ``db [B * NG, D]``, NG = the tile groups per sequence). The products accumulate element-wise in a
     ``[BT, WP, BD]`` tile (all taps' shifted x rows in one load, from cache: the pre-activation just read them)
-    and are summed over time once per program: a sum over the tile's rows crosses warps, and one per tap and
-    tile made this pass ~5x its memory time at Mamba2's width."""
+    and are summed over time once per program, not once per tap and tile (a sum over a tile's rows crosses
+    warps): at Mamba2's width the conv went from 3.29 to 2.70 ms forward + backward (BENCHMARKS.md,
+    "Session 19"); the pass is still ~3x its memory time."""
     i_d, i_g, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D

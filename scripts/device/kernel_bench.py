@@ -180,7 +180,7 @@ def bench_ce(args) -> list:
     ce.BLOCK_V, ce.NUM_WARPS = default
     best = min(configs, key=configs.get)
     row.update({"project_configs_ms": configs, "project_best": best, "project_fwd_bwd_ms": configs[best]})
-    # the logits read once and the gradient written once (a second read from L2)
+    # the floor: the logits read once and the gradient written once (the second sweep's read from cache)
     return [_floor(row, 2 * R * V * 2, "project", "fla")]
 
 
