@@ -3,7 +3,8 @@
     python -m pretrain.train_speed --out DIR \\
         [--configs gdn_300m kda_300m mamba2_300m gdn_300m_hybrid mamba2_300m_hybrid gdn_1b] \\
         [--peers fla_gdn fla_kda llama] [--micro-batch 32 | --find-max-batch] [--seq 2048] \\
-        [--steps 12] [--warmup 3] [--data data_cache/janeausten-llama3.2] [--peak-tflops 989.5]
+        [--steps 12] [--warmup 3] [--data data_cache/janeausten-llama3.2] [--peak-tflops 989.5] \
+        [--profile 3 [--trace]] [--model-override KEY=VALUE ...] [--optim-override KEY=VALUE ...]
     deepspeed --num_gpus 2 -m pretrain.train_speed --out DIR ...   # ZeRO-1 data parallel
 
 **Ours** is ``pretrain.py``'s job itself: :func:`pretrain.train.prepare_pretraining` (packed shards, the
@@ -25,7 +26,10 @@ autotuning), tokens/s = global tokens per step / that, MFU by :mod:`hybridlm.ben
 ``torch.cuda.max_memory_allocated`` over the measured steps. ``--find-max-batch`` tries
 ``--batch-candidates`` from the largest, each in a fresh model / engine, and measures the largest that
 does not run out of memory. Writes ``DIR/train_speed.json`` and ``DIR/train_speed.png`` after every
-entry; ``--merge A.json B.json --out DIR`` joins reports of separate runs and redraws the chart.
+entry; ``--merge A.json B.json --out DIR`` joins reports of separate runs and redraws the chart. ``--profile N``
+adds each entry's kernel time by category over N more steps; ``--trace`` also writes those steps as a Chrome trace
+with Python stacks (``DIR/trace_<entry>.json.gz``), whose idle gaps ``python -m hybridlm.bench.trace_gaps`` traces
+to the code that ran then.
 On a machine without CUDA everything runs in fp32 on the CPU (fla peers are skipped: Triton).
 """
 from __future__ import annotations
@@ -49,6 +53,7 @@ from hybridlm.bench.common import (DEFAULT_DATA, DEFAULT_SOURCES, DEFAULT_TOKENI
                                    merge_reports, model_section, versions, write_report)
 from hybridlm.bench.peers import PEER_BASE, build_peer
 from hybridlm.bench.profile_step import StepProfiler, format_profile
+from hybridlm.config.loader import deep_merge, parse_override
 from hybridlm.data import DataConfig, PackedBatches, PackedTokens, ensure_prepared, read_meta
 from hybridlm.engine import barrier, init_distributed
 from hybridlm.engine.config import PRECISIONS
@@ -116,11 +121,13 @@ class StepTimer:
         return out
 
 
-def make_profiler(args, device: torch.device):
-    """A StepProfiler over the ``--profile`` steps that follow the timed ones (None without ``--profile``)."""
+def make_profiler(args, device: torch.device, name: str):
+    """A StepProfiler over the ``--profile`` steps that follow the timed ones (None without ``--profile``); with
+    ``--trace`` it also writes them to ``<out>/trace_<name>.json.gz``."""
     if not args.profile:
         return None
-    return StepProfiler(skip=args.warmup + args.steps, active=args.profile, device=device)
+    trace = Path(args.out) / f"trace_{Path(name).stem}.json.gz" if args.trace else None
+    return StepProfiler(skip=args.warmup + args.steps, active=args.profile, device=device, trace_path=trace)
 
 
 def profile_result(profiler) -> Dict[str, Any]:
@@ -146,12 +153,14 @@ def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[s
                 "save_interval": 0, "resume": False, "progress": False, "tensorboard": False, "export": False,
                 "sample_tokens": 0},
     }
+    for item in args.optim_override:
+        sections = deep_merge(sections, parse_override(f"optim.{item}"))
     setup = prepare_pretraining(sections)
     summary = model_summary(setup.config)
     n_mm = F.matmul_params(build_on_meta(setup.config))
     mixers = F.hybrid_mixers(setup.config)
     timer = StepTimer(args.warmup, setup.dist.device, args.steps)
-    profiler = make_profiler(args, setup.dist.device)
+    profiler = make_profiler(args, setup.dist.device, name)
     engine = None
     try:
         engine = build_engine(setup)
@@ -189,7 +198,7 @@ def run_peer(spec: str, mb: int, args, data_dir: Path, device: torch.device) -> 
     bf16 = args.precision != "fp32"  # a peer trains fp32 weights under autocast for either bf16 setting
     batches = PackedBatches(PackedTokens(data_dir, "train"), args.seq, mb, 0, 1, DataConfig.seed)
     timer = StepTimer(args.warmup, device, args.steps)
-    profiler = make_profiler(args, device)
+    profiler = make_profiler(args, device, spec)
     opt = None
     try:
         model.to(device).train()
@@ -344,6 +353,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="peak dense FLOP/s per GPU for MFU (H200 bf16: 989.5)")
     p.add_argument("--model-override", nargs="*", default=[], metavar="KEY=VALUE",
                    help="model keys for every config and peer base, e.g. hidden_size=64")
+    p.add_argument("--optim-override", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="optim keys for ours, e.g. immediate_grad_update=true")
+    p.add_argument("--trace", action="store_true",
+                   help="with --profile: also write each entry's profiled steps as a Chrome trace with Python stacks "
+                        "(trace_<entry>.json.gz beside the report; python -m hybridlm.bench.trace_gaps reads it)")
     p.add_argument("--fla-fused-linear-ce", action="store_true",
                    help="fla peers with fuse_linear_cross_entropy (default: fla's default fuse_cross_entropy)")
     p.add_argument("--mamba2-compile-inputs", choices=("on", "off"), default="off",

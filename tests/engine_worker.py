@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
@@ -120,6 +121,20 @@ def make_config(precision: str = "fp32", **kw):
     return OptimConfig(**base)
 
 
+def first_moment_norm(engine) -> float:
+    """The L2 norm of AdamW's ``exp_avg`` over every rank's partition. After one step from a fresh optimizer it
+    is (1 - beta1) times the norm of the gradient the step used: the clipped one."""
+    from hybridlm.engine import all_reduce_sum
+
+    opt = engine.ds_engine.basic_optimizer
+    local = sum(float(opt.state[p]["exp_avg"].double().square().sum())
+                for g in opt.param_groups for p in g["params"] if "exp_avg" in opt.state[p])
+    return math.sqrt(all_reduce_sum([local])[0])
+
+
+CLIP_TEST = 1e-3  # far below the tiny model's gradient norm: every step clips
+
+
 def run(engine, batches: Sequence[torch.Tensor], rank: int, world: int, poison: Dict[int, Sequence[int]]):
     """Train one step per global batch; ``poison[step_index]`` = rows whose micro-batch gets a NaN loss."""
     results = []
@@ -175,7 +190,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     res2 = run(resumed, batches[args.save_at :], info.rank, info.world_size,
                {k - args.save_at: v for k, v in poison.items()})
 
+    # a step that clips: the first moment must hold the gradient scaled to the global norm CLIP_TEST
+    clipping = Engine(build_model(seed=0), make_config(args.precision, grad_clip=CLIP_TEST), loss_fn)
+    clip_res = run(clipping, batches[:1], info.rank, info.world_size, {})
+
     out = {
+        "clip": {"grad_norm": clip_res[0].grad_norm, "first_moment_norm": first_moment_norm(clipping)},
         "rank": info.rank,
         "world_size": info.world_size,
         "backend": info.backend,
@@ -201,7 +221,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         json.dump(out, f)
     engine.ds_engine.destroy()
     resumed.ds_engine.destroy()
-    del engine, resumed
+    clipping.ds_engine.destroy()
+    del engine, resumed, clipping
     close(args.out, info.rank)
 
 

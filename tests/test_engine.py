@@ -182,6 +182,49 @@ def test_bf16_keeps_fp32_master_weights_and_trains():
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-mixed"])
+def test_clipping_scales_the_step_to_the_global_norm(precision):
+    """bf16 ZeRO-1 clips in the engine (hybridlm/engine/clipping.py), the others in DeepSpeed: the same result.
+    After one step from a fresh AdamW its first moment is (1 - beta1) x the clipped gradient."""
+    from hybridlm.engine.engine import clips_in_engine, deepspeed_config
+
+    cfg = W.make_config(precision, grad_clip=W.CLIP_TEST)
+    assert clips_in_engine(cfg) == (precision == "bf16")
+    assert deepspeed_config(cfg, 1)["gradient_clipping"] == (0.0 if precision == "bf16" else W.CLIP_TEST)
+    engine = Engine(W.build_model(seed=0), cfg, W.loss_fn)
+    # nor does DeepSpeed's throughput timer synchronize the device at every forward and step
+    assert engine.ds_engine.tput_timer.config.enabled is False
+    res = engine.train_step(micro(W.global_batches(1, cfg.global_batch_size)[0], engine))
+    assert res.grad_norm > 10 * W.CLIP_TEST  # the norm DeepSpeed reports is the one before clipping
+    assert W.first_moment_norm(engine) == pytest.approx(0.1 * W.CLIP_TEST, rel=1e-3)
+    # below the threshold nothing is scaled: the first moment is 0.1 x the gradient itself
+    loose = Engine(W.build_model(seed=0), W.make_config(precision, grad_clip=1e6), W.loss_fn)
+    res = loose.train_step(micro(W.global_batches(1, cfg.global_batch_size)[0], loose))
+    assert W.first_moment_norm(loose) == pytest.approx(0.1 * res.grad_norm, rel=2e-2 if precision == "bf16" else 1e-3)
+    engine.ds_engine.destroy()
+    loose.ds_engine.destroy()
+
+
+def test_clip_by_global_norm_alone():
+    from hybridlm.engine.clipping import clip_by_global_norm, clip_before_step
+
+    grads = [torch.full((3,), 2.0), torch.full((4,), -1.0)]  # norm sqrt(12 + 4) = 4
+    norm = clip_by_global_norm(grads, 1.0)
+    assert float(norm) == pytest.approx(4.0)
+    assert torch.allclose(torch.cat(grads).norm(), torch.tensor(1.0), atol=1e-5)
+    before = [g.clone() for g in grads]
+    assert float(clip_by_global_norm(grads, 5.0)) == pytest.approx(1.0, abs=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(grads, before))  # x 1 exactly
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="max_norm must be > 0"):
+        clip_before_step(torch.optim.SGD([p], lr=1.0), 0.0)
+    opt = torch.optim.SGD([p], lr=1.0)
+    clip_before_step(opt, 0.5)
+    p.grad = torch.tensor([3.0, 4.0])
+    opt.step()  # the pre-hook scales the gradient to norm 0.5 first
+    assert torch.allclose(p.detach(), torch.tensor([-0.3, -0.4]))
+
+
 def test_bf16_mixed_keeps_fp32_weights_and_runs_the_forward_in_bf16():
     """bf16-mixed: fp32 weights and optimizer, the forward (training and eval) under torch.autocast(bf16)."""
     cfg = W.make_config("bf16-mixed", lr=2e-2, warmup_steps=1, max_steps=12)
@@ -475,6 +518,9 @@ def test_two_rank_zero1_shards_state_and_matches_one_rank(tmp_path, precision):
         assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in d["ckpt_files"] or \
             "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in d["ckpt_files"]
     r0, r1 = ranks
+    # clipping by the norm over both ranks' partitions (bf16: the engine's own clipping, fp32: DeepSpeed's)
+    assert r0["clip"] == r1["clip"] and r0["clip"]["grad_norm"] > 10 * W.CLIP_TEST
+    assert r0["clip"]["first_moment_norm"] == pytest.approx(0.1 * W.CLIP_TEST, rel=1e-3)
     assert r0["params_digest"] == r1["params_digest"]  # replicas bit-identical
     assert r0["losses"][:2] == r1["losses"][:2] and r0["losses"][3:] == r1["losses"][3:]
     # resuming the 2-rank checkpoint in fresh engines continues bitwise identically

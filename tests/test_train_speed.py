@@ -108,7 +108,8 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     env = subprocess_env()
     cmd = [sys.executable, "-m", "pretrain.train_speed", "--out", str(out), "--data", str(austen_data),
            "--configs", "tiny_hybrid", "--peers", "llama:tiny_hybrid", "fla_gdn", "--micro-batch", "2",
-           "--seq", "32", "--steps", "2", "--warmup", "1", "--profile", "2"]
+           "--seq", "32", "--steps", "2", "--warmup", "1", "--profile", "2", "--trace",
+           "--optim-override", "immediate_grad_update=true"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "train_speed.json").read_text())
@@ -140,6 +141,12 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     assert "DeepSpeed ZeRO-1" in ours["recipe"] and "plain PyTorch" in llama["recipe"]
     assert_chart(out / "train_speed.png")
     assert "ours tiny_hybrid" in proc.stdout and "tok/s" in proc.stdout
+    # --trace: each profiled entry's steps as a Chrome trace with Python stacks (a CPU run has no kernels)
+    from hybridlm.bench.trace_gaps import load_events
+    for name in ("tiny_hybrid", "llama:tiny_hybrid"):
+        events = load_events(out / f"trace_{name}.json.gz")
+        frames = [e["name"] for e in events if e.get("cat") == "python_function"]
+        assert any("hybridlm/" in f for f in frames), frames[:5]
 
     from pretrain.train_speed import merge
     merged = merge([str(out / "train_speed.json"), str(out / "train_speed.json")], tmp_path / "merged")

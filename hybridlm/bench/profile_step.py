@@ -8,6 +8,7 @@ first match wins.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -46,11 +47,12 @@ def is_kernel_row(name: str, device_type, is_user_annotation: bool = False) -> b
 class StepProfiler:
     """An ``on_step``-style hook: profiles steps ``skip + 1 .. skip + active`` (1-based) of a run."""
 
-    def __init__(self, skip: int, active: int, device: torch.device):
+    def __init__(self, skip: int, active: int, device: torch.device, trace_path: Optional[Path] = None):
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        self.device, self.active = device, active
+        self.device, self.active, self.trace_path = device, active, trace_path
+        # a trace keeps the Python stacks, so that each wait of the GPU can be traced to the code that ran then
         self.prof = profile(activities=activities, schedule=schedule(wait=skip, warmup=0, active=active, repeat=1),
-                            record_shapes=False)
+                            record_shapes=False, with_stack=trace_path is not None)
         self.prof.__enter__()
         self.steps = 0
         self.closed = False
@@ -67,6 +69,9 @@ class StepProfiler:
         if not self.closed:
             self.prof.__exit__(None, None, None)
             self.closed = True
+            if self.trace_path is not None and self.steps > 0:
+                Path(self.trace_path).parent.mkdir(parents=True, exist_ok=True)
+                self.prof.export_chrome_trace(str(self.trace_path))  # gzipped for a .gz name
 
     def summary(self, top: int = 25) -> Dict[str, Any]:
         """Device time per category (CUDA kernels on a GPU, CPU ops on a CPU) per profiled step, and the top

@@ -42,6 +42,9 @@ class OptimConfig(Section):
     # recompute each block's activations in the backward pass (transformers' gradient checkpointing):
     # about a third more compute for a micro-batch several times larger
     activation_checkpointing: bool = False
+    # bf16: add each parameter's bf16 gradient into its fp32 accumulator from a hook in the backward, as soon as
+    # it is made (DeepSpeed's bf16.immediate_grad_update), rather than in a loop over all parameters after it
+    immediate_grad_update: bool = False
 
     def validate(self, where: str = "optim") -> None:
         super().validate(where)

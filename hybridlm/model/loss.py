@@ -26,6 +26,18 @@ from hybridlm.ops.cross_entropy import cross_entropy_kernel
 IGNORE_INDEX = -100
 
 
+def add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` for an fp32 ``acc``. bf16 ``a``, ``b`` on CUDA: one GEMM that accumulates into ``acc`` in its
+    epilogue. The bf16 product, its fp32 copy and the add cost two passes over the [vocab, hidden] weight gradient
+    per chunk: 6 ms a GDN-300M step on an H200 (BENCHMARKS.md, "Session 20")."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += (a @ b).to(acc.dtype)
+
+
 class ChunkedLinearHead(torch.autograd.Function):
     """The one chunked loop of every loss over the vocabulary (cross-entropy here, KD's KL in
     ``distill/kd_loss.py``, SMART's KL measurement through it): ``logits = hidden @ weight.T`` one chunk of rows
@@ -49,7 +61,7 @@ class ChunkedLinearHead(torch.autograd.Function):
             if need_grad:
                 dlogits = dlogits.to(h.dtype)
                 grad_hidden[start:start + size] = dlogits @ w
-                grad_weight += (dlogits.t() @ h).float()
+                add_product_fp32(grad_weight, dlogits.t(), h)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from tqdm.auto import tqdm
 
 from hybridlm.config.structured import Section, setting
+from hybridlm.data.prefetch import Prefetcher
 from hybridlm.engine import Engine, NonFiniteLossError, StepResult, all_reduce_sum, barrier, is_main
 from hybridlm.training.cold_start import first_step_done, first_step_notice
 from hybridlm.training.preempt import Preempted, PreemptionFlag, preemption_flag
@@ -141,12 +142,19 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
         if main:
             print(f"resumed from {run.checkpoint_dir} at step {engine.global_step}", flush=True)
     logger = MetricsLogger(out, enabled=main, resume_step=engine.global_step, tensorboard=run.tensorboard)
+    signals = ExitStack()
+    # the next step's batches are made while the GPU runs this step's backward; state_dict() is that of the
+    # batches taken (hybridlm/data/prefetch.py)
+    batches = signals.enter_context(Prefetcher(train_batches, pin_memory=engine.device.type == "cuda"))
+
+    def make_next():
+        batches.request(gas)
 
     def save():
         if not checkpoints:
             return
         engine.save_checkpoint(str(run.checkpoint_dir), engine.global_step,
-                               {"data": train_batches.state_dict(), "loop": dict(state), **(client_state or {})},
+                               {"data": batches.state_dict(), "loop": dict(state), **(client_state or {})},
                                keep_last=run.keep_last)
 
     bar = _progress(run.progress and main, max_steps, engine.global_step)
@@ -156,7 +164,6 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
     window_tokens, window_t0 = 0, time.perf_counter()
     last: Dict[str, Any] = {}
     val: Dict[str, float] = {}
-    signals = ExitStack()
     flag = signals.enter_context(preemption_flag())
     say = bar.write if bar is not None else print  # a line that does not break the progress bar
     notice = first_step_notice(engine.device) if main and engine.global_step < max_steps else None
@@ -164,9 +171,9 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
         say(notice)
     try:
         while engine.global_step < max_steps:
-            micro = [next(train_batches) for _ in range(gas)]
+            micro = [next(batches) for _ in range(gas)]
             try:
-                res = engine.train_step(micro)
+                res = engine.train_step(micro, before_optimizer_step=make_next)
             except NonFiniteLossError as e:
                 if not checkpoints:
                     raise

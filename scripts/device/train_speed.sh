@@ -13,7 +13,12 @@
 #   LOSS_KERNEL=fla               ours' LM-head cross-entropy through fla's kernel (--loss-kernel); reports get _flaloss
 #   OVERRIDES="k=v ..."           model keys for ours (--model-override), e.g. "fuse_projections=false
 #                                 fuse_residual_norm=false" for the step without the training fusions
-#   TAG=_suffix                   appended to the report's name (for a run with OVERRIDES)
+#   OPTIM_OVERRIDES="k=v ..."     optim keys for ours (--optim-override), e.g. "immediate_grad_update=true"
+#   TAG=_suffix                   appended to the report's name (for a run with OVERRIDES / OPTIM_OVERRIDES)
+#   TRACE=1                       also a Chrome trace with Python stacks of each entry's profiled steps
+#                                 (trace_<entry>.json.gz; python -m hybridlm.bench.trace_gaps reads it)
+#   CONFIGS="gdn_300m"            only these of the family's configs
+#   PEERS=""                      these peers instead of the family's (empty: none)
 # Reports: $LOGS/speed_<family>/train_speed.{json,png} (+ profile_<entry>.json); join them with --merge.
 set -u
 cd "$(dirname "$0")/../.."
@@ -34,7 +39,9 @@ for fam in ${FAMILIES:-gdn mamba2 kda mb16 1b}; do
     --data data_cache/janeausten-llama3.2 --seq 2048 --steps ${STEPS:-10} --warmup 3 --profile ${PROFILE:-3} \
     --precision "${PRECISION:-bf16}" --mamba2-compile-inputs "${MAMBA2_COMPILE:-off}" \
     --conv-kernel "${CONV_KERNEL:-project}" --norm-kernel "${NORM_KERNEL:-project}" \
-    --loss-kernel "${LOSS_KERNEL:-project}" ${OVERRIDES:+--model-override $OVERRIDES} ${FAMILY[$fam]} > "$LOGS/speed_$tag.log" 2>&1
+    --loss-kernel "${LOSS_KERNEL:-project}" ${OVERRIDES:+--model-override $OVERRIDES} \
+    ${OPTIM_OVERRIDES:+--optim-override $OPTIM_OVERRIDES} $([ "${TRACE:-0}" = 1 ] && echo --trace) \
+    ${FAMILY[$fam]} ${CONFIGS:+--configs $CONFIGS} ${PEERS+--peers $PEERS} > "$LOGS/speed_$tag.log" 2>&1
   echo "[$(date +%T)] train_speed $tag: exit $?"
   grep -E "tok/s|tokens/s|OOM|Error|first step" "$LOGS/speed_$tag.log" | tail -n 8
   pack_out

@@ -144,3 +144,24 @@ def test_chunked_loss_with_either_kernel_agrees():
         set_kernel_source("loss", "project")
     for a, b in zip(results["project"], results["fla"]):
         assert rel_err(a, b) < 1e-2, rel_err(a, b)
+
+
+def test_chunked_loss_gradients_match_full_fp32_logits():
+    """The chunked head in bf16 (the weight gradient accumulated over chunks in fp32 by one GEMM each,
+    hybridlm/model/loss.py ``add_product_fp32``) against torch's cross-entropy of the whole fp32 logits."""
+    from hybridlm.model.loss import linear_cross_entropy
+    torch.manual_seed(1)
+    h = torch.randn(3000, 512, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(32000, 512, device="cuda") * 0.02).to(torch.bfloat16)
+    y = torch.randint(0, 32000, (3000,), device="cuda")
+    y[::7] = -100
+    hl, wl = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    loss = linear_cross_entropy(hl, wl, y, num_chunks=5, triton=True)
+    loss.backward()
+    hr, wr = h.float().requires_grad_(True), w.float().requires_grad_(True)
+    ref = torch.nn.functional.cross_entropy(hr @ wr.t(), y, ignore_index=-100)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-2 * ref.item()
+    assert hl.grad.dtype == wl.grad.dtype == torch.bfloat16
+    assert rel_err(hl.grad, hr.grad) < 1e-2, rel_err(hl.grad, hr.grad)
+    assert rel_err(wl.grad, wr.grad) < 1e-2, rel_err(wl.grad, wr.grad)
