@@ -205,6 +205,27 @@ def test_clipping_scales_the_step_to_the_global_norm(precision):
     loose.ds_engine.destroy()
 
 
+def test_one_rank_bf16_skips_the_all_reduce_and_trains_the_same():
+    """On one rank the bf16 optimizer's gradients need no all-reduce. DeepSpeed's would round the fp32 sums to its
+    bf16 communication dtype and back: a no-op without accumulation (each sum is one bf16 gradient), so skipping
+    it changes no bit there; with accumulation the sums now stay fp32."""
+    cfg = W.make_config("bf16", global_batch_size=2)  # no accumulation
+    assert cfg.gradient_accumulation_steps(1) == 1
+    batches = W.global_batches(3, cfg.global_batch_size)
+    runs = []
+    for skip in (True, False):
+        engine = Engine(W.build_model(seed=0), cfg, W.loss_fn)
+        assert engine.ds_engine.enable_backward_allreduce is False
+        engine.ds_engine.enable_backward_allreduce = not skip
+        res = W.run(engine, batches, 0, 1, {})
+        runs.append(([r.loss for r in res], [r.grad_norm for r in res], W.params_digest(engine.module)))
+        engine.ds_engine.destroy()
+    assert runs[0] == runs[1]
+    fp32 = Engine(W.build_model(seed=0), W.make_config("fp32"), W.loss_fn)
+    assert fp32.ds_engine.enable_backward_allreduce is True  # ZeRO's own optimizer fills its partitions there
+    fp32.ds_engine.destroy()
+
+
 def test_clip_by_global_norm_alone():
     from hybridlm.engine.clipping import clip_by_global_norm, clip_before_step
 

@@ -278,12 +278,19 @@ class Engine:
             config=ds_config,
             dist_init_required=False,
         )
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+        bf16_optimizer = isinstance(self.optimizer, BF16_Optimizer)
         if clips_in_engine(config) and ds_config.get("gradient_clipping") == 0.0:  # not overridden
-            from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-            if not isinstance(self.optimizer, BF16_Optimizer):
+            if not bf16_optimizer:
                 raise RuntimeError(f"Engine: expected DeepSpeed's BF16_Optimizer for bf16 ZeRO-1, got "
                                    f"{type(self.optimizer).__name__}; the engine's clipping assumes it")
             clip_before_step(self.ds_engine.basic_optimizer, config.grad_clip)
+        if bf16_optimizer and self.dist.world_size == 1:
+            # One rank: DeepSpeed's all-reduce of the fp32 gradient sums is a flatten into its bf16 communication
+            # dtype, a reduce over one rank and a copy back (1 ms a GDN-300M step on an H200); it would also round
+            # sums accumulated over micro-batches to bf16. Several ranks communicate in bf16 (DeepSpeed's
+            # communication_data_type).
+            self.ds_engine.enable_backward_allreduce = False
         # DeepSpeed's own loader unpickles with weights_only=False: ours reads tensors and plain data only
         self.ds_engine.checkpoint_engine = _safe_checkpoint_engine(self.ds_engine.checkpoint_engine)
         self.module: nn.Module = self.ds_engine.module
