@@ -82,3 +82,12 @@ def test_short_frame_and_errors(tmp_path, capsys):
     assert json.loads((tmp_path / "r.json").read_text())["gaps"] == 2
     with pytest.raises(SystemExit, match="no such file"):
         main([str(tmp_path / "missing.json")])
+    (tmp_path / "other.json").write_text(json.dumps({"loss": 1.0}))
+    with pytest.raises(SystemExit, match="expected a Chrome trace"):
+        main([str(tmp_path / "other.json")])
+    (tmp_path / "cut.json.gz").write_bytes(gzip.compress(b'{"traceEvents": [{"ph"'))
+    with pytest.raises(SystemExit, match="not a readable JSON trace"):
+        main([str(tmp_path / "cut.json.gz")])
+    (tmp_path / "cpu.json").write_text(json.dumps({"traceEvents": [_x("cpu_op", "aten::mm", 0, 1)]}))
+    with pytest.raises(SystemExit, match="no GPU kernels"):
+        main([str(tmp_path / "cpu.json")])

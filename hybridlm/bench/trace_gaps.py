@@ -28,9 +28,15 @@ _FRAME = re.compile(r"^(?P<path>.*?\.py)\((?P<line>\d+)\): (?P<func>.*)$")
 
 def load_events(path: Path) -> List[Dict[str, Any]]:
     opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
+    try:
+        with opener(path, "rt") as f:
+            data = json.load(f)
+    except (OSError, EOFError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"trace: {path}: not a readable JSON trace ({e})") from None
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise ValueError(f"trace: {path}: expected a Chrome trace (a 'traceEvents' list), got {type(data).__name__}")
+    return events
 
 
 def short_frame(name: str, frames: Sequence[str]) -> str:
@@ -168,7 +174,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = p.parse_args(argv)
     if not args.trace.is_file():
         raise SystemExit(f"trace_gaps: {args.trace}: no such file")
-    report = analyse(load_events(args.trace), args.min_us, args.frames)
+    try:
+        report = analyse(load_events(args.trace), args.min_us, args.frames)
+    except ValueError as e:
+        raise SystemExit(f"trace_gaps: {e}") from None
     print(format_report(report, args.top))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
