@@ -27,6 +27,7 @@ EPS = 1e-6
 
 
 def partition_grads(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """The gradients of the optimizer's parameters (under DeepSpeed: this rank's flat fp32 partitions)."""
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
@@ -34,11 +35,10 @@ def partition_grads(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
 def clip_by_global_norm(grads: List[torch.Tensor], max_norm: float, group: Optional[dist.ProcessGroup] = None,
                         reference: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Scale ``grads`` (this rank's share) so that the L2 norm over every rank's share is at most ``max_norm``;
-    returns that norm (before clipping) without a host sync. ``reference`` gives device and dtype when ``grads``
-    is empty (a rank may own no trainable element)."""
-    like = grads[0] if grads else reference
+    returns that norm (before clipping) without a host sync. ``reference`` gives the device when ``grads`` is
+    empty (a rank may own no trainable element; it still joins the all-reduce)."""
     sq = (torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]).square().sum() if grads
-          else torch.zeros((), dtype=torch.float32, device=like.device))
+          else torch.zeros((), dtype=torch.float32, device=reference.device))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
     norm = sq.sqrt()
