@@ -83,3 +83,15 @@ def test_an_error_arrives_with_the_batch_that_failed():
     pf.close()  # idempotent
     with pytest.raises(RuntimeError, match="after close"):
         next(pf)
+
+
+def test_one_walk_over_the_tensors_of_a_batch():
+    from collections import namedtuple
+
+    from hybridlm.utils.tensors import map_tensors
+    Pair = namedtuple("Pair", "a b")
+    batch = {"ids": torch.ones(2), "more": [torch.zeros(1), (torch.ones(1), "tag")], "pair": Pair(torch.ones(1), 3)}
+    out = map_tensors(lambda t: t + 1, batch)
+    assert torch.equal(out["ids"], torch.full((2,), 2.0)) and torch.equal(out["more"][0], torch.ones(1))
+    assert isinstance(out["more"][1], tuple) and out["more"][1][1] == "tag"
+    assert isinstance(out["pair"], Pair) and torch.equal(out["pair"].a, torch.full((1,), 2.0)) and out["pair"].b == 3

@@ -21,20 +21,14 @@ import queue
 import threading
 from typing import Any, Dict, Optional
 
-import torch
+from hybridlm.utils.tensors import map_tensors
 
 _POLL_S = 0.1
 
 
 def pinned(obj: Any) -> Any:
-    """``obj`` with every CPU tensor in it copied into page-locked memory (dicts, lists and tuples walked)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.pin_memory() if obj.device.type == "cpu" else obj
-    if isinstance(obj, dict):
-        return {k: pinned(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(pinned(v) for v in obj)
-    return obj
+    """``obj`` with every CPU tensor in it copied into page-locked memory."""
+    return map_tensors(lambda t: t.pin_memory() if t.device.type == "cpu" else t, obj)
 
 
 class Prefetcher:

@@ -49,6 +49,7 @@ from hybridlm.engine.distributed import DistInfo, barrier, init_distributed
 from hybridlm.engine.schedule import lr_lambda_from_config
 from hybridlm.utils.atomic import TMP_PREFIX, atomic_write_text
 from hybridlm.utils.faults import kill_in
+from hybridlm.utils.tensors import map_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -118,15 +119,7 @@ def build_param_groups(
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=device.type == "cuda")
-    if isinstance(obj, Mapping):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_to_device(v, device) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return obj
+    return map_tensors(lambda t: t.to(device, non_blocking=device.type == "cuda"), obj)
 
 
 def _scalar(v: Any, device: torch.device) -> torch.Tensor:
