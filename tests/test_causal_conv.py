@@ -97,13 +97,13 @@ def test_kernels_equal_the_twin_in_the_interpreter(interpreter_run):
         assert max(r["errors"]) < (1e-5 if not r["bf16"] else 2e-2), r
 
 
-if __name__ == "__main__":  # python tests/test_causal_conv.py -> one JSON line (TRITON_INTERPRET=1)
-    print(json.dumps(run_kernel_cases()))
-
-
 def test_pass1_takes_many_time_tiles_only_where_the_grid_stays_full():
     import hybridlm.ops.causal_conv as conv
     assert conv.TILES_PER_PROGRAM == 0  # the default picks by width
     assert conv.pass1_tiles(256, 32) == 1  # GDN's narrow q / k width: a whole sequence per program starves the grid
     assert conv.pass1_tiles(3072, 32) == conv.WIDE_TILES == 32
     assert conv.pass1_tiles(1024, 5) == 5  # no more tiles than the sequence has
+
+
+if __name__ == "__main__":  # python tests/test_causal_conv.py -> one JSON line (TRITON_INTERPRET=1)
+    print(json.dumps(run_kernel_cases()))
