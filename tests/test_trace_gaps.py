@@ -91,3 +91,36 @@ def test_short_frame_and_errors(tmp_path, capsys):
     (tmp_path / "cpu.json").write_text(json.dumps({"traceEvents": [_x("cpu_op", "aten::mm", 0, 1)]}))
     with pytest.raises(SystemExit, match="no GPU kernels"):
         main([str(tmp_path / "cpu.json")])
+
+
+def test_the_other_views_of_a_trace():
+    from hybridlm.bench.trace_gaps import (Trace, frame_times, gaps_by_step, host_frames_at_gaps, host_waits,
+                                           kernel_sources)
+    events = _trace() + [_x("cuda_runtime", "cudaStreamSynchronize", 300, 35, correlation=99)]
+    tr = Trace(events)
+    # what the main thread ran at each gap's middle (120 and 225): the optimizer's loop, under the step
+    (row,) = host_frames_at_gaps(tr, min_us=5, depth=2)
+    assert row == {"frames": "train_step > update_hp_grads", "gaps": 2, "idle_ms": pytest.approx(0.190)}
+    # the kernels named add_kernel, by grid and launching code
+    (k,) = kernel_sources(tr, "add_kernel")
+    assert k["kernels"] == 2 and k["ms"] == pytest.approx(0.050) and k["launched_by"].startswith(
+        "deepspeed/runtime/bf16_optimizer.py:523 _update_hp_grad < deepspeed/runtime/bf16_optimizer.py:532")
+    (w,) = host_waits(tr)
+    assert w["calls"] == 1 and w["ms"] == pytest.approx(0.035) and w["call"].startswith("cudaStreamSynchronize | ")
+    (st,) = gaps_by_step(tr, first_ms=0.1)
+    assert st["gaps"] == 2 and st["early_gaps"] == 1 and st["early_idle_ms"] == pytest.approx(0.060)
+    (f,) = frame_times(tr, events, "update_hp_grads")
+    assert f["main_thread"] and f["step"] == "ProfilerStep#7" and f["at_ms"] == pytest.approx(0.1) and f["ms"] == 0.2
+
+
+def test_the_cli_prints_every_view(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": _trace()}))
+    main([str(path), "--host-frames", "2", "--kernels", "add_kernel", "--host-waits", "--step-start", "60",
+          "--frame-times", "_update_hp_grad", "--json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    for heading in ("idle by the host's frames", "kernels holding 'add_kernel'", "synchronising calls",
+                    "ProfilerStep#7:", "frames holding '_update_hp_grad'"):
+        assert heading in out, heading
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert {"host_frames", "kernels", "host_waits", "steps_detail", "frame_times"} <= set(saved)
