@@ -11,7 +11,7 @@
 rank-sharded ``PackedBatches`` loader), :func:`pretrain.train.build_engine` (the model in the DeepSpeed
 ZeRO-1 :class:`~hybridlm.engine.Engine`, bf16 weights with fp32 master weights and gradient accumulation,
 fused AdamW, clipping) and the shared :func:`~hybridlm.training.train_loop`, timed through its
-``on_step`` hook (after ``torch.cuda.synchronize()``) with checkpoints off. A config is a model YAML
+``on_step`` hook, which the loop calls once the GPU has finished the step, with checkpoints off. A config is a model YAML
 name from ``configs/models`` (or any model / experiment YAML path; only its model section is used).
 
 **Peers** (one-process runs only): fla's ``GatedDeltaNetForCausalLM`` / ``KDAForCausalLM`` with the
@@ -19,7 +19,9 @@ shapes of our GDN / KDA config (``fla_gdn[:CONFIG]``, default ``gdn_300m``; ``fl
 ``kda_300m``), and transformers' ``LlamaForCausalLM`` (sdpa) with the hidden size, FFN width, block
 count, vocabulary and tying of ``CONFIG`` (``llama[:CONFIG]``, default ``gdn_300m``; heads of 64, a
 quarter as many KV heads). They train as a user would write it: fp32 parameters, bf16 autocast,
-``torch.optim.AdamW(fused=True)``, clipping at 1.0, on the same batches from the same loader.
+``torch.optim.AdamW(fused=True)``, clipping at 1.0, on the same batches from the same loader, reading the
+loss as each step ends; a ``+late`` suffix (``fla_gdn+late``) reads it after the next step is launched, as
+our loop does (its fastest plain loop: the GPU is never left waiting for the host to log).
 
 Per entry: median step time over ``--steps`` steps after ``--warmup`` steps (the first includes Triton
 autotuning), tokens/s = global tokens per step / that, MFU by :mod:`hybridlm.bench.flops`, and peak
@@ -63,6 +65,7 @@ from hybridlm.model.summary import build_on_meta, model_summary
 from hybridlm.ops.backend import KERNEL_SOURCES, set_kernel_source
 from hybridlm.training import train_loop
 from hybridlm.utils.atomic import save_figure
+from hybridlm.utils.readback import Readback
 from pretrain.train import build_engine, prepare_pretraining
 
 DEFAULT_CONFIGS = ["gdn_300m", "kda_300m", "mamba2_300m", "gdn_300m_hybrid", "mamba2_300m_hybrid", "gdn_1b"]
@@ -75,11 +78,14 @@ PRECISION_RECIPE = {"bf16": "bf16 weights, fp32 master + grad accumulation",
 # ----------------------------------------------------------------------------------------- helpers
 
 class StepTimer:
-    """``on_step`` hook: wall time at the end of every step (after a device sync), peak memory from the
-    end of the warm-up on; step ``i``'s time is the gap to step ``i - 1``'s end (data loading included)."""
+    """``on_step`` hook: wall time at the end of every step, peak memory from the end of the warm-up on; step
+    ``i``'s time is the gap to step ``i - 1``'s end (data loading included). ``sync=True`` waits for the device
+    first; a caller whose results were read after the step's work finished (a
+    :class:`~hybridlm.utils.readback.Readback`, as the training loop reads them) passes ``sync=False``: a sync
+    would also wait for the next step, already launched."""
 
-    def __init__(self, warmup: int, device: torch.device, measured: Optional[int] = None):
-        self.warmup, self.device, self.measured = warmup, device, measured
+    def __init__(self, warmup: int, device: torch.device, measured: Optional[int] = None, sync: bool = True):
+        self.warmup, self.device, self.measured, self.sync_each = warmup, device, measured, sync
         self.ends: List[float] = []
         self.tokens: List[int] = []
         self.losses: List[float] = []
@@ -92,7 +98,8 @@ class StepTimer:
         self.record(result.tokens, result.loss)
 
     def record(self, tokens: int, loss: float) -> None:
-        self.sync()
+        if self.sync_each:
+            self.sync()
         self.ends.append(time.perf_counter())
         self.tokens.append(int(tokens))
         self.losses.append(float(loss))
@@ -121,13 +128,22 @@ class StepTimer:
         return out
 
 
-def make_profiler(args, device: torch.device, name: str):
+def make_profiler(args, device: torch.device, name: str, sync: bool = True):
     """A StepProfiler over the ``--profile`` steps that follow the timed ones (None without ``--profile``); with
-    ``--trace`` it also writes them to ``<out>/trace_<name>.json.gz``."""
+    ``--trace`` it also writes them to ``<out>/trace_<name>.json.gz``. ``sync``: as the entry's StepTimer."""
     if not args.profile:
         return None
-    trace = Path(args.out) / f"trace_{Path(name).stem}.json.gz" if args.trace else None
-    return StepProfiler(skip=args.warmup + args.steps, active=args.profile, device=device, trace_path=trace)
+    stem = Path(name).stem.replace("+", "_")  # a file name the device's hand-back takes
+    trace = Path(args.out) / f"trace_{stem}.json.gz" if args.trace else None
+    return StepProfiler(skip=args.warmup + args.steps, active=args.profile, device=device, trace_path=trace,
+                        sync=sync)
+
+
+def steps_to_run(args, late: bool) -> int:
+    """Warm-up, timed and profiled steps, and with the results read one step late one more when profiling: the
+    profiler's window of a step runs from its read to the next one's, so the last profiled step needs a later read
+    (the run's last step is read at once, right after the step before it)."""
+    return args.warmup + args.steps + args.profile + (1 if late and args.profile else 0)
 
 
 def profile_result(profiler) -> Dict[str, Any]:
@@ -146,7 +162,7 @@ def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[s
         "data": {"path": str(data_dir), "seq_len": args.seq, "val_max_batches": 1, "sources": [],
                  "tokenizer": DEFAULT_TOKENIZER},
         "optim": {"micro_batch_size": mb, "global_batch_size": mb * world, "lr": 3.0e-4, "min_lr": 3.0e-5,
-                  "warmup_steps": 0, "max_steps": args.warmup + args.steps + args.profile, "weight_decay": 0.01,
+                  "warmup_steps": 0, "max_steps": steps_to_run(args, late=True), "weight_decay": 0.01,
                   "grad_clip": 1.0, "precision": args.precision, "zero_stage": 1, "seed": 42,
                   "activation_checkpointing": args.activation_checkpointing},
         "run": {"output_dir": str(run_root / f"{Path(name).stem}-mb{mb}"), "log_interval": 1, "eval_interval": 0,
@@ -159,8 +175,9 @@ def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[s
     summary = model_summary(setup.config)
     n_mm = F.matmul_params(build_on_meta(setup.config))
     mixers = F.hybrid_mixers(setup.config)
-    timer = StepTimer(args.warmup, setup.dist.device, args.steps)
-    profiler = make_profiler(args, setup.dist.device, name)
+    # the loop reads each step's results (Readback) once the GPU has finished it, after launching the next step
+    timer = StepTimer(args.warmup, setup.dist.device, args.steps, sync=False)
+    profiler = make_profiler(args, setup.dist.device, name, sync=False)
     engine = None
     try:
         engine = build_engine(setup)
@@ -186,9 +203,18 @@ def resolved_base(name: str, args, data_dir: Path):
     return resolve_model_config(model_section(name, args.model_override), read_meta(data_dir), data_dir)
 
 
+LATE = "+late"  # a peer spec's suffix: its loss read one step late, as our loop reads its results
+
+
+def read_late(spec: str) -> bool:
+    return spec.endswith(LATE)
+
+
 def run_peer(spec: str, mb: int, args, data_dir: Path, device: torch.device) -> Dict[str, Any]:
-    """A peer in the plain loop a user would write: fp32 params, bf16 autocast, fused AdamW, clipping."""
-    kind, _, base_name = spec.partition(":")
+    """A peer in the plain loop a user would write: fp32 params, bf16 autocast, fused AdamW, clipping, the loss
+    read as each step ends (``loss.item()``); with the ``+late`` suffix it is read after the next step is
+    launched, as our training loop reads its results, so the host launches while the GPU works."""
+    kind, _, base_name = spec.removesuffix(LATE).partition(":")
     base = resolved_base(base_name or PEER_BASE[kind], args, data_dir)
     torch.manual_seed(42)
     model, mixers, cfg = build_peer(kind, base, args)
@@ -197,14 +223,22 @@ def run_peer(spec: str, mb: int, args, data_dir: Path, device: torch.device) -> 
     emb = model.get_input_embeddings().weight.numel()
     bf16 = args.precision != "fp32"  # a peer trains fp32 weights under autocast for either bf16 setting
     batches = PackedBatches(PackedTokens(data_dir, "train"), args.seq, mb, 0, 1, DataConfig.seed)
-    timer = StepTimer(args.warmup, device, args.steps)
-    profiler = make_profiler(args, device, spec)
+    late = read_late(spec)
+    timer = StepTimer(args.warmup, device, args.steps, sync=not late)
+    profiler = make_profiler(args, device, spec, sync=not late)
     opt = None
+
+    def finished(tokens: int, loss: Readback) -> None:
+        timer.record(tokens, loss.tolist()[0])
+        if profiler:
+            profiler()
+
     try:
         model.to(device).train()
         opt = torch.optim.AdamW(model.parameters(), lr=3.0e-4, betas=(0.9, 0.95), weight_decay=0.01,
                                 fused=device.type == "cuda")
-        for _ in range(args.warmup + args.steps + args.profile):
+        before = None  # the step launched before this one, its loss not read yet (one step late)
+        for _ in range(steps_to_run(args, late)):
             ids = next(batches)["input_ids"].to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 loss = model(input_ids=ids, labels=ids).loss  # the model shifts the labels itself
@@ -212,13 +246,20 @@ def run_peer(spec: str, mb: int, args, data_dir: Path, device: torch.device) -> 
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            timer.record(ids.numel(), loss.item())
-            if profiler:
-                profiler()
+            this = (ids.numel(), Readback(loss.detach().float().reshape(1)))
+            if not late:
+                finished(*this)
+                continue
+            if before is not None:
+                finished(*before)
+            before = this
+        if before is not None:
+            finished(*before)
     finally:
         del opt, model
     recipe = ("plain PyTorch: fp32 params" + (", bf16 autocast" if bf16 else "") + ", torch AdamW"
-              + (" (fused)" if device.type == "cuda" else "") + ", clip 1.0")
+              + (" (fused)" if device.type == "cuda" else "") + ", clip 1.0"
+              + (", each loss read after the next step is launched" if late else ""))
     return {**profile_result(profiler), "params": params, "non_embedding_params": params - emb, "matmul_params": n_mm,
             "mixers": F.describe(mixers), "flops": F.train_flops_per_token(n_mm, mixers, args.seq),
             "timing": timer.summary(), "precision": args.precision, "recipe": recipe, "peer_config": cfg,
@@ -443,7 +484,7 @@ def main(argv=None) -> Dict[str, Any]:
                         lambda mb, name=name: run_ours(name, mb, args, data_dir, run_root),
                         candidates, catch_oom=world == 1, args=args, world=world))
         for spec in args.peers:
-            kind = spec.split(":")[0]
+            kind = spec.removesuffix(LATE).split(":")[0]
             if kind not in PEER_BASE:
                 raise SystemExit(f"--peers: unknown peer {kind!r}; expected one of {', '.join(PEER_BASE)}")
             entry = {"name": spec, "kind": "peer", "status": "skipped"}

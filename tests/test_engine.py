@@ -226,6 +226,29 @@ def test_one_rank_bf16_skips_the_all_reduce_and_trains_the_same():
     fp32.ds_engine.destroy()
 
 
+@pytest.mark.parametrize("accumulate", [False, True], ids=["one_micro_batch", "accumulated"])
+def test_bf16_norm_over_the_flat_gradients_is_deepspeeds_norm(accumulate):
+    """The bf16 optimizer's gradient norm over its flat fp32 buffers (hybridlm/engine/clipping.py
+    ``norm_over_flat_gradients``) is the norm DeepSpeed takes over each parameter's gradient: the same reported
+    norms, losses and weights, up to the order of the fp32 sums."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    cfg = W.make_config("bf16", global_batch_size=4 if accumulate else 2)
+    batches = W.global_batches(4, cfg.global_batch_size)
+    runs = []
+    for flat in (True, False):
+        engine = Engine(W.build_model(seed=0), cfg, W.loss_fn)
+        assert isinstance(engine.optimizer, BF16_Optimizer)
+        if not flat:  # DeepSpeed's own method back
+            engine.optimizer.get_grads_for_norm = BF16_Optimizer.get_grads_for_norm.__get__(engine.optimizer)
+        res = W.run(engine, batches, 0, 1, {})
+        runs.append(([r.loss for r in res], [r.grad_norm for r in res], W.params_digest(engine.module)))
+        engine.ds_engine.destroy()
+    (loss_a, norm_a, _), (loss_b, norm_b, _) = runs
+    assert all(n > 0 for n in norm_a)
+    assert norm_a == pytest.approx(norm_b, rel=1e-5) and loss_a == pytest.approx(loss_b, rel=1e-5)
+
+
 def test_clip_by_global_norm_alone():
     from hybridlm.engine.clipping import clip_by_global_norm, clip_before_step
 

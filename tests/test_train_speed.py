@@ -107,7 +107,8 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     out = tmp_path / "bench"
     env = subprocess_env()
     cmd = [sys.executable, "-m", "pretrain.train_speed", "--out", str(out), "--data", str(austen_data),
-           "--configs", "tiny_hybrid", "--peers", "llama:tiny_hybrid", "fla_gdn", "--micro-batch", "2",
+           "--configs", "tiny_hybrid", "--peers", "llama:tiny_hybrid", "fla_gdn", "llama:tiny_hybrid+late",
+           "--micro-batch", "2",
            "--seq", "32", "--steps", "2", "--warmup", "1", "--profile", "2", "--trace",
            "--optim-override", "immediate_grad_update=true"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -116,7 +117,7 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     assert report["world_size"] == 1 and report["precision"] == "fp32" and report["seq_len"] == 32
     assert report["mamba2_compile_inputs"] == "off"
     entries = {e["name"]: e for e in report["entries"]}
-    assert list(entries) == ["tiny_hybrid", "llama:tiny_hybrid", "fla_gdn"]
+    assert list(entries) == ["tiny_hybrid", "llama:tiny_hybrid", "fla_gdn", "llama:tiny_hybrid+late"]
     assert entries["fla_gdn"]["status"] == "skipped" and "CUDA" in entries["fla_gdn"]["reason"]
 
     from hybridlm.data import read_meta
@@ -125,9 +126,12 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     from hybridlm.model.configuration import resolve_model_config
     cfg = resolve_model_config(model_section("tiny_hybrid", []), read_meta(austen_data), austen_data)
     expected = F.train_flops_per_token(F.matmul_params(build_on_meta(cfg)), F.hybrid_mixers(cfg), 32)["total"]
-    ours, llama = entries["tiny_hybrid"], entries["llama:tiny_hybrid"]
+    ours, llama, late = entries["tiny_hybrid"], entries["llama:tiny_hybrid"], entries["llama:tiny_hybrid+late"]
     assert ours["flops_per_token"] == expected and ours["flops"]["attention"] > 0 and ours["flops"]["recurrence"] > 0
-    for e in (ours, llama):
+    # the same peer with its loss read one step late (and one more step run, for the profiler's last window)
+    assert "after the next step is launched" not in llama["recipe"] and "after the next step is launched" in late["recipe"]
+    assert late["params"] == llama["params"] and late["final_loss"] != llama["final_loss"]
+    for e in (ours, llama, late):
         assert e["status"] == "ok" and e["micro_batch"] == 2 and e["tokens_per_step"] == 64
         assert e["tokens_per_s"] > 0 and len(e["step_ms_all"]) == 2 and math.isfinite(e["final_loss"])
         assert math.isfinite(e["mfu"]) and e["mfu"] > 0
@@ -143,7 +147,7 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     assert "ours tiny_hybrid" in proc.stdout and "tok/s" in proc.stdout
     # --trace: each profiled entry's steps as a Chrome trace with Python stacks (a CPU run has no kernels)
     from hybridlm.bench.trace_gaps import load_events
-    for name in ("tiny_hybrid", "llama:tiny_hybrid"):
+    for name in ("tiny_hybrid", "llama:tiny_hybrid", "llama:tiny_hybrid_late"):
         events = load_events(out / f"trace_{name}.json.gz")
         frames = [e["name"] for e in events if e.get("cat") == "python_function"]
         assert any("hybridlm/" in f for f in frames), frames[:5]

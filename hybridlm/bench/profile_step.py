@@ -45,11 +45,15 @@ def is_kernel_row(name: str, device_type, is_user_annotation: bool = False) -> b
 
 
 class StepProfiler:
-    """An ``on_step``-style hook: profiles steps ``skip + 1 .. skip + active`` (1-based) of a run."""
+    """An ``on_step``-style hook: profiles steps ``skip + 1 .. skip + active`` (1-based) of a run. ``sync=True``
+    waits for the device at each step's end, so that each window holds its own step's kernels; a loop that calls
+    the hook after launching the next step (reading results one step late) passes ``False``: its windows then
+    hold the launches of one step each, and a sync would take away the overlap being measured."""
 
-    def __init__(self, skip: int, active: int, device: torch.device, trace_path: Optional[Path] = None):
+    def __init__(self, skip: int, active: int, device: torch.device, trace_path: Optional[Path] = None,
+                 sync: bool = True):
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        self.device, self.active, self.trace_path = device, active, trace_path
+        self.device, self.active, self.trace_path, self.sync = device, active, trace_path, sync
         # a trace keeps the Python stacks, so that each wait of the GPU can be traced to the code that ran then
         self.prof = profile(activities=activities, schedule=schedule(wait=skip, warmup=0, active=active, repeat=1),
                             record_shapes=False, with_stack=trace_path is not None)
@@ -60,7 +64,7 @@ class StepProfiler:
     def __call__(self, _result=None) -> None:
         if self.closed:
             return
-        if self.device.type == "cuda":
+        if self.sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.prof.step()
         self.steps += 1

@@ -43,12 +43,13 @@ from torch import nn
 from hybridlm.config.errors import ConfigError
 from hybridlm.engine import checkpoint as ckpt
 from hybridlm.engine.checkpoint import CheckpointError
-from hybridlm.engine.clipping import clip_before_step
+from hybridlm.engine.clipping import clip_before_step, norm_over_flat_gradients
 from hybridlm.engine.config import OptimConfig
 from hybridlm.engine.distributed import DistInfo, barrier, init_distributed
 from hybridlm.engine.schedule import lr_lambda_from_config
 from hybridlm.utils.atomic import TMP_PREFIX, atomic_write_text
 from hybridlm.utils.faults import kill_in
+from hybridlm.utils.readback import Readback
 from hybridlm.utils.tensors import map_tensors
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class StepResult:
     skipped: bool
     tokens: int  # summed over micro-batches and ranks
     metrics: Dict[str, float] = field(default_factory=dict)  # loss_fn metrics, mean over micro-batches and ranks
+    reduced: List[float] = field(default_factory=list)  # launch_step's reduce_with, summed over ranks
 
 
 @dataclass
@@ -82,6 +84,38 @@ class EvalResult:
     tokens: int
     metrics: Dict[str, float] = field(default_factory=dict)
     weight: Optional[float] = None  # the loss's own "eval_weight" (e.g. DPO's pairs); None: weigh by tokens
+
+
+class PendingStep:
+    """A launched optimizer step (:meth:`Engine.launch_step`): ``step``, ``lr`` and ``skipped`` are known at
+    once; :meth:`result` reads the logged values, waiting only for this step's own work on the device."""
+
+    def __init__(self, step: int, lr: float, skipped: bool, keys: List[str], n_extra: int, denom: int,
+                 values: Readback, is_main: bool):
+        self.step, self.lr, self.skipped = step, lr, skipped
+        self._keys, self._n_extra, self._denom, self._values, self._is_main = keys, n_extra, denom, values, is_main
+        self.streak = 0          # consecutive skipped steps up to this one (set by the engine)
+        self.skipped_total = 0   # skipped steps up to this one
+        self._result: Optional[StepResult] = None
+
+    def result(self) -> StepResult:
+        if self._result is not None:
+            return self._result
+        host = self._values.tolist()
+        if host[1] > 0 and not self.skipped:
+            raise RuntimeError(
+                "internal error: a micro-batch loss was non-finite but DeepSpeed applied the update; "
+                "the NaN-skip relies on DeepSpeed's overflow check (bf16.check_grad_overflow / fp32 norm check)"
+            )
+        k, d = len(self._keys), self._denom
+        self._result = StepResult(
+            step=self.step, loss=host[0] / d, grad_norm=float(host[-1]), lr=self.lr, skipped=self.skipped,
+            tokens=int(round(host[2])), metrics={key: host[3 + j] / d for j, key in enumerate(self._keys)},
+            reduced=host[3 + k:3 + k + self._n_extra])
+        if self.skipped and self._is_main:
+            logger.warning("step %d skipped: loss=%s grad_norm=%s (%d consecutive, %d total)", self.step,
+                           self._result.loss, self._result.grad_norm, self.streak, self.skipped_total)
+        return self._result
 
 
 # ------------------------------------------------------------------------------ parameter groups
@@ -278,6 +312,8 @@ class Engine:
                 raise RuntimeError(f"Engine: expected DeepSpeed's BF16_Optimizer for bf16 ZeRO-1, got "
                                    f"{type(self.optimizer).__name__}; the engine's clipping assumes it")
             clip_before_step(self.ds_engine.basic_optimizer, config.grad_clip)
+        if bf16_optimizer:
+            norm_over_flat_gradients(self.optimizer)
         if bf16_optimizer and self.dist.world_size == 1:
             # One rank: DeepSpeed's all-reduce of the fp32 gradient sums is a flatten into its bf16 communication
             # dtype, a reduce over one rank and a copy back (1 ms a GDN-300M step on an H200); it would also round
@@ -317,11 +353,26 @@ class Engine:
 
     def train_step(self, micro_batches: Sequence[Mapping[str, Any]],
                    before_optimizer_step: Optional[Callable[[], None]] = None) -> StepResult:
-        """One optimizer step over this rank's ``gradient_accumulation_steps`` micro-batches.
+        """One optimizer step over this rank's ``gradient_accumulation_steps`` micro-batches, its results read
+        at once (:meth:`launch_step` launches it without waiting for them)."""
+        return self.launch_step(micro_batches, before_optimizer_step).result()
+
+    def launch_step(self, micro_batches: Sequence[Mapping[str, Any]],
+                    before_optimizer_step: Optional[Callable[[], None]] = None,
+                    reduce_with: Sequence[float] = ()) -> "PendingStep":
+        """Launch one optimizer step over this rank's ``gradient_accumulation_steps`` micro-batches; what it
+        logs (loss, tokens, metrics, gradient norm) is read when ``result()`` is called on what this returns.
+
+        Whether the step was skipped is known at once (DeepSpeed decides it on the host), so the skip
+        accounting and :class:`NonFiniteLossError` happen here. A loop that reads step ``k``'s result after
+        launching step ``k + 1`` keeps the GPU fed while the host logs (hybridlm/utils/readback.py).
 
         ``before_optimizer_step()``, if given, runs once the last backward is launched, just before the optimizer
         step, whose gradient-norm check then waits for the GPU: host work placed there (the next batch,
-        hybridlm/data/prefetch.py) overlaps the backward instead of delaying the next forward."""
+        hybridlm/data/prefetch.py) overlaps the backward instead of delaying the next forward.
+
+        ``reduce_with``: host numbers summed over all ranks in the step's own all-reduce, returned in
+        ``StepResult.reduced`` (the loop's stop flags: no collective of their own)."""
         n = len(micro_batches)
         if n != self.gradient_accumulation_steps:
             raise ValueError(
@@ -329,7 +380,8 @@ class Engine:
                 f"{self.gradient_accumulation_steps} (global_batch_size / (micro_batch_size x world size))"
             )
         engine = self.ds_engine
-        if not engine.training:  # a walk over every module (4.7-5.6 ms in traced GDN-300M steps): only on a change
+        if not self.module.training:  # a walk over every module (4.7-5.6 ms in traced GDN-300M steps): only on a change
+            # (the inner module: DeepSpeedEngine.eval() leaves its own flag set)
             engine.train()
         dev = self.device
         lr = self.lr
@@ -366,7 +418,8 @@ class Engine:
 
             if i == n - 1:
                 # One collective carries everything logged and the skip decision (module docstring).
-                stats = self._reduce(torch.stack([loss_sum, bad, tokens] + [metric_sums[k] for k in keys]))
+                stats = self._reduce(torch.stack([loss_sum, bad, tokens] + [metric_sums[k] for k in keys]
+                                                 + [_scalar(v, dev) for v in reduce_with]))
                 poison = torch.where(stats[1] > 0, float("nan"), 1.0).to(dtype=loss.dtype)
                 loss = loss * poison
             engine.backward(loss)
@@ -377,35 +430,15 @@ class Engine:
         assert stats is not None and keys is not None
         norm = engine.get_global_grad_norm()
         norm_t = _scalar(norm if norm is not None else float("nan"), dev).reshape(1)
-        host = torch.cat([stats, norm_t]).tolist()  # the one host sync of the step (logging)
-        ds_skipped = engine.skipped_steps > skipped_before
-        nonfinite_loss = host[1] > 0
-        if nonfinite_loss and not ds_skipped:
-            raise RuntimeError(
-                "internal error: a micro-batch loss was non-finite but DeepSpeed applied the update; "
-                "the NaN-skip relies on DeepSpeed's overflow check (bf16.check_grad_overflow / fp32 norm check)"
-            )
-
         self.global_step += 1
-        denom = n * self.dist.world_size
-        result = StepResult(
-            step=self.global_step,
-            loss=host[0] / denom,
-            grad_norm=float(host[-1]),
-            lr=lr,
-            skipped=ds_skipped,
-            tokens=int(round(host[2])),
-            metrics={k: host[3 + j] / denom for j, k in enumerate(keys)},
-        )
-        if ds_skipped:
+        pending = PendingStep(step=self.global_step, lr=lr, skipped=engine.skipped_steps > skipped_before,
+                              keys=keys, n_extra=len(reduce_with), denom=n * self.dist.world_size,
+                              values=Readback(torch.cat([stats, norm_t])), is_main=self.dist.is_main)
+        if pending.skipped:
             self.skipped_steps += 1
             self.consecutive_nonfinite += 1
-            if self.dist.is_main:
-                logger.warning(
-                    "step %d skipped: loss=%s grad_norm=%s (%d consecutive, %d total)",
-                    self.global_step, result.loss, result.grad_norm, self.consecutive_nonfinite, self.skipped_steps,
-                )
             if self.consecutive_nonfinite >= self.config.max_consecutive_nonfinite:
+                result = pending.result()
                 raise NonFiniteLossError(
                     f"{self.consecutive_nonfinite} consecutive optimizer steps skipped for a non-finite loss or "
                     f"gradient norm (optim.max_consecutive_nonfinite={self.config.max_consecutive_nonfinite}); "
@@ -413,7 +446,9 @@ class Engine:
                 )
         else:
             self.consecutive_nonfinite = 0
-        return result
+        pending.streak = self.consecutive_nonfinite
+        pending.skipped_total = self.skipped_steps
+        return pending
 
     @torch.no_grad()
     def eval_step(self, batch: Mapping[str, Any]) -> EvalResult:

@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 
 from hybridlm.config.structured import Section, setting
 from hybridlm.data.prefetch import Prefetcher
-from hybridlm.engine import Engine, NonFiniteLossError, StepResult, all_reduce_sum, barrier, is_main
+from hybridlm.engine import (Engine, NonFiniteLossError, PendingStep, StepResult, all_reduce_sum, barrier,
+                             is_main)
 from hybridlm.training.cold_start import first_step_done, first_step_notice
 from hybridlm.training.preempt import Preempted, PreemptionFlag, preemption_flag
 from hybridlm.utils.faults import kill_if_requested
@@ -117,14 +118,75 @@ def _should_stop(t_steady: Optional[float], max_minutes: float, flag: Preemption
     return spent > 0, signalled > 0
 
 
+class _StepBook:
+    """What the loop does with a step's results once they are read: counters, logs, the progress bar,
+    ``on_step`` and the clock. Reading them is what waits for the GPU, so the loop reads a step after it has
+    launched the next one, unless something at that step's end (evaluation, a checkpoint, a stop) needs them."""
+
+    def __init__(self, state: Dict[str, Any], logger: MetricsLogger, bar, run: RunConfig, max_steps: int,
+                 on_step: Optional[Callable[[StepResult], None]], say: Optional[Callable[[str], None]], device):
+        self.state, self.logger, self.bar, self.run, self.max_steps = state, logger, bar, run, max_steps
+        self.on_step, self.say, self.device = on_step, say, device
+        self.t_start = self.t_mark = time.perf_counter()  # t_mark: the last step's end (time is summed per step)
+        self.t_steady: Optional[float] = None  # the end of this process's first step (compilation, autotuning)
+        self.steady_steps = 0                  # steps launched since
+        self.window_tokens, self.window_t0 = 0, self.t_start
+        self.first_step: Optional[int] = None
+        self.last: Dict[str, Any] = {}
+
+    def restart_window(self) -> None:
+        self.window_tokens, self.window_t0 = 0, time.perf_counter()
+
+    def count_launched(self, step: int) -> None:
+        if self.t_steady is not None and step != self.first_step:
+            self.steady_steps += 1
+
+    def seconds_per_step(self) -> Optional[float]:
+        """Training seconds per step after this process's first; None when fewer than two steps ran here."""
+        return (self.t_mark - self.t_steady) / self.steady_steps if self.steady_steps else None
+
+    def settle(self, pending: PendingStep) -> StepResult:
+        res = pending.result()
+        state, run = self.state, self.run
+        state["tokens"] += res.tokens
+        self.window_tokens += res.tokens
+        if not res.skipped:
+            if state["prev_loss"] is not None:
+                state["max_loss_increase"] = max(state["max_loss_increase"], res.loss - state["prev_loss"])
+            state["prev_loss"] = res.loss
+        now = time.perf_counter()
+        tok_s = self.window_tokens / max(now - self.window_t0, 1e-9)
+        self.last = {"loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm, "skipped": int(res.skipped),
+                     "skipped_total": pending.skipped_total, "tokens": state["tokens"], "tokens_per_s": tok_s,
+                     "max_loss_increase": state["max_loss_increase"], **res.metrics}
+        if res.step % run.log_interval == 0 or res.step == self.max_steps:
+            self.logger.log(res.step, self.last)
+            self.window_tokens, self.window_t0 = 0, now
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{res.loss:.4f}", lr=f"{res.lr:.2e}", tok_s=f"{tok_s:,.0f}")
+        if self.on_step is not None:
+            self.on_step(res)
+        now = time.perf_counter()
+        state["seconds"] += now - self.t_mark
+        self.t_mark = now
+        if self.t_steady is None:
+            self.t_steady, self.first_step = now, res.step
+            done = first_step_done(self.device, now - self.t_start) if self.say else None
+            if done:
+                self.say(done)
+        return res
+
+
 def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Sequence[Dict[str, Any]] = (),
                client_state: Optional[Dict[str, Any]] = None, title: str = "",
                on_step: Optional[Callable[[StepResult], None]] = None,
                checkpoints: bool = True, loss_is_nll: bool = True) -> TrainingOutcome:
     """Train until ``engine.config.max_steps`` optimizer steps (resuming if a checkpoint exists).
 
-    ``on_step(result)``, if given, is called at the very end of every step (after its logging,
-    evaluation and checkpoint), e.g. to time steps. ``checkpoints=False`` neither resumes nor saves
+    ``on_step(result)``, if given, is called when a step's results are read, after its logging; that is
+    after the next step is launched, unless the step ends with an evaluation, a checkpoint or a stop, whose
+    results are read before those (e.g. to time steps: the call comes when the GPU has finished the step). ``checkpoints=False`` neither resumes nor saves
     (benchmarks: a ZeRO checkpoint of a 1B model is tens of GB). ``loss_is_nll=False`` (distillation and
     preference losses) logs no validation perplexity.
     """
@@ -147,8 +209,17 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
     # batches taken (hybridlm/data/prefetch.py)
     batches = signals.enter_context(Prefetcher(train_batches, pin_memory=engine.device.type == "cuda"))
 
-    def make_next():
+    pending: Optional[PendingStep] = None  # launched, its results not read yet
+
+    def while_the_backward_runs():
+        """Host work done once a step's backward is launched, while DeepSpeed's norm check waits for the GPU:
+        ask for the next batches, and read the step before (done long since), so that after the optimizer step
+        the host launches the next forward at once."""
+        nonlocal pending
         batches.request(gas)
+        if pending is not None:
+            book.settle(pending)
+            pending = None
 
     def save():
         if not checkpoints:
@@ -158,72 +229,52 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
                                keep_last=run.keep_last)
 
     bar = _progress(run.progress and main, max_steps, engine.global_step)
-    t_start = time.perf_counter()
-    t_mark = t_start                  # the end of the last step (training time is summed step by step)
-    t_steady, steady_steps = None, 0  # the end of this process's first step, and the steps since
-    window_tokens, window_t0 = 0, time.perf_counter()
-    last: Dict[str, Any] = {}
-    val: Dict[str, float] = {}
-    flag = signals.enter_context(preemption_flag())
     say = bar.write if bar is not None else print  # a line that does not break the progress bar
+    book = _StepBook(state, logger, bar, run, max_steps, on_step, say if main else None, engine.device)
+    flag = signals.enter_context(preemption_flag())
     notice = first_step_notice(engine.device) if main and engine.global_step < max_steps else None
     if notice:
         say(notice)
+    val: Dict[str, float] = {}
     try:
         while engine.global_step < max_steps:
             micro = [next(batches) for _ in range(gas)]
             try:
-                res = engine.train_step(micro, before_optimizer_step=make_next)
+                launched = engine.launch_step(micro, before_optimizer_step=while_the_backward_runs)
             except NonFiniteLossError as e:
                 if not checkpoints:
                     raise
+                if pending is not None:
+                    book.settle(pending)
                 save()
                 raise NonFiniteLossError(f"{e}; stopped at step {engine.global_step}, "
                                          f"checkpoint saved in {run.checkpoint_dir}") from None
-            step = res.step
-            state["tokens"] += res.tokens
-            window_tokens += res.tokens
-            if not res.skipped:
-                if state["prev_loss"] is not None:
-                    state["max_loss_increase"] = max(state["max_loss_increase"], res.loss - state["prev_loss"])
-                state["prev_loss"] = res.loss
-            now = time.perf_counter()
-            tok_s = window_tokens / max(now - window_t0, 1e-9)
-            last = {"loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm, "skipped": int(res.skipped),
-                    "skipped_total": engine.skipped_steps, "tokens": state["tokens"], "tokens_per_s": tok_s,
-                    "max_loss_increase": state["max_loss_increase"], **res.metrics}
-            if step % run.log_interval == 0 or step == max_steps:
-                logger.log(step, last)
-                window_tokens, window_t0 = 0, now
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{res.loss:.4f}", lr=f"{res.lr:.2e}", tok_s=f"{tok_s:,.0f}")
-            if val_batches and run.eval_interval and step % run.eval_interval == 0 and step < max_steps:
+            pending = launched  # the step before was read while this one's backward ran
+            step = launched.step
+            eval_due = bool(val_batches and run.eval_interval and step % run.eval_interval == 0 and step < max_steps)
+            save_due = bool(run.save_interval and step % run.save_interval == 0 and step < max_steps)
+            if eval_due or save_due or book.t_steady is None:  # these need this step's results first
+                book.settle(pending)
+                pending = None
+            if eval_due:
                 val = evaluate(engine, val_batches, loss_is_nll)
                 logger.log(step, val)
                 if bar is not None:
                     ppl = f"  val_ppl {val['val_ppl']:.2f}" if "val_ppl" in val else ""
                     bar.write(f"step {step}: val_loss {val['val_loss']:.4f}{ppl}")
-                window_tokens, window_t0 = 0, time.perf_counter()  # tokens/s measures training only
-            if run.save_interval and step % run.save_interval == 0 and step < max_steps:
+                book.restart_window()  # tokens/s measures training only
+            if save_due:
                 save()
-                window_tokens, window_t0 = 0, time.perf_counter()
+                book.restart_window()
             kill_if_requested(step)
-            if on_step is not None:
-                on_step(res)
-            now = time.perf_counter()
-            state["seconds"] += now - t_mark
-            t_mark = now
-            if t_steady is None:
-                t_steady = now
-                done = first_step_done(engine.device, now - t_start) if main else None
-                if done:
-                    say(done)
-            else:
-                steady_steps += 1
             # the first step ends the clock's zero point, so no budget is spent by it (a time check there
             # raced the few microseconds since t_steady was set)
-            out_of_time, preempted = _should_stop(t_steady if steady_steps else None, run.max_minutes, flag)
+            book.count_launched(step)
+            out_of_time, preempted = _should_stop(book.t_steady if book.steady_steps else None,
+                                                  run.max_minutes, flag)
+            if (out_of_time or preempted) and pending is not None:
+                book.settle(pending)
+                pending = None
             if preempted:
                 if step < max_steps:  # else the loop ends here anyway and exports as usual
                     save()
@@ -233,6 +284,9 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
                 if main:
                     print(f"run.max_minutes={run.max_minutes} reached at step {step} of {max_steps}", flush=True)
                 break
+        if pending is not None:
+            book.settle(pending)
+            pending = None
         if val_batches:
             val = evaluate(engine, val_batches, loss_is_nll)
             logger.log(engine.global_step, val)
@@ -243,6 +297,7 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
             bar.close()
         logger.close()
     history = read_jsonl(logger.path) if main else []
+    last = book.last
     if not last:  # resumed at max_steps: no step ran here, the last logged loss is the final one
         last = next((r for r in reversed(history) if "loss" in r), {})
     if main:
@@ -252,4 +307,4 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
         steps=engine.global_step, tokens=state["tokens"], final_loss=last.get("loss"),
         val_loss=val.get("val_loss"), val=dict(val), skipped_steps=engine.skipped_steps,
         max_loss_increase=state["max_loss_increase"], seconds=state["seconds"], history=history,
-        seconds_per_step=(t_mark - t_steady) / steady_steps if steady_steps else None)
+        seconds_per_step=book.seconds_per_step())

@@ -1,0 +1,105 @@
+"""Reading a step's results one step late: the Readback (hybridlm/utils/readback.py), Engine.launch_step and the
+training loop's order of launches and reads (hybridlm/training/loop.py)."""
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from hybridlm.data.sampler import ShuffledBatches
+from hybridlm.engine import Engine, NonFiniteLossError, init_distributed
+from hybridlm.training import RunConfig, train_loop
+from hybridlm.utils.readback import Readback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("engine_worker", os.path.join(REPO, "tests", "engine_worker.py"))
+W = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(W)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_process_world():
+    init_distributed()
+    yield
+
+
+def micro(batch, engine, poison_rows=()):
+    return W.local_micro_batches(batch, 0, 1, engine.config.micro_batch_size, poison_rows)
+
+
+def test_a_readback_holds_the_values_of_when_it_was_made():
+    t = torch.tensor([1.5, 2.0, -3.0], dtype=torch.float64)
+    rb = Readback(t)
+    t.mul_(10)  # later work on the tensor does not reach what was read back
+    assert rb.ready() and rb.tolist() == [1.5, 2.0, -3.0]
+    assert rb.tolist() is rb.tolist()  # read once
+
+
+def test_launch_step_gives_train_step_results_and_knows_a_skip_at_once():
+    cfg = W.make_config("fp32", max_steps=6)
+    batches = W.global_batches(6, cfg.global_batch_size)
+    sync = Engine(W.build_model(), cfg, W.loss_fn)
+    late = Engine(W.build_model(), cfg, W.loss_fn)
+    expected = [sync.train_step(micro(b, sync)) for b in batches[:3]]
+    late.module.eval()  # a step puts a model left in eval mode back in training mode
+    assert late.ds_engine.training  # (DeepSpeed's own flag does not follow its module's)
+    # launched back to back, read afterwards: the same results, bit for bit
+    pending = [late.launch_step(micro(b, late), reduce_with=[k, 0.5]) for k, b in enumerate(batches[:3])]
+    assert late.module.training
+    for k, (p, r) in enumerate(zip(pending, expected)):
+        got = p.result()
+        assert (got.step, got.loss, got.grad_norm, got.lr, got.tokens, got.metrics) == \
+               (r.step, r.loss, r.grad_norm, r.lr, r.tokens, r.metrics)
+        assert got.reduced == [k, 0.5] and r.reduced == []  # one rank: the sum is the value
+    # a NaN step: skipped, counted, before anything is read
+    p = late.launch_step(micro(batches[3], late, poison_rows=[0]))
+    assert p.skipped and late.skipped_steps == 1 and late.consecutive_nonfinite == 1
+    assert math.isnan(p.result().loss) and p.result().skipped
+    late.launch_step(micro(batches[4], late, poison_rows=[1]))
+    with pytest.raises(NonFiniteLossError, match="3 consecutive optimizer steps skipped"):
+        late.launch_step(micro(batches[5], late, poison_rows=[2]))
+
+
+class Stream(ShuffledBatches):
+    """The project's sampler over the worker's tiny sequences."""
+
+    def __init__(self):
+        super().__init__(64, 2, 0, 1, seed=5, too_few="too few")
+        self.rows = torch.cat(W.global_batches(16, 4))
+
+    def make_batch(self, indices):
+        return {"input_ids": self.rows[torch.as_tensor(indices)]}
+
+
+def test_the_loop_reads_each_step_after_launching_the_next(tmp_path):
+    """The loop reads step k's results once step k + 1's backward is launched (while DeepSpeed's norm check waits
+    for the GPU), except where something at step k's end needs them first: the process's first step (the
+    cold-start clock), an evaluation, a checkpoint, the last step. The log holds every step as before."""
+    events = []
+
+    def loss_fn(model, batch):  # one micro-batch a step: the n-th training call is step n's forward
+        if torch.is_grad_enabled():  # eval_step runs without gradients
+            events.append(f"T{sum(e.startswith('T') for e in events) + 1}")
+        elif not events or events[-1] != "E":
+            events.append("E")  # an evaluation (one entry for its batches)
+        return W.loss_fn(model, batch)
+
+    cfg = W.make_config("fp32", max_steps=7, global_batch_size=2)
+    engine = Engine(W.build_model(), cfg, loss_fn)
+    run = RunConfig(output_dir=str(tmp_path / "run"), eval_interval=4, save_interval=5, progress=False,
+                    tensorboard=False, export=False, sample_tokens=0)
+    val = [{"input_ids": b} for b in W.global_batches(2, 2, seed=9)]
+    out = train_loop(engine, Stream(), run, val, on_step=lambda r: events.append(f"R{r.step}"))
+    # T: a step's forward, R: its results read, E: an evaluation
+    assert events == ["T1", "R1",              # the first step: read at once
+                      "T2", "T3", "R2",        # read once the next step's backward is launched
+                      "T4", "R3", "R4", "E",   # step 4 ends with an evaluation
+                      "T5", "R5",              # step 5 with a checkpoint
+                      "T6", "T7", "R6", "R7",  # the last step
+                      "E"], " ".join(events)    # the final evaluation
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "loss" in r] == list(range(1, 8))
+    assert out.steps == 7 and out.tokens == 7 * 2 * (W.SEQ - 1) and math.isfinite(out.final_loss)
+    assert out.final_loss == [r for r in logged if "loss" in r][-1]["loss"]
