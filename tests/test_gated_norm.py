@@ -1,4 +1,5 @@
-"""Mamba2's fused output stage (hybridlm/ops/gated_norm.py: D skip, SiLU gate, grouped RMSNorm), CPU.
+"""The fused gated output norms (hybridlm/ops/gated_norm.py), CPU: Mamba2's (D skip, SiLU gate, grouped RMSNorm)
+and GDN's (per-head RMSNorm, then the SiLU gate, the heads sharing the weight).
 
 1. Its torch twin against the model's torch path (``skip_gated_rms_norm`` of hybridlm/ops/elementwise.py: the
    skip, then the grouped gated norm, what Mamba2 runs on CPU) and against an explicit loop over groups:
@@ -7,6 +8,8 @@
    against the twin: fp32 to ~1e-5, bf16 within a rounding. Cases cover x and z as strided slices of one wider
    projection (as the model passes them), several groups of several heads, one group, rows that do not fill the
    last row block and more row blocks than backward programs.
+   GDN's the same way: its twin against the model's torch path (``gated_rms_norm``, norm before gate) and a loop
+   over heads, its kernels in the interpreter with z a strided slice of a wider projection, as GDN passes it.
 The GPU twin of this test is tests/gpu/test_loss_and_norm_kernels_gpu.py.
 """
 import json
@@ -16,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import interpreter_rounds_like_gpu, interpreter_run_of, kernel_case_row
-from hybridlm.ops.elementwise import skip_gated_rms_norm
-from hybridlm.ops.gated_norm import gated_norm_skip_reference
+from hybridlm.ops.elementwise import gated_rms_norm, skip_gated_rms_norm
+from hybridlm.ops.gated_norm import gated_norm_skip_reference, norm_then_gate_reference
 
 F32, BF16 = torch.float32, torch.bfloat16
 # (leading shape, channels, heads, group size, strided x / z, dtype)
@@ -83,6 +86,56 @@ def test_twin_equals_the_torch_path_and_a_loop_over_groups(case):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+# GDN: (leading shape, heads, head_dim, strided z, dtype)
+GDN_CASES = [
+    ((2, 7), 4, 16, True, F32),   # 14 rows over 3 programs of 2-row blocks
+    ((5,), 1, 32, False, F32),    # one head
+    ((3, 3), 8, 8, True, F32),
+    ((2, 5), 4, 16, True, BF16),
+]
+
+
+def _gdn_inputs(case, seed):
+    lead, H, hd, strided, dtype = case
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(*lead, H, hd, generator=g).to(dtype)
+    if strided:  # z a column slice of the fused projection, viewed per head
+        z = torch.randn(*lead, H * hd + 7, generator=g).to(dtype)[..., 5:5 + H * hd].unflatten(-1, (H, hd))
+    else:
+        z = torch.randn(*lead, H, hd, generator=g).to(dtype)
+    weight = (1 + 0.2 * torch.randn(hd, generator=g)).to(dtype)
+    dout = torch.randn(*lead, H, hd, generator=g).to(dtype)
+    return y, z, weight, dout
+
+
+def _gdn_grads(fn, y, z, weight, dout):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (y, z, weight)]
+    out = fn(*leaves)
+    (out.float() * dout.float()).sum().backward()
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def _gdn_twin(y, z, w):
+    return norm_then_gate_reference(y.reshape(-1, y.shape[-2] * y.shape[-1]),
+                                    z.reshape(-1, z.shape[-2] * z.shape[-1]), w, EPS).view(y.shape)
+
+
+def _gdn_loop(y, z, w):
+    """Head by head: y / rms(y) * w * silu(z)."""
+    heads = [y[..., h, :].double() for h in range(y.shape[-2])]
+    normed = torch.stack([t / torch.sqrt((t * t).mean(-1, keepdim=True) + EPS) for t in heads], -2)
+    return (normed * w.double() * F.silu(z.double())).to(y.dtype)
+
+
+@pytest.mark.parametrize("case", [c for c in GDN_CASES if c[4] == F32], ids=str)
+def test_gdn_twin_equals_the_torch_path_and_a_loop_over_heads(case):
+    inputs = _gdn_inputs(case, 0)
+    twin = _gdn_grads(_gdn_twin, *inputs)
+    for other in (lambda y, z, w: gated_rms_norm(y, z, w, EPS, triton=False), _gdn_loop):
+        for a, b in zip(twin, _gdn_grads(other, *inputs)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_shapes_are_named():
     from hybridlm.ops.gated_norm import gated_norm_skip
     y = torch.randn(4, 32)
@@ -90,17 +143,27 @@ def test_bad_shapes_are_named():
         gated_norm_skip(y, y, torch.ones(4), y, torch.ones(32), EPS, 12)
     with pytest.raises(ValueError, match="weight \\[32\\]"):
         gated_norm_skip(y, y, torch.ones(4), y, torch.ones(16), EPS, 16)
+    from hybridlm.ops.gated_norm import norm_then_gate
+    with pytest.raises(ValueError, match="power of two"):
+        norm_then_gate(y, y, torch.ones(12), EPS)
+    with pytest.raises(ValueError, match="norm_then_gate: y, z must be \\[..., 32\\]"):
+        norm_then_gate(y, y[:, :16], torch.ones(16), EPS)
 
 
-def run_kernel_cases() -> list:
-    from hybridlm.ops.gated_norm import gated_norm_skip
+def run_kernel_cases() -> dict:
+    from hybridlm.ops.gated_norm import gated_norm_skip, norm_then_gate
     interpreter_rounds_like_gpu()
-    rows = []
+    rows = {"mamba2": [], "gdn": []}
     for seed, case in enumerate(CASES):
         inputs = _inputs(case, seed)
         want = _grads(_twin, *inputs)
         got = _grads(lambda y, x, D, z, w, G: gated_norm_skip(y, x, D, z, w, EPS, G), *inputs)
-        rows.append(kernel_case_row(got, want, case=repr(case), bf16=case[5] == BF16))
+        rows["mamba2"].append(kernel_case_row(got, want, case=repr(case), bf16=case[5] == BF16))
+    for seed, case in enumerate(GDN_CASES):
+        inputs = _gdn_inputs(case, seed)
+        want = _gdn_grads(_gdn_twin, *inputs)
+        got = _gdn_grads(lambda y, z, w: norm_then_gate(y.flatten(-2), z.flatten(-2), w, EPS).view(y.shape), *inputs)
+        rows["gdn"].append(kernel_case_row(got, want, case=repr(case), bf16=case[4] == BF16))
     return rows
 
 
@@ -108,10 +171,17 @@ interpreter_run = interpreter_run_of(__file__)
 
 
 def test_kernels_equal_the_twin_in_the_interpreter(interpreter_run):
-    assert len(interpreter_run) == len(CASES)
-    for r in interpreter_run:
+    assert len(interpreter_run["mamba2"]) == len(CASES)
+    for r in interpreter_run["mamba2"]:
         assert r["dtypes_ok"] and r["n"] == 6, r  # out, dy, dx, dD, dz, dw
         # bf16: within a rounding of the fp32-math twin (dD and dw sum over rows)
+        assert max(r["errors"]) < (1e-5 if not r["bf16"] else 3e-2), r
+
+
+def test_gdn_kernels_equal_the_twin_in_the_interpreter(interpreter_run):
+    assert len(interpreter_run["gdn"]) == len(GDN_CASES)
+    for r in interpreter_run["gdn"]:
+        assert r["dtypes_ok"] and r["n"] == 4, r  # out, dy, dz, dw
         assert max(r["errors"]) < (1e-5 if not r["bf16"] else 3e-2), r
 
 

@@ -92,7 +92,8 @@ def use_triton_elementwise(backend: str, x: torch.Tensor) -> bool:
 # project's (the default) or fla's. Process-wide switches (pretrain.train_speed --conv-kernel / --norm-kernel /
 # --loss-kernel) for measuring both. conv: hybridlm/ops/causal_conv.py against fla's causal_conv1d; norm:
 # hybridlm/ops/rms_norm.py against fla's rms_norm (the plain and the residual-add RMSNorm) and
-# hybridlm/ops/gated_norm.py against fla's grouped gated norm (Mamba2; GDN / KDA's per-head gated norm stays fla's);
+# hybridlm/ops/gated_norm.py against fla's gated norms (Mamba2's grouped one; GDN's per-head one with its SiLU gate,
+# KDA's sigmoid gate stays fla's);
 # loss: hybridlm/ops/cross_entropy.py against fla's fused cross-entropy.
 KERNEL_SOURCES = ("project", "fla")
 _kernel_source = {"conv": "project", "norm": "project", "loss": "project"}

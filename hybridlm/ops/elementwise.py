@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from hybridlm.ops.backend import is_small_inference_call, kernel_source
 from hybridlm.ops.causal_conv import causal_conv
-from hybridlm.ops.gated_norm import gated_norm_skip
+from hybridlm.ops.gated_norm import gated_norm_skip, norm_then_gate
 from hybridlm.ops.rms_norm import rms_norm_kernel
 from hybridlm.ops.swiglu_packed import swiglu_packed_kernel
 
@@ -57,10 +57,15 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
                    group_size: Optional[int] = None, triton: bool = False) -> torch.Tensor:
     """RMSNorm over groups of the last dim of ``x``, gated by ``act(z)`` before or after normalising.
 
-    GDN / KDA: norm first, then gate (``norm(x) * act(z)``) per head; Mamba2: gate first
-    (``norm(x * silu(z))``) per group of ``group_size`` channels.
+    GDN / KDA: norm first, then gate (``norm(x) * act(z)``) per head (``x``, ``z`` ``[..., heads, head_dim]``,
+    ``weight`` ``[head_dim]``); Mamba2: gate first (``norm(x * silu(z))``) per group of ``group_size`` channels.
+    On Triton, a SiLU gate after the norm runs the project's kernel (hybridlm/ops/gated_norm.py), the others fla's.
     """
     if triton:
+        if norm_before_gate and group_size is None and activation in ("swish", "silu") and \
+                kernel_source("norm") == "project" and not x.shape[-1] & (x.shape[-1] - 1):
+            # the project's kernel reads z where it lies (a column slice of the fused projection): fla's copies it
+            return norm_then_gate(x.flatten(-2), z.flatten(-2), weight, eps).view(x.shape)
         if norm_before_gate and group_size is None:
             from fla.modules.fused_norm_gate import rms_norm_gated
             return rms_norm_gated(x, z, weight, None, activation=activation, eps=eps)

@@ -8,7 +8,7 @@ import torch
 
 from conftest import rel_err
 from hybridlm.ops.cross_entropy import cross_entropy_kernel, cross_entropy_reference
-from hybridlm.ops.gated_norm import gated_norm_skip_reference
+from hybridlm.ops.gated_norm import gated_norm_skip_reference, norm_then_gate_reference
 from hybridlm.ops.rms_norm import rms_norm_kernel, rms_norm_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -57,6 +57,46 @@ def test_rms_norm_matches_the_twin_and_fla(dtype, with_delta):
         assert o.dtype == dtype and o.shape == t.shape, i
         assert rel_err(o, t) < tol, (i, rel_err(o, t))
         assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-6, (i, rel_err(o, t), rel_err(f, t))
+
+
+@DTYPES
+def test_gdn_output_norm_matches_the_twin_and_fla(dtype):
+    """At GDN-300M's widths (8 value heads of 64), z a strided column slice of the fused projection, viewed per
+    head, as the layer passes it; the peer is fla's gated norm (``--norm-kernel fla``), which copies z first."""
+    from hybridlm.ops.backend import set_kernel_source
+    from hybridlm.ops.elementwise import gated_rms_norm
+    torch.manual_seed(0)
+    R, H, V, eps = 4 * 1024 + 3, 8, 64, 1e-6
+    y = torch.randn(R, H, V, device="cuda", dtype=dtype)
+    z = torch.randn(R, 3 * H * V + 16, device="cuda", dtype=dtype)[:, 16 + 2 * H * V:].unflatten(-1, (H, V))
+    weight = (1 + 0.1 * torch.randn(V, device="cuda")).to(dtype)
+    dout = torch.randn(R, H, V, device="cuda", dtype=dtype)
+
+    def grads(fn, *inputs):
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+        out = fn(*leaves)
+        (out.double() * dout.to(out.device).double()).sum().backward()
+        return [out.detach()] + [t.grad for t in leaves]
+
+    def path(source):
+        def run(y, z, w):
+            set_kernel_source("norm", source)
+            try:
+                return gated_rms_norm(y, z, w, eps, triton=True)
+            finally:
+                set_kernel_source("norm", "project")
+        return run
+
+    cpu64 = lambda t: t.detach().cpu().double()  # noqa: E731
+    got = grads(path("project"), y, z, weight)
+    peer = grads(path("fla"), y, z, weight)
+    want = grads(lambda y, z, w: norm_then_gate_reference(y.flatten(-2), z.flatten(-2), w, eps).view(y.shape),
+                 *(cpu64(t) for t in (y, z, weight)))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, o, t, f in zip(("out", "dy", "dz", "dw"), got, want, peer):
+        assert o.dtype == dtype and o.shape == t.shape, name
+        assert rel_err(o, t) < tol, (name, rel_err(o, t))
+        assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-6, (name, rel_err(o, t), rel_err(f, t))
 
 
 @DTYPES
