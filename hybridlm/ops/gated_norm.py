@@ -135,20 +135,25 @@ def _gated_norm_bwd_kernel(y, x, z, D, w, rstd, dout, dy, dxs, dz, dw, dd, R, s_
         tl.store(dd + part, tl.sum(acc_d, 0))
 
 
-def _kernels():
-    """``(forward, backward)``, jitted (and autotuned over rows per block and warps, on a GPU) on first use."""
+def _kernels(group_size: int):
+    """``(forward, backward)``, jitted (and autotuned over rows per block and warps, on a GPU) on first use, per
+    group size: a block holds ``BR x group_size`` elements, 256 to 8,192 of them (GDN's groups of 64 want more
+    rows per block than Mamba2's 256)."""
     global _KERNELS, tl, _tile
     if _KERNELS is None:
         import triton
         import triton.language as tl  # noqa: F811 -- binds the module global the kernels' source names
         _tile = triton.jit(_tile)
-        kernels = [triton.jit(k) for k in (_gated_norm_fwd_kernel, _gated_norm_bwd_kernel)]
-        if not interpreting():  # the interpreter runs one configuration
-            configs = [triton.Config({"BR": br}, num_warps=nw) for br in (1, 2, 4, 8) for nw in (2, 4, 8)]
-            kernels = [triton.autotune(configs, key=["NG", "HD", "GS", "WS", "NORM_FIRST", "HAS_SKIP"])(k)
-                       for k in kernels]
-        _KERNELS = tuple(kernels)
-    return _KERNELS
+        _KERNELS = {"jit": [triton.jit(k) for k in (_gated_norm_fwd_kernel, _gated_norm_bwd_kernel)]}
+    if interpreting():  # the interpreter runs one configuration
+        return _KERNELS["jit"]
+    if group_size not in _KERNELS:
+        import triton
+        rows = [br for br in (1, 2, 4, 8, 16, 32) if 256 <= br * group_size <= 8192] or [1]
+        configs = [triton.Config({"BR": br}, num_warps=nw) for br in rows for nw in (2, 4, 8)]
+        _KERNELS[group_size] = [triton.autotune(configs, key=["NG", "HD", "GS", "WS", "NORM_FIRST", "HAS_SKIP"])(k)
+                                for k in _KERNELS["jit"]]
+    return _KERNELS[group_size]
 
 
 def _launch_args() -> dict:
@@ -169,7 +174,7 @@ class _GatedNorm(torch.autograd.Function):
         rstd = torch.empty(R, NG, dtype=torch.float32, device=y.device)
         meta = dict(NG=NG, HD=C // D.shape[0] if skip else C, GS=group_size, WS=weight.shape[0],
                     NORM_FIRST=norm_first, HAS_SKIP=skip)
-        _kernels()[0][lambda m: (-(-R // m["BR"]), NG)](
+        _kernels(group_size)[0][lambda m: (-(-R // m["BR"]), NG)](
             y2, x2, z2, D if skip else weight, weight, out, rstd, R, eps, y2.stride(0), x2.stride(0), z2.stride(0),
             **meta, **_launch_args())
         ctx.save_for_backward(y2, x2 if skip else None, z2, D, weight, rstd)
@@ -188,9 +193,10 @@ class _GatedNorm(torch.autograd.Function):
         P = persistent_programs(y2.device, R, PROGRAMS_PER_SM, shares=NG)
         dw = torch.empty(P, C, dtype=torch.float32, device=y2.device)
         dd = torch.empty(P, C, dtype=torch.float32, device=y2.device) if skip else dw
-        _kernels()[1][(P, NG)](y2, x2 if skip else y2, z2, D if skip else weight, weight, rstd, do2, dy, dxs, dz,
-                               dw, dd, R, y2.stride(0), (x2 if skip else y2).stride(0), z2.stride(0), do2.stride(0),
-                               **ctx.meta, **_launch_args())
+        x2 = x2 if skip else y2  # without the skip the kernel never reads x or D
+        _kernels(ctx.meta["GS"])[1][(P, NG)](y2, x2, z2, D if skip else weight, weight, rstd, do2, dy, dxs, dz, dw, dd,
+                                             R, y2.stride(0), x2.stride(0), z2.stride(0), do2.stride(0), **ctx.meta,
+                                             **_launch_args())
         dweight = dw.sum(0).view(-1, weight.shape[0]).sum(0)  # the heads share a GDN weight
         if not skip:
             return dy.view(ctx.shape), None, None, dz.view(ctx.shape), dweight.to(weight.dtype), None, None, None
