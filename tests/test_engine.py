@@ -356,6 +356,61 @@ def test_nonfinite_loss_skips_step_bit_identically(precision):
     assert_same(after_good, snapshot(eng))  # the raising step was skipped too
 
 
+def test_step_on_device_skips_as_deepspeed_does():
+    """optim.step_on_device (hybridlm/engine/device_step.py): the skip is decided on the device (fused AdamW's
+    found_inf) and read with the results, and leaves the same state untouched: weights, fp32 masters, AdamW's
+    moments and step count, the LR and its schedule."""
+    cfg = W.make_config("bf16", max_consecutive_nonfinite=3, step_on_device=True)
+    eng = Engine(W.build_model(), cfg, W.loss_fn)
+    batches = W.global_batches(10, 4)
+    for b in batches[:2]:
+        assert not eng.train_step(micro(b, eng)).skipped
+    before = snapshot(eng)
+    pending = eng.launch_step(micro(batches[2], eng, poison_rows=[3]))
+    assert pending.skipped is None  # not known on the host until read
+    r = pending.result()
+    assert r.skipped and math.isnan(r.loss) and r.lr == before["lr"][0]
+    assert eng.skipped_steps == 1 and eng.consecutive_nonfinite == 1 and eng.global_step == 3
+    assert_same(before, snapshot(eng))
+    r = eng.train_step(micro(batches[3], eng))
+    assert not r.skipped and eng.consecutive_nonfinite == 0 and r.lr == before["lr"][0]  # the skip kept the LR
+    after_good = snapshot(eng)
+    assert after_good["lr"][0] != before["lr"][0]  # an applied step advances it
+    eng.train_step(micro(batches[4], eng, poison_rows=[0]))
+    eng.train_step(micro(batches[5], eng, poison_rows=[1]))
+    with pytest.raises(NonFiniteLossError, match="3 consecutive"):
+        eng.train_step(micro(batches[6], eng, poison_rows=[2]))
+    assert eng.skipped_steps == 4 and eng.consecutive_nonfinite == 3
+    assert_same(after_good, snapshot(eng))
+    eng.ds_engine.destroy()
+
+
+def test_step_on_device_trains_as_deepspeeds_step():
+    """The same run (a NaN step in the middle) with DeepSpeed's step and with the step on the device: the same
+    losses, norms and LRs, up to fused against foreach AdamW's rounding on the CPU. Steps launched back to back
+    without reading: each reads the one before it before its optimizer, so the skip still holds the LR."""
+    batches = W.global_batches(6, 4)
+    poison = {2: [1]}
+    runs = {}
+    for on_device in (False, True):
+        eng = Engine(W.build_model(), W.make_config("bf16", step_on_device=on_device), W.loss_fn)
+        pending = [eng.launch_step(micro(b, eng, poison.get(k, ()))) for k, b in enumerate(batches)]
+        runs[on_device] = [p.result() for p in pending]
+        eng.ds_engine.destroy()
+    ref, dev = runs[False], runs[True]
+    assert [r.skipped for r in dev] == [r.skipped for r in ref] == [k in poison for k in range(6)]
+    assert [r.lr for r in dev] == [r.lr for r in ref] and dev[3].lr == dev[2].lr
+    ok = [k for k in range(6) if k not in poison]
+    assert [dev[k].loss for k in ok] == pytest.approx([ref[k].loss for k in ok], rel=1e-4)
+    assert [dev[k].grad_norm for k in ok] == pytest.approx([ref[k].grad_norm for k in ok], rel=1e-4)
+
+
+def test_step_on_device_needs_deepspeeds_bf16_optimizer():
+    with pytest.raises(ConfigError, match="optim.step_on_device: needs precision=bf16 and zero_stage=1"):
+        build_dataclass(OptimConfig, {"micro_batch_size": 2, "global_batch_size": 4, "lr": 1e-3, "max_steps": 2,
+                                      "precision": "fp32", "step_on_device": True}, "optim")
+
+
 # ------------------------------------------------------------------------- (c) checkpoints
 
 

@@ -103,3 +103,35 @@ def test_the_loop_reads_each_step_after_launching_the_next(tmp_path):
     assert [r["step"] for r in logged if "loss" in r] == list(range(1, 8))
     assert out.steps == 7 and out.tokens == 7 * 2 * (W.SEQ - 1) and math.isfinite(out.final_loss)
     assert out.final_loss == [r for r in logged if "loss" in r][-1]["loss"]
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["deepspeed_step", "step_on_device"])
+def test_the_loop_logs_a_skipped_step_and_saves_before_stopping(tmp_path, on_device):
+    """A NaN step read one step late is logged as skipped; too many in a row stop the run with a checkpoint, with
+    DeepSpeed's step (the skip known at launch) and with the step on the device (known when read)."""
+    def nan_at(steps):
+        def loss_fn(model, batch):  # one micro-batch a step: the n-th training call is step n
+            loss, metrics = W.loss_fn(model, batch)
+            if torch.is_grad_enabled():
+                loss_fn.calls += 1
+                if loss_fn.calls in steps:
+                    loss = loss * float("nan")
+            return loss, metrics
+        loss_fn.calls = 0
+        return loss_fn
+
+    run = RunConfig(output_dir=str(tmp_path / "run"), eval_interval=0, save_interval=0, progress=False,
+                    tensorboard=False, export=False, sample_tokens=0)
+    cfg = W.make_config("bf16", max_steps=6, global_batch_size=2, step_on_device=on_device,
+                        max_consecutive_nonfinite=2)
+    out = train_loop(Engine(W.build_model(), cfg, nan_at({3})), Stream(), run)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in logged if "loss" in r] == [0, 0, 1, 0, 0, 0]
+    assert out.skipped_steps == 1 and math.isfinite(out.final_loss)
+
+    run.output_dir = str(tmp_path / "stopped")
+    engine = Engine(W.build_model(), cfg, nan_at({4, 5}))
+    with pytest.raises(NonFiniteLossError, match="2 consecutive .* checkpoint saved"):
+        train_loop(engine, Stream(), run)
+    assert (tmp_path / "stopped" / "checkpoints" / "latest").read_text().strip() == "step_5"
+    assert engine.skipped_steps == 2

@@ -45,6 +45,10 @@ class OptimConfig(Section):
     # bf16: add each parameter's bf16 gradient into its fp32 accumulator from a hook in the backward, as soon as
     # it is made (DeepSpeed's bf16.immediate_grad_update), rather than in a loop over all parameters after it
     immediate_grad_update: bool = False
+    # bf16 ZeRO-1: decide on the device whether a non-finite step is skipped, so that no step waits on the host
+    # for its backward (hybridlm/engine/device_step.py); the results are the same, the host learns of a skip when
+    # it reads the step's results (at the latest before the next step's optimizer)
+    step_on_device: bool = False
 
     def validate(self, where: str = "optim") -> None:
         super().validate(where)
@@ -61,6 +65,9 @@ class OptimConfig(Section):
             raise ConfigError(f"{where}.min_lr: expected a number in [0, lr={self.lr}], got {self.min_lr!r}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"{where}.betas: expected two numbers in [0, 1), got {self.betas!r}")
+        if self.step_on_device and (self.precision != "bf16" or self.zero_stage != 1):
+            raise ConfigError(f"{where}.step_on_device: needs precision=bf16 and zero_stage=1 (DeepSpeed's bf16 "
+                              f"optimizer), got precision={self.precision}, zero_stage={self.zero_stage}")
 
     def gradient_accumulation_steps(self, world_size: int, where: str = "optim") -> int:
         """Micro-batches per rank per optimizer step: global / (micro x world size)."""

@@ -26,6 +26,12 @@ exact, so healthy steps are bitwise unchanged; when any rank saw a non-finite lo
 gradients become NaN, the all-reduced norm is NaN on every rank, and DeepSpeed skips the update
 everywhere.  This decision stays on the device (no host sync); after the step the engine checks
 that DeepSpeed really skipped (``skipped_steps`` advanced) and raises otherwise.
+
+With ``optim.step_on_device`` (bf16 ZeRO-1) DeepSpeed's step is replaced by one that skips on the device too
+(hybridlm/engine/device_step.py: fused AdamW's ``found_inf``), so that no step waits for its backward on the
+host. The same state is left untouched; the engine learns of the skip when it reads the step's results, and it
+reads them, at the latest, before the next step's optimizer, when it counts the skip and advances the LR
+schedule only for an applied step, as above.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ from hybridlm.config.errors import ConfigError
 from hybridlm.engine import checkpoint as ckpt
 from hybridlm.engine.checkpoint import CheckpointError
 from hybridlm.engine.clipping import clip_before_step, norm_over_flat_gradients
+from hybridlm.engine.device_step import ScheduleAdvancedByEngine, step_on_device
 from hybridlm.engine.config import OptimConfig
 from hybridlm.engine.distributed import DistInfo, barrier, init_distributed
 from hybridlm.engine.schedule import lr_lambda_from_config
@@ -90,10 +97,13 @@ class PendingStep:
     """A launched optimizer step (:meth:`Engine.launch_step`): ``step``, ``lr`` and ``skipped`` are known at
     once; :meth:`result` reads the logged values, waiting only for this step's own work on the device."""
 
-    def __init__(self, step: int, lr: float, skipped: bool, keys: List[str], n_extra: int, denom: int,
-                 values: Readback, is_main: bool):
-        self.step, self.lr, self.skipped = step, lr, skipped
+    def __init__(self, step: int, lr: float, skipped: Optional[bool], keys: List[str], n_extra: int, denom: int,
+                 values: Readback, is_main: bool, account: Callable[["PendingStep"], None]):
+        self.step, self.lr = step, lr
+        self.skipped = skipped  # None: decided on the device, known once read (the values' last entry)
+        self._device_skip = skipped is None
         self._keys, self._n_extra, self._denom, self._values, self._is_main = keys, n_extra, denom, values, is_main
+        self._account = account
         self.streak = 0          # consecutive skipped steps up to this one (set by the engine)
         self.skipped_total = 0   # skipped steps up to this one
         self._result: Optional[StepResult] = None
@@ -102,6 +112,11 @@ class PendingStep:
         if self._result is not None:
             return self._result
         host = self._values.tolist()
+        if self._device_skip:
+            host, found_inf = host[:-1], host[-1]
+            if self.skipped is None:
+                self.skipped = found_inf > 0
+                self._account(self)  # may raise NonFiniteLossError, after which result() reads again
         if host[1] > 0 and not self.skipped:
             raise RuntimeError(
                 "internal error: a micro-batch loss was non-finite but DeepSpeed applied the update; "
@@ -288,7 +303,8 @@ class Engine:
             betas=tuple(config.betas),
             eps=config.eps,
             weight_decay=config.weight_decay,
-            fused=self.dist.device.type == "cuda",
+            # fused on a GPU; and wherever the step runs on the device, which skips through fused AdamW's found_inf
+            fused=self.dist.device.type == "cuda" or config.step_on_device,
         )
         factor = lr_lambda_from_config(config)
 
@@ -301,16 +317,20 @@ class Engine:
         self.ds_engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),
+            lr_scheduler=lambda opt: (ScheduleAdvancedByEngine(opt, factor) if config.step_on_device
+                                      else torch.optim.lr_scheduler.LambdaLR(opt, factor)),
             config=ds_config,
             dist_init_required=False,
         )
         from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
         bf16_optimizer = isinstance(self.optimizer, BF16_Optimizer)
-        if clips_in_engine(config) and ds_config.get("gradient_clipping") == 0.0:  # not overridden
-            if not bf16_optimizer:
-                raise RuntimeError(f"Engine: expected DeepSpeed's BF16_Optimizer for bf16 ZeRO-1, got "
-                                   f"{type(self.optimizer).__name__}; the engine's clipping assumes it")
+        if (clips_in_engine(config) or config.step_on_device) and not bf16_optimizer:
+            raise RuntimeError(f"Engine: expected DeepSpeed's BF16_Optimizer for bf16 ZeRO-1, got "
+                               f"{type(self.optimizer).__name__}; the engine's clipping and step assume it")
+        self.step_on_device = config.step_on_device
+        if config.step_on_device:  # it clips too (hybridlm/engine/device_step.py)
+            step_on_device(self.optimizer, config.grad_clip)
+        elif clips_in_engine(config) and ds_config.get("gradient_clipping") == 0.0:  # not overridden
             clip_before_step(self.ds_engine.basic_optimizer, config.grad_clip)
         if bf16_optimizer:
             norm_over_flat_gradients(self.optimizer)
@@ -327,6 +347,7 @@ class Engine:
         self.global_step = 0  # optimizer steps attempted (applied + skipped)
         self.skipped_steps = 0
         self.consecutive_nonfinite = 0
+        self._unread: Optional[PendingStep] = None  # step_on_device: the last step, its skip not read yet
 
     # ------------------------------------------------------------------------------ properties
 
@@ -384,7 +405,6 @@ class Engine:
             # (the inner module: DeepSpeedEngine.eval() leaves its own flag set)
             engine.train()
         dev = self.device
-        lr = self.lr
         skipped_before = engine.skipped_steps
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
@@ -423,32 +443,51 @@ class Engine:
                 poison = torch.where(stats[1] > 0, float("nan"), 1.0).to(dtype=loss.dtype)
                 loss = loss * poison
             engine.backward(loss)
-            if i == n - 1 and before_optimizer_step is not None:
-                before_optimizer_step()
+            if i == n - 1:
+                if before_optimizer_step is not None:
+                    before_optimizer_step()
+                if self._unread is not None:  # its skip decides the schedule this step runs with
+                    self._unread.result()
+                lr = self.lr
             engine.step()
 
         assert stats is not None and keys is not None
         norm = engine.get_global_grad_norm()
-        norm_t = _scalar(norm if norm is not None else float("nan"), dev).reshape(1)
+        tail = [_scalar(norm if norm is not None else float("nan"), dev).reshape(1)]
+        if self.step_on_device:  # whether the step was skipped is known on the device only
+            tail.append(self.optimizer.found_inf.to(torch.float64).reshape(1))
         self.global_step += 1
-        pending = PendingStep(step=self.global_step, lr=lr, skipped=engine.skipped_steps > skipped_before,
+        pending = PendingStep(step=self.global_step, lr=lr,
+                              skipped=None if self.step_on_device else engine.skipped_steps > skipped_before,
                               keys=keys, n_extra=len(reduce_with), denom=n * self.dist.world_size,
-                              values=Readback(torch.cat([stats, norm_t])), is_main=self.dist.is_main)
+                              values=Readback(torch.cat([stats] + tail)), is_main=self.dist.is_main,
+                              account=self._account)
+        if self.step_on_device:
+            self._unread = pending
+        else:
+            self._account(pending)
+        return pending
+
+    def _account(self, pending: "PendingStep") -> None:
+        """Count a step skipped or applied, once it is known whether it was (with the step on the device: when
+        its results are read); an applied step on the device advances the LR schedule then."""
+        if pending is self._unread:
+            self._unread = None
         if pending.skipped:
             self.skipped_steps += 1
             self.consecutive_nonfinite += 1
-            if self.consecutive_nonfinite >= self.config.max_consecutive_nonfinite:
-                result = pending.result()
-                raise NonFiniteLossError(
-                    f"{self.consecutive_nonfinite} consecutive optimizer steps skipped for a non-finite loss or "
-                    f"gradient norm (optim.max_consecutive_nonfinite={self.config.max_consecutive_nonfinite}); "
-                    f"last: step {self.global_step}, loss={result.loss}, grad_norm={result.grad_norm}"
-                )
         else:
             self.consecutive_nonfinite = 0
-        pending.streak = self.consecutive_nonfinite
-        pending.skipped_total = self.skipped_steps
-        return pending
+            if self.step_on_device:
+                self.lr_scheduler.advance()
+        pending.streak, pending.skipped_total = self.consecutive_nonfinite, self.skipped_steps
+        if pending.skipped and self.consecutive_nonfinite >= self.config.max_consecutive_nonfinite:
+            result = pending.result()
+            raise NonFiniteLossError(
+                f"{self.consecutive_nonfinite} consecutive optimizer steps skipped for a non-finite loss or "
+                f"gradient norm (optim.max_consecutive_nonfinite={self.config.max_consecutive_nonfinite}); "
+                f"last: step {pending.step}, loss={result.loss}, grad_norm={result.grad_norm}"
+            )
 
     @torch.no_grad()
     def eval_step(self, batch: Mapping[str, Any]) -> EvalResult:
@@ -497,6 +536,8 @@ class Engine:
         checkpoint is read back with ``weights_only=True``. It is returned by :meth:`load_checkpoint`.
         Returns the path of the new checkpoint.
         """
+        if self._unread is not None:  # the counters and the schedule saved must include the last step's skip
+            self._unread.result()
         if keep_last is not None and keep_last < 1:
             raise ConfigError(f"keep_last: expected a positive integer, got {keep_last!r}")
         save_dir = os.path.abspath(os.fspath(save_dir))

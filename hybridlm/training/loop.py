@@ -237,56 +237,56 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
         say(notice)
     val: Dict[str, float] = {}
     try:
-        while engine.global_step < max_steps:
-            micro = [next(batches) for _ in range(gas)]
-            try:
-                launched = engine.launch_step(micro, before_optimizer_step=while_the_backward_runs)
-            except NonFiniteLossError as e:
-                if not checkpoints:
-                    raise
-                if pending is not None:
+        try:
+            while engine.global_step < max_steps:
+                micro = [next(batches) for _ in range(gas)]
+                pending = engine.launch_step(micro, before_optimizer_step=while_the_backward_runs)
+                # (the step before was read while this one's backward ran)
+                step = pending.step
+                eval_due = bool(val_batches and run.eval_interval and step % run.eval_interval == 0 and step < max_steps)
+                save_due = bool(run.save_interval and step % run.save_interval == 0 and step < max_steps)
+                if eval_due or save_due or book.t_steady is None:  # these need this step's results first
                     book.settle(pending)
-                save()
-                raise NonFiniteLossError(f"{e}; stopped at step {engine.global_step}, "
-                                         f"checkpoint saved in {run.checkpoint_dir}") from None
-            pending = launched  # the step before was read while this one's backward ran
-            step = launched.step
-            eval_due = bool(val_batches and run.eval_interval and step % run.eval_interval == 0 and step < max_steps)
-            save_due = bool(run.save_interval and step % run.save_interval == 0 and step < max_steps)
-            if eval_due or save_due or book.t_steady is None:  # these need this step's results first
-                book.settle(pending)
-                pending = None
-            if eval_due:
-                val = evaluate(engine, val_batches, loss_is_nll)
-                logger.log(step, val)
-                if bar is not None:
-                    ppl = f"  val_ppl {val['val_ppl']:.2f}" if "val_ppl" in val else ""
-                    bar.write(f"step {step}: val_loss {val['val_loss']:.4f}{ppl}")
-                book.restart_window()  # tokens/s measures training only
-            if save_due:
-                save()
-                book.restart_window()
-            kill_if_requested(step)
-            # the first step ends the clock's zero point, so no budget is spent by it (a time check there
-            # raced the few microseconds since t_steady was set)
-            book.count_launched(step)
-            out_of_time, preempted = _should_stop(book.t_steady if book.steady_steps else None,
-                                                  run.max_minutes, flag)
-            if (out_of_time or preempted) and pending is not None:
-                book.settle(pending)
-                pending = None
-            if preempted:
-                if step < max_steps:  # else the loop ends here anyway and exports as usual
+                    pending = None
+                if eval_due:
+                    val = evaluate(engine, val_batches, loss_is_nll)
+                    logger.log(step, val)
+                    if bar is not None:
+                        ppl = f"  val_ppl {val['val_ppl']:.2f}" if "val_ppl" in val else ""
+                        bar.write(f"step {step}: val_loss {val['val_loss']:.4f}{ppl}")
+                    book.restart_window()  # tokens/s measures training only
+                if save_due:
                     save()
-                    raise Preempted(f"stopped by {flag.signal_name or 'a signal on another rank'} at step {step} "
-                                    f"of {max_steps}; checkpoint saved in {run.checkpoint_dir}, rerun to resume")
-            elif out_of_time:
-                if main:
-                    print(f"run.max_minutes={run.max_minutes} reached at step {step} of {max_steps}", flush=True)
-                break
-        if pending is not None:
-            book.settle(pending)
-            pending = None
+                    book.restart_window()
+                kill_if_requested(step)
+                # the first step ends the clock's zero point, so no budget is spent by it (a time check there
+                # raced the few microseconds since t_steady was set)
+                book.count_launched(step)
+                out_of_time, preempted = _should_stop(book.t_steady if book.steady_steps else None,
+                                                      run.max_minutes, flag)
+                if (out_of_time or preempted) and pending is not None:
+                    book.settle(pending)
+                    pending = None
+                if preempted:
+                    if step < max_steps:  # else the loop ends here anyway and exports as usual
+                        save()
+                        raise Preempted(f"stopped by {flag.signal_name or 'a signal on another rank'} at step {step} "
+                                        f"of {max_steps}; checkpoint saved in {run.checkpoint_dir}, rerun to resume")
+                elif out_of_time:
+                    if main:
+                        print(f"run.max_minutes={run.max_minutes} reached at step {step} of {max_steps}", flush=True)
+                    break
+            if pending is not None:
+                book.settle(pending)
+                pending = None
+        except NonFiniteLossError as e:  # raised where a step's skip is counted: launched or read
+            if not checkpoints:
+                raise
+            if pending is not None:
+                book.settle(pending)
+            save()
+            raise NonFiniteLossError(f"{e}; stopped at step {engine.global_step}, "
+                                     f"checkpoint saved in {run.checkpoint_dir}") from None
         if val_batches:
             val = evaluate(engine, val_batches, loss_is_nll)
             logger.log(engine.global_step, val)
