@@ -11,8 +11,8 @@
 rank-sharded ``PackedBatches`` loader), :func:`pretrain.train.build_engine` (the model in the DeepSpeed
 ZeRO-1 :class:`~hybridlm.engine.Engine`, bf16 weights with fp32 master weights and gradient accumulation,
 fused AdamW, clipping) and the shared :func:`~hybridlm.training.train_loop`, timed through its
-``on_step`` hook, which the loop calls once the GPU has finished the step, with checkpoints off. A config is a model YAML
-name from ``configs/models`` (or any model / experiment YAML path; only its model section is used).
+``on_step`` hook, which the loop calls once the GPU has finished the step, with checkpoints off. A config is a
+model YAML name from ``configs/models`` (or any model / experiment YAML path; only its model section is used).
 
 **Peers** (one-process runs only): fla's ``GatedDeltaNetForCausalLM`` / ``KDAForCausalLM`` with the
 shapes of our GDN / KDA config (``fla_gdn[:CONFIG]``, default ``gdn_300m``; ``fla_kda[:CONFIG]``, default

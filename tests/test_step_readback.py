@@ -46,13 +46,12 @@ def test_launch_step_gives_train_step_results_and_knows_a_skip_at_once():
     late.module.eval()  # a step puts a model left in eval mode back in training mode
     assert late.ds_engine.training  # (DeepSpeed's own flag does not follow its module's)
     # launched back to back, read afterwards: the same results, bit for bit
-    pending = [late.launch_step(micro(b, late), reduce_with=[k, 0.5]) for k, b in enumerate(batches[:3])]
+    pending = [late.launch_step(micro(b, late)) for b in batches[:3]]
     assert late.module.training
-    for k, (p, r) in enumerate(zip(pending, expected)):
+    for p, r in zip(pending, expected):
         got = p.result()
         assert (got.step, got.loss, got.grad_norm, got.lr, got.tokens, got.metrics) == \
                (r.step, r.loss, r.grad_norm, r.lr, r.tokens, r.metrics)
-        assert got.reduced == [k, 0.5] and r.reduced == []  # one rank: the sum is the value
     # a NaN step: skipped, counted, before anything is read
     p = late.launch_step(micro(batches[3], late, poison_rows=[0]))
     assert p.skipped and late.skipped_steps == 1 and late.consecutive_nonfinite == 1

@@ -129,7 +129,8 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     ours, llama, late = entries["tiny_hybrid"], entries["llama:tiny_hybrid"], entries["llama:tiny_hybrid+late"]
     assert ours["flops_per_token"] == expected and ours["flops"]["attention"] > 0 and ours["flops"]["recurrence"] > 0
     # the same peer with its loss read one step late (and one more step run, for the profiler's last window)
-    assert "after the next step is launched" not in llama["recipe"] and "after the next step is launched" in late["recipe"]
+    late_read = "after the next step is launched"
+    assert late_read not in llama["recipe"] and late_read in late["recipe"]
     assert late["params"] == llama["params"] and late["final_loss"] != llama["final_loss"]
     for e in (ours, llama, late):
         assert e["status"] == "ok" and e["micro_batch"] == 2 and e["tokens_per_step"] == 64

@@ -82,7 +82,6 @@ class StepResult:
     skipped: bool
     tokens: int  # summed over micro-batches and ranks
     metrics: Dict[str, float] = field(default_factory=dict)  # loss_fn metrics, mean over micro-batches and ranks
-    reduced: List[float] = field(default_factory=list)  # launch_step's reduce_with, summed over ranks
 
 
 @dataclass
@@ -94,15 +93,16 @@ class EvalResult:
 
 
 class PendingStep:
-    """A launched optimizer step (:meth:`Engine.launch_step`): ``step``, ``lr`` and ``skipped`` are known at
-    once; :meth:`result` reads the logged values, waiting only for this step's own work on the device."""
+    """A launched optimizer step (:meth:`Engine.launch_step`): ``step`` and ``lr`` are known at once, ``skipped``
+    too unless the step ran on the device (``optim.step_on_device``: None until read); :meth:`result` reads the
+    logged values, waiting only for this step's own work on the device."""
 
-    def __init__(self, step: int, lr: float, skipped: Optional[bool], keys: List[str], n_extra: int, denom: int,
+    def __init__(self, step: int, lr: float, skipped: Optional[bool], keys: List[str], denom: int,
                  values: Readback, is_main: bool, account: Callable[["PendingStep"], None]):
         self.step, self.lr = step, lr
         self.skipped = skipped  # None: decided on the device, known once read (the values' last entry)
         self._device_skip = skipped is None
-        self._keys, self._n_extra, self._denom, self._values, self._is_main = keys, n_extra, denom, values, is_main
+        self._keys, self._denom, self._values, self._is_main = keys, denom, values, is_main
         self._account = account
         self.streak = 0          # consecutive skipped steps up to this one (set by the engine)
         self.skipped_total = 0   # skipped steps up to this one
@@ -122,11 +122,10 @@ class PendingStep:
                 "internal error: a micro-batch loss was non-finite but DeepSpeed applied the update; "
                 "the NaN-skip relies on DeepSpeed's overflow check (bf16.check_grad_overflow / fp32 norm check)"
             )
-        k, d = len(self._keys), self._denom
+        d = self._denom
         self._result = StepResult(
             step=self.step, loss=host[0] / d, grad_norm=float(host[-1]), lr=self.lr, skipped=self.skipped,
-            tokens=int(round(host[2])), metrics={key: host[3 + j] / d for j, key in enumerate(self._keys)},
-            reduced=host[3 + k:3 + k + self._n_extra])
+            tokens=int(round(host[2])), metrics={key: host[3 + j] / d for j, key in enumerate(self._keys)})
         if self.skipped and self._is_main:
             logger.warning("step %d skipped: loss=%s grad_norm=%s (%d consecutive, %d total)", self.step,
                            self._result.loss, self._result.grad_norm, self.streak, self.skipped_total)
@@ -379,21 +378,19 @@ class Engine:
         return self.launch_step(micro_batches, before_optimizer_step).result()
 
     def launch_step(self, micro_batches: Sequence[Mapping[str, Any]],
-                    before_optimizer_step: Optional[Callable[[], None]] = None,
-                    reduce_with: Sequence[float] = ()) -> "PendingStep":
+                    before_optimizer_step: Optional[Callable[[], None]] = None) -> "PendingStep":
         """Launch one optimizer step over this rank's ``gradient_accumulation_steps`` micro-batches; what it
         logs (loss, tokens, metrics, gradient norm) is read when ``result()`` is called on what this returns.
 
-        Whether the step was skipped is known at once (DeepSpeed decides it on the host), so the skip
-        accounting and :class:`NonFiniteLossError` happen here. A loop that reads step ``k``'s result after
-        launching step ``k + 1`` keeps the GPU fed while the host logs (hybridlm/utils/readback.py).
+        With DeepSpeed's step, whether the step was skipped is known at once (DeepSpeed decides it on the host),
+        so the skip accounting and :class:`NonFiniteLossError` happen here; with ``optim.step_on_device`` they
+        happen when the step is read, at the latest in the next launch, before its optimizer step. A loop that
+        reads step ``k``'s result after launching step ``k + 1`` keeps the GPU fed while the host logs
+        (hybridlm/utils/readback.py).
 
         ``before_optimizer_step()``, if given, runs once the last backward is launched, just before the optimizer
         step, whose gradient-norm check then waits for the GPU: host work placed there (the next batch,
-        hybridlm/data/prefetch.py) overlaps the backward instead of delaying the next forward.
-
-        ``reduce_with``: host numbers summed over all ranks in the step's own all-reduce, returned in
-        ``StepResult.reduced`` (the loop's stop flags: no collective of their own)."""
+        hybridlm/data/prefetch.py) overlaps the backward instead of delaying the next forward."""
         n = len(micro_batches)
         if n != self.gradient_accumulation_steps:
             raise ValueError(
@@ -401,8 +398,9 @@ class Engine:
                 f"{self.gradient_accumulation_steps} (global_batch_size / (micro_batch_size x world size))"
             )
         engine = self.ds_engine
-        if not self.module.training:  # a walk over every module (4.7-5.6 ms in traced GDN-300M steps): only on a change
-            # (the inner module: DeepSpeedEngine.eval() leaves its own flag set)
+        # train() walks every module (4.7-5.6 ms in traced GDN-300M steps): only on a change of the inner module's
+        # mode (DeepSpeedEngine.eval() leaves its own flag set)
+        if not self.module.training:
             engine.train()
         dev = self.device
         skipped_before = engine.skipped_steps
@@ -438,8 +436,7 @@ class Engine:
 
             if i == n - 1:
                 # One collective carries everything logged and the skip decision (module docstring).
-                stats = self._reduce(torch.stack([loss_sum, bad, tokens] + [metric_sums[k] for k in keys]
-                                                 + [_scalar(v, dev) for v in reduce_with]))
+                stats = self._reduce(torch.stack([loss_sum, bad, tokens] + [metric_sums[k] for k in keys]))
                 poison = torch.where(stats[1] > 0, float("nan"), 1.0).to(dtype=loss.dtype)
                 loss = loss * poison
             engine.backward(loss)
@@ -459,7 +456,7 @@ class Engine:
         self.global_step += 1
         pending = PendingStep(step=self.global_step, lr=lr,
                               skipped=None if self.step_on_device else engine.skipped_steps > skipped_before,
-                              keys=keys, n_extra=len(reduce_with), denom=n * self.dist.world_size,
+                              keys=keys, denom=n * self.dist.world_size,
                               values=Readback(torch.cat([stats] + tail)), is_main=self.dist.is_main,
                               account=self._account)
         if self.step_on_device:

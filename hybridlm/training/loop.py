@@ -186,9 +186,9 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
 
     ``on_step(result)``, if given, is called when a step's results are read, after its logging; that is
     after the next step is launched, unless the step ends with an evaluation, a checkpoint or a stop, whose
-    results are read before those (e.g. to time steps: the call comes when the GPU has finished the step). ``checkpoints=False`` neither resumes nor saves
-    (benchmarks: a ZeRO checkpoint of a 1B model is tens of GB). ``loss_is_nll=False`` (distillation and
-    preference losses) logs no validation perplexity.
+    results are read before those (e.g. to time steps: the call comes when the GPU has finished the step).
+    ``checkpoints=False`` neither resumes nor saves (benchmarks: a ZeRO checkpoint of a 1B model is tens of GB).
+    ``loss_is_nll=False`` (distillation and preference losses) logs no validation perplexity.
     """
     max_steps = engine.config.max_steps
     gas = engine.gradient_accumulation_steps
@@ -243,7 +243,8 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
                 pending = engine.launch_step(micro, before_optimizer_step=while_the_backward_runs)
                 # (the step before was read while this one's backward ran)
                 step = pending.step
-                eval_due = bool(val_batches and run.eval_interval and step % run.eval_interval == 0 and step < max_steps)
+                eval_due = bool(val_batches and run.eval_interval and step % run.eval_interval == 0
+                                and step < max_steps)
                 save_due = bool(run.save_interval and step % run.save_interval == 0 and step < max_steps)
                 if eval_due or save_due or book.t_steady is None:  # these need this step's results first
                     book.settle(pending)

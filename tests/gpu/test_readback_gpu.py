@@ -8,17 +8,18 @@ from hybridlm.utils.readback import Readback
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-SLEEP_CYCLES = 2_000_000_000  # about a second of one GPU thread spinning
-
 
 def test_readback_waits_for_the_work_before_it_only():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) / 100
     values = torch.arange(4, dtype=torch.float64, device="cuda")
-    torch.cuda._sleep(SLEEP_CYCLES // 4)
-    values.add_(1)                     # launched before: part of what is read
+    Readback(values).tolist()  # any first-use cost (the pinned allocator, the copy) before the case
+    torch.cuda.synchronize()
+    values.add_(1)                      # launched before: part of what is read
     rb = Readback(values)
-    torch.cuda._sleep(SLEEP_CYCLES)    # launched after: not waited for
-    values.mul_(100)                   # nor does it reach what is read
+    for _ in range(200):                # launched after (~0.3 s of GEMMs on an H200): not waited for
+        torch.mm(a, a)
+    values.mul_(100)                    # nor does it reach what is read
     assert rb.tolist() == [1.0, 2.0, 3.0, 4.0] and rb.ready()
-    assert not torch.cuda.current_stream().query()  # the later sleep is still running
+    assert not torch.cuda.current_stream().query()  # the later GEMMs are still running
     torch.cuda.synchronize()
     assert values.tolist() == [100.0, 200.0, 300.0, 400.0]
