@@ -113,8 +113,11 @@ def optimizer_shard_info(engine) -> Dict[str, int]:
 
 
 def make_config(precision: str = "fp32", **kw):
+    """The tiny runs' optim config; ``precision="bf16-device"`` is bf16 with ``step_on_device``."""
     from hybridlm.engine import OptimConfig
 
+    if precision == "bf16-device":
+        precision, kw = "bf16", {"step_on_device": True, **kw}
     base = dict(micro_batch_size=2, global_batch_size=4, lr=1e-2, min_lr=1e-3, warmup_steps=2, max_steps=20,
                 precision=precision, max_consecutive_nonfinite=3)
     base.update(kw)

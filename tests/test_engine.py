@@ -589,7 +589,7 @@ def assert_no_gloo_threads_after_shutdown(out_dir, ranks=(0, 1)):
 # groups down through DeepSpeed's comm layer (hybridlm/engine/distributed.py), and each rank must have no gloo thread
 # left after shutdown_distributed() (docs/distributed_teardown.md). BENCHMARKS.md, "Default test suite", has the
 # repetition counts.
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-device"])  # bf16-device: optim.step_on_device
 def test_two_rank_zero1_shards_state_and_matches_one_rank(tmp_path, precision):
     env = subprocess_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
