@@ -100,6 +100,9 @@ def test_the_loop_reads_each_step_after_launching_the_next(tmp_path):
                       "E"], " ".join(events)    # the final evaluation
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "loss" in r] == list(range(1, 8))
+    # tokens/s from each step's own time, whether it was read at once or late, an evaluation before it or not
+    for r in (r for r in logged if "loss" in r):
+        assert r["step_seconds"] > 0 and r["tokens_per_s"] == pytest.approx(2 * (W.SEQ - 1) / r["step_seconds"])
     assert out.steps == 7 and out.tokens == 7 * 2 * (W.SEQ - 1) and math.isfinite(out.final_loss)
     assert out.final_loss == [r for r in logged if "loss" in r][-1]["loss"]
 

@@ -56,7 +56,7 @@ from hybridlm.engine.distributed import DistInfo, barrier, init_distributed
 from hybridlm.engine.schedule import lr_lambda_from_config
 from hybridlm.utils.atomic import TMP_PREFIX, atomic_write_text
 from hybridlm.utils.faults import kill_in
-from hybridlm.utils.readback import Readback
+from hybridlm.utils.readback import Readback, Stamp
 from hybridlm.utils.tensors import map_tensors
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ class StepResult:
     skipped: bool
     tokens: int  # summed over micro-batches and ranks
     metrics: Dict[str, float] = field(default_factory=dict)  # loss_fn metrics, mean over micro-batches and ranks
+    seconds: float = float("nan")  # the step's time on the device, from its first launch to its optimizer's end
 
 
 @dataclass
@@ -98,8 +99,8 @@ class PendingStep:
     logged values, waiting only for this step's own work on the device."""
 
     def __init__(self, step: int, lr: float, skipped: Optional[bool], keys: List[str], denom: int,
-                 values: Readback, is_main: bool, account: Callable[["PendingStep"], None]):
-        self.step, self.lr = step, lr
+                 values: Readback, is_main: bool, account: Callable[["PendingStep"], None], span: Tuple[Stamp, Stamp]):
+        self.step, self.lr, self._span = step, lr, span
         self.skipped = skipped  # None: decided on the device, known once read (the values' last entry)
         self._device_skip = skipped is None
         self._keys, self._denom, self._values, self._is_main = keys, denom, values, is_main
@@ -125,7 +126,8 @@ class PendingStep:
         d = self._denom
         self._result = StepResult(
             step=self.step, loss=host[0] / d, grad_norm=float(host[-1]), lr=self.lr, skipped=self.skipped,
-            tokens=int(round(host[2])), metrics={key: host[3 + j] / d for j, key in enumerate(self._keys)})
+            tokens=int(round(host[2])), metrics={key: host[3 + j] / d for j, key in enumerate(self._keys)},
+            seconds=self._span[1].seconds_since(self._span[0]))
         if self.skipped and self._is_main:
             logger.warning("step %d skipped: loss=%s grad_norm=%s (%d consecutive, %d total)", self.step,
                            self._result.loss, self._result.grad_norm, self.streak, self.skipped_total)
@@ -403,6 +405,7 @@ class Engine:
         if not self.module.training:
             engine.train()
         dev = self.device
+        start = Stamp(dev)
         skipped_before = engine.skipped_steps
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
@@ -454,11 +457,12 @@ class Engine:
         if self.step_on_device:  # whether the step was skipped is known on the device only
             tail.append(self.optimizer.found_inf.to(torch.float64).reshape(1))
         self.global_step += 1
+        end = Stamp(dev)  # before the Readback, so that reading it means the stamp's work is done
         pending = PendingStep(step=self.global_step, lr=lr,
                               skipped=None if self.step_on_device else engine.skipped_steps > skipped_before,
                               keys=keys, denom=n * self.dist.world_size,
                               values=Readback(torch.cat([stats] + tail)), is_main=self.dist.is_main,
-                              account=self._account)
+                              account=self._account, span=(start, end))
         if self.step_on_device:
             self._unread = pending
         else:

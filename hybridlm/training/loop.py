@@ -130,12 +130,12 @@ class _StepBook:
         self.t_start = self.t_mark = time.perf_counter()  # t_mark: the last step's end (time is summed per step)
         self.t_steady: Optional[float] = None  # the end of this process's first step (compilation, autotuning)
         self.steady_steps = 0                  # steps launched since
-        self.window_tokens, self.window_t0 = 0, self.t_start
+        self.window_tokens, self.window_seconds = 0, 0.0  # tokens/s over the steps since the last log line
         self.first_step: Optional[int] = None
         self.last: Dict[str, Any] = {}
 
     def restart_window(self) -> None:
-        self.window_tokens, self.window_t0 = 0, time.perf_counter()
+        self.window_tokens, self.window_seconds = 0, 0.0
 
     def count_launched(self, step: int) -> None:
         if self.t_steady is not None and step != self.first_step:
@@ -149,19 +149,21 @@ class _StepBook:
         res = pending.result()
         state, run = self.state, self.run
         state["tokens"] += res.tokens
+        # each step's own time on the device: a step read late or at once, an evaluation between, all count alike
         self.window_tokens += res.tokens
+        self.window_seconds += res.seconds
         if not res.skipped:
             if state["prev_loss"] is not None:
                 state["max_loss_increase"] = max(state["max_loss_increase"], res.loss - state["prev_loss"])
             state["prev_loss"] = res.loss
-        now = time.perf_counter()
-        tok_s = self.window_tokens / max(now - self.window_t0, 1e-9)
+        tok_s = self.window_tokens / max(self.window_seconds, 1e-9)
         self.last = {"loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm, "skipped": int(res.skipped),
                      "skipped_total": pending.skipped_total, "tokens": state["tokens"], "tokens_per_s": tok_s,
+                     "step_seconds": res.seconds,
                      "max_loss_increase": state["max_loss_increase"], **res.metrics}
         if res.step % run.log_interval == 0 or res.step == self.max_steps:
             self.logger.log(res.step, self.last)
-            self.window_tokens, self.window_t0 = 0, now
+            self.restart_window()
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{res.loss:.4f}", lr=f"{res.lr:.2e}", tok_s=f"{tok_s:,.0f}")
@@ -255,10 +257,8 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
                     if bar is not None:
                         ppl = f"  val_ppl {val['val_ppl']:.2f}" if "val_ppl" in val else ""
                         bar.write(f"step {step}: val_loss {val['val_loss']:.4f}{ppl}")
-                    book.restart_window()  # tokens/s measures training only
-                if save_due:
+                if save_due:  # (tokens/s counts each step's own time: evaluations and saves are not in it)
                     save()
-                    book.restart_window()
                 kill_if_requested(step)
                 # the first step ends the clock's zero point, so no budget is spent by it (a time check there
                 # raced the few microseconds since t_steady was set)

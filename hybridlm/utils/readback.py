@@ -8,6 +8,7 @@ and the GPU has work queued while the host is busy (docs/design.md, "Reading a s
 """
 from __future__ import annotations
 
+import time
 from typing import List, Optional
 
 import torch
@@ -40,3 +41,21 @@ class Readback:
                 self._event.synchronize()
             self._list = self._host.tolist()
         return self._list
+
+
+class Stamp:
+    """A point in the device's timeline: a timing CUDA event on a GPU, the host's clock on a CPU (where the work
+    has run when the host gets past it). ``seconds_since(earlier)`` is the device time between the two, once the
+    work before this stamp is done (as it is when a Readback made after it has been read)."""
+
+    def __init__(self, device: torch.device):
+        self._event: Optional[torch.cuda.Event] = None
+        if device.type == "cuda":
+            self._event = torch.cuda.Event(enable_timing=True)
+            self._event.record()
+        self._host = time.perf_counter()
+
+    def seconds_since(self, earlier: "Stamp") -> float:
+        if self._event is not None and earlier._event is not None:
+            return earlier._event.elapsed_time(self._event) / 1e3
+        return self._host - earlier._host

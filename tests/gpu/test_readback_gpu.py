@@ -1,6 +1,8 @@
 """The Readback on a GPU (hybridlm/utils/readback.py): it reads the values as they were when it was made, waits
 for the work launched before it and not for the work launched after (needs CUDA; the CPU twin is
 tests/test_step_readback.py)."""
+import time
+
 import pytest
 import torch
 
@@ -23,3 +25,19 @@ def test_readback_waits_for_the_work_before_it_only():
     assert not torch.cuda.current_stream().query()  # the later GEMMs are still running
     torch.cuda.synchronize()
     assert values.tolist() == [100.0, 200.0, 300.0, 400.0]
+
+
+def test_a_stamp_times_the_device_work_between_two_stamps():
+    from hybridlm.utils.readback import Stamp
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) / 100
+    torch.mm(a, a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    start = Stamp(a.device)
+    for _ in range(100):
+        torch.mm(a, a)
+    end = Stamp(a.device)
+    torch.cuda.synchronize()
+    host = time.perf_counter() - t0
+    device = end.seconds_since(start)
+    assert 0 < device <= host and device > 0.5 * host  # the GEMMs' time, not the launches'
