@@ -24,9 +24,9 @@ set -u
 cd "$(dirname "$0")/../.."
 source scripts/device/common.sh
 declare -A FAMILY=(
-  [gdn]="--configs gdn_300m gdn_300m_hybrid --peers fla_gdn --micro-batch 64"
+  [gdn]="--configs gdn_300m gdn_300m_hybrid --peers fla_gdn fla_gdn+late --micro-batch 64"   # +late: the target's peer
   [mamba2]="--configs mamba2_300m mamba2_300m_hybrid gdn_300m gdn_300m_hybrid --peers --micro-batch 64"   # with GDN: both 0.9x ratios in one run
-  [kda]="--configs kda_300m --peers fla_kda --micro-batch 64"
+  [kda]="--configs kda_300m --peers fla_kda fla_kda+late --micro-batch 64"
   [mb16]="--configs gdn_300m --peers llama fla_gdn --micro-batch 16"   # the Llama peer keeps full logits: 64 cannot fit
   [1b]="--configs gdn_1b --peers --micro-batch 16"
 )
