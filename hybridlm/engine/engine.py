@@ -333,7 +333,7 @@ class Engine:
             step_on_device(self.optimizer, config.grad_clip)
         elif clips_in_engine(config) and ds_config.get("gradient_clipping") == 0.0:  # not overridden
             clip_before_step(self.ds_engine.basic_optimizer, config.grad_clip)
-        if bf16_optimizer:
+        if bf16_optimizer and not config.step_on_device:  # (the device step takes its own norm over the same buffers)
             norm_over_flat_gradients(self.optimizer)
         if bf16_optimizer and self.dist.world_size == 1:
             # One rank: DeepSpeed's all-reduce of the fp32 gradient sums is a flatten into its bf16 communication
