@@ -89,3 +89,24 @@ def test_missing_or_corrupt_archive_is_one_line(tmp_path, capsys):
     assert KC.main(["import", str(tmp_path / "junk.tar.xz")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "not a readable tar archive" in err and "\n" not in err
+
+
+def test_the_projects_kernels_keep_their_autotune_results_for_the_export(tmp_path):
+    """The project's autotuned kernels (conv, RMSNorm, SwiGLU, gated norms) write their winners where fla's go
+    (Triton's ``cache_results``), so an export carries them too. Built as on a GPU (no interpreter), in a
+    subprocess so that this process's kernel caches stay as the other tests expect."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import json\n"
+        "from triton.runtime.autotuner import Autotuner\n"
+        "from hybridlm.ops import causal_conv, gated_norm, rms_norm, swiglu_packed\n"
+        "ks = [*causal_conv._kernels(), *rms_norm._kernels(), *swiglu_packed._kernels(),\n"
+        "      *gated_norm._kernels(64), *gated_norm._kernels(256)]\n"
+        "print(json.dumps([[type(k).__name__, isinstance(k, Autotuner) and k.cache_results] for k in ks]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    kernels = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(kernels) == 11 and all(cached is True for _, cached in kernels), kernels

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from hybridlm.ops.triton_launch import interpreting, next_power_of_2
+from hybridlm.ops.triton_launch import autotuned, interpreting, next_power_of_2
 
 BT = 64  # rows of time per tile (fixed: the partial-gradient buffers are sized by it)
 # time tiles per program of the backward's pass 1, whose fp32 weight-gradient partials (one row per program) are
@@ -157,9 +157,9 @@ def _kernels():
             configs = [triton.Config({"BD": bd}, num_warps=nw) for bd in (32, 64, 128, 256) for nw in (4, 8)]
             # pass 1 holds [BT, WP, BD] fp32 accumulators: wide channel blocks would spill
             pass1_configs = [triton.Config({"BD": bd}, num_warps=nw) for bd in (16, 32, 64) for nw in (4, 8)]
-            kernels = [triton.autotune(configs, key=["D", "W"])(kernels[0]),
-                       triton.autotune(pass1_configs, key=["D", "W", "TILES"])(kernels[1]),
-                       triton.autotune(configs, key=["D", "W"])(kernels[2])]
+            kernels = [autotuned(kernels[0], configs, ["D", "W"]),
+                       autotuned(kernels[1], pass1_configs, ["D", "W", "TILES"]),
+                       autotuned(kernels[2], configs, ["D", "W"])]
         _KERNELS = tuple(kernels)
     return _KERNELS
 

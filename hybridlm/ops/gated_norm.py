@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridlm.ops.triton_launch import interpreting, persistent_programs, rows_view
+from hybridlm.ops.triton_launch import autotuned, interpreting, persistent_programs, rows_view
 
 tl = None  # bound on first use (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
 _KERNELS = None
@@ -151,7 +151,7 @@ def _kernels(group_size: int):
         import triton
         rows = [br for br in (1, 2, 4, 8, 16, 32) if 256 <= br * group_size <= 8192] or [1]
         configs = [triton.Config({"BR": br}, num_warps=nw) for br in rows for nw in (2, 4, 8)]
-        _KERNELS[group_size] = [triton.autotune(configs, key=["NG", "HD", "GS", "WS", "NORM_FIRST", "HAS_SKIP"])(k)
+        _KERNELS[group_size] = [autotuned(k, configs, ["NG", "HD", "GS", "WS", "NORM_FIRST", "HAS_SKIP"])
                                 for k in _KERNELS["jit"]]
     return _KERNELS[group_size]
 

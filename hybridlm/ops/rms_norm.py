@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from hybridlm.ops.triton_launch import interpreting, next_power_of_2, persistent_programs
+from hybridlm.ops.triton_launch import autotuned, interpreting, next_power_of_2, persistent_programs
 
 tl = None  # bound on first use (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
 _KERNELS = None
@@ -93,8 +93,7 @@ def _kernels():
         kernels = [triton.jit(k) for k in (_rms_norm_fwd_kernel, _rms_norm_bwd_kernel)]
         if not interpreting():  # the interpreter runs one configuration
             configs = [triton.Config({"BR": br}, num_warps=nw) for br in (1, 2, 4, 8, 16) for nw in (4, 8)]
-            kernels = [triton.autotune(configs, key=["D", key])(k)
-                       for k, key in zip(kernels, ("HAS_DELTA", "HAS_DS"))]
+            kernels = [autotuned(k, configs, ["D", key]) for k, key in zip(kernels, ("HAS_DELTA", "HAS_DS"))]
         _KERNELS = tuple(kernels)
     return _KERNELS
 

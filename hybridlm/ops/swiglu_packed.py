@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridlm.ops.triton_launch import interpreting, rows_view
+from hybridlm.ops.triton_launch import autotuned, interpreting, rows_view
 
 tl = None  # bound on first use (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
 _KERNELS = None
@@ -62,7 +62,7 @@ def _kernels():
         if not interpreting():  # the interpreter runs one configuration
             configs = [triton.Config({"BR": br, "BC": bc}, num_warps=nw)
                        for br, bc in ((1, 2048), (2, 1024), (4, 512), (8, 256), (4, 1024)) for nw in (4, 8)]
-            kernels = [triton.autotune(configs, key=["F_"])(k) for k in kernels]
+            kernels = [autotuned(k, configs, ["F_"]) for k in kernels]
         _KERNELS = tuple(kernels)
     return _KERNELS
 

@@ -1,5 +1,5 @@
-"""What the project's Triton kernels share at launch: row views of their inputs, and how many persistent programs a
-backward that loops over row blocks gets."""
+"""What the project's Triton kernels share at launch: their autotuning, row views of their inputs, and how many
+persistent programs a backward that loops over row blocks gets."""
 from __future__ import annotations
 
 import os
@@ -10,6 +10,14 @@ import torch
 def interpreting() -> bool:
     """Under Triton's interpreter (``TRITON_INTERPRET=1``: the CPU tests), which runs one fixed configuration."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def autotuned(kernel, configs, key):
+    """``kernel`` autotuned over ``configs`` by ``key``, the winners kept on disk as fla keeps its own (Triton's
+    ``cache_results``), so that hybridlm/training/kernel_cache.py carries them to a fresh machine too: without
+    them each of the project's kernels compiles and times every configuration there first."""
+    import triton
+    return triton.autotune(configs, key=key, cache_results=True)(kernel)
 
 
 def next_power_of_2(n: int) -> int:

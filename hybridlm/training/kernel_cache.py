@@ -1,11 +1,12 @@
-"""Carry fla's Triton autotune results from one machine to the next.
+"""Carry Triton autotune results (fla's kernels' and the project's own) from one machine to the next.
 
 On a fresh GPU machine the first training step autotunes every fla kernel for the run's shapes: Triton
 compiles and times each candidate configuration (146.6 s for GDN-300M at micro-batch 64 on an H200). Triton
 keeps the winners as small ``<hash>/<kernel>.autotune.json`` files in its cache directory
 (:func:`hybridlm.training.cold_start.triton_cache_dir`); the hash covers the kernel source, the Triton version
 and the GPU, so a file only ever applies where it was made. Handed those files, a fresh machine compiles just
-the winning configuration of each kernel (17.2 s for the same first step; BENCHMARKS.md, "Cold start").
+the winning configuration of each kernel (17.2 s for the same first step; BENCHMARKS.md, "Cold start"). The
+project's own kernels (hybridlm/ops/) keep theirs the same way (``autotuned`` in hybridlm/ops/triton_launch.py).
 
     python -m hybridlm.training.kernel_cache export tuned.tar.xz   # after a run, on the tuned machine
     python -m hybridlm.training.kernel_cache import tuned.tar.xz   # on the next machine, before training
