@@ -59,11 +59,40 @@ def test_rms_norm_matches_the_twin_and_fla(dtype, with_delta):
         assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-6, (i, rel_err(o, t), rel_err(f, t))
 
 
+def _check_output_stage(op, reference, inputs, dout, names, dtype):
+    """A gated output norm ``op(*inputs)`` through the project's kernel: outputs and gradients within ``tol`` of
+    ``reference`` in fp64 on the CPU and no worse than through fla's kernel (``--norm-kernel fla``)."""
+    from hybridlm.ops.backend import set_kernel_source
+
+    def grads(fn, *tensors):
+        leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+        out = fn(*leaves)
+        (out.double() * dout.to(out.device).double()).sum().backward()
+        return [out.detach()] + [t.grad for t in leaves]
+
+    def through(source):
+        def run(*tensors):
+            set_kernel_source("norm", source)
+            try:
+                return op(*tensors)
+            finally:
+                set_kernel_source("norm", "project")
+        return run
+
+    got = grads(through("project"), *inputs)
+    peer = grads(through("fla"), *inputs)
+    want = grads(reference, *(t.detach().cpu().double() for t in inputs))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, o, t, f in zip(names, got, want, peer):
+        assert o.dtype == dtype and o.shape == t.shape, name
+        assert rel_err(o, t) < tol, (name, rel_err(o, t))
+        assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-6, (name, rel_err(o, t), rel_err(f, t))
+
+
 @DTYPES
 def test_gdn_output_norm_matches_the_twin_and_fla(dtype):
     """At GDN-300M's widths (8 value heads of 64), z a strided column slice of the fused projection, viewed per
-    head, as the layer passes it; the peer is fla's gated norm (``--norm-kernel fla``), which copies z first."""
-    from hybridlm.ops.backend import set_kernel_source
+    head, as the layer passes it; the peer is fla's gated norm, which copies z first."""
     from hybridlm.ops.elementwise import gated_rms_norm
     torch.manual_seed(0)
     R, H, V, eps = 4 * 1024 + 3, 8, 64, 1e-6
@@ -71,39 +100,16 @@ def test_gdn_output_norm_matches_the_twin_and_fla(dtype):
     z = torch.randn(R, 3 * H * V + 16, device="cuda", dtype=dtype)[:, 16 + 2 * H * V:].unflatten(-1, (H, V))
     weight = (1 + 0.1 * torch.randn(V, device="cuda")).to(dtype)
     dout = torch.randn(R, H, V, device="cuda", dtype=dtype)
-
-    def grads(fn, *inputs):
-        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-        out = fn(*leaves)
-        (out.double() * dout.to(out.device).double()).sum().backward()
-        return [out.detach()] + [t.grad for t in leaves]
-
-    def path(source):
-        def run(y, z, w):
-            set_kernel_source("norm", source)
-            try:
-                return gated_rms_norm(y, z, w, eps, triton=True)
-            finally:
-                set_kernel_source("norm", "project")
-        return run
-
-    cpu64 = lambda t: t.detach().cpu().double()  # noqa: E731
-    got = grads(path("project"), y, z, weight)
-    peer = grads(path("fla"), y, z, weight)
-    want = grads(lambda y, z, w: norm_then_gate_reference(y.flatten(-2), z.flatten(-2), w, eps).view(y.shape),
-                 *(cpu64(t) for t in (y, z, weight)))
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for name, o, t, f in zip(("out", "dy", "dz", "dw"), got, want, peer):
-        assert o.dtype == dtype and o.shape == t.shape, name
-        assert rel_err(o, t) < tol, (name, rel_err(o, t))
-        assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-6, (name, rel_err(o, t), rel_err(f, t))
+    _check_output_stage(
+        lambda y, z, w: gated_rms_norm(y, z, w, eps, triton=True),
+        lambda y, z, w: norm_then_gate_reference(y.flatten(-2), z.flatten(-2), w, eps).view(y.shape),
+        (y, z, weight), dout, ("out", "dy", "dz", "dw"), dtype)
 
 
 @DTYPES
 def test_mamba2_output_stage_matches_the_twin_and_fla(dtype):
     """At Mamba2-300M's widths (2,048 channels, 32 heads, 8 groups), x and z strided slices of one projection;
-    the peer is the unfused path on fla's grouped gated norm (``--norm-kernel fla``)."""
-    from hybridlm.ops.backend import set_kernel_source
+    the peer is the unfused path on fla's grouped gated norm."""
     from hybridlm.ops.elementwise import skip_gated_rms_norm
     torch.manual_seed(0)
     R, C, H, G, eps = 4 * 1024 + 3, 2048, 32, 256, 1e-5
@@ -113,31 +119,10 @@ def test_mamba2_output_stage_matches_the_twin_and_fla(dtype):
     D = (1 + 0.3 * torch.randn(H, device="cuda")).to(dtype)
     weight = (1 + 0.1 * torch.randn(C, device="cuda")).to(dtype)
     dout = torch.randn(R, C, device="cuda", dtype=dtype)
-
-    def grads(fn, *inputs):
-        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-        out = fn(*leaves)
-        (out.double() * dout.to(out.device).double()).sum().backward()
-        return [out.detach()] + [t.grad for t in leaves]
-
-    def path(source):
-        def run(y, x, D, z, w):
-            set_kernel_source("norm", source)
-            try:
-                return skip_gated_rms_norm(y, x, D, z, w, eps, G, triton=True)
-            finally:
-                set_kernel_source("norm", "project")
-        return run
-
-    cpu64 = lambda t: t.detach().cpu().double()  # noqa: E731
-    got = grads(path("project"), y, x, D, z, weight)
-    peer = grads(path("fla"), y, x, D, z, weight)
-    want = grads(lambda *a: gated_norm_skip_reference(*a, eps, G), *(cpu64(t) for t in (y, x, D, z, weight)))
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for name, o, t, f in zip(("out", "dy", "dx", "dD", "dz", "dw"), got, want, peer):
-        assert o.dtype == dtype and o.shape == t.shape, name
-        assert rel_err(o, t) < tol, (name, rel_err(o, t))
-        assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-6, (name, rel_err(o, t), rel_err(f, t))
+    _check_output_stage(
+        lambda y, x, D, z, w: skip_gated_rms_norm(y, x, D, z, w, eps, G, triton=True),
+        lambda *a: gated_norm_skip_reference(*a, eps, G),
+        (y, x, D, z, weight), dout, ("out", "dy", "dx", "dD", "dz", "dw"), dtype)
 
 
 @DTYPES
