@@ -14,13 +14,14 @@ steps the wrapped optimizer one parameter group at a time, so a hook there would
 engine leaves its clipping to DeepSpeed.
 
 DeepSpeed still computes its own norm first: it is the step's reported gradient norm, and a non-finite one skips
-the step before the wrapped optimizer (and so this hook) runs (hybridlm/engine/engine.py, module docstring). It
-takes one norm per parameter's gradient (~110 small kernels a GDN-300M step, 1.3 ms on an H200, and as many
-launches); :func:`norm_over_flat_gradients` hands it the flat buffers those gradients live in instead.
+the step before the wrapped optimizer (and so this hook) runs (hybridlm/engine/engine.py, module docstring). The
+engine hands the hook that norm rather than taking it twice. DeepSpeed takes one norm per parameter's gradient
+(~110 small kernels a GDN-300M step, 1.3 ms on an H200, and as many launches);
+:func:`norm_over_flat_gradients` hands it the flat buffers those gradients live in instead.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,29 +35,48 @@ def partition_grads(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
 
 
 @torch.no_grad()
-def clip_by_global_norm(grads: List[torch.Tensor], max_norm: float, group: Optional[dist.ProcessGroup] = None,
-                        reference: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Scale ``grads`` (this rank's share) so that the L2 norm over every rank's share is at most ``max_norm``;
-    returns that norm (before clipping) without a host sync. ``reference`` gives the device when ``grads`` is
-    empty (a rank may own no trainable element; it still joins the all-reduce)."""
+def global_norm(grads: List[torch.Tensor], group: Optional[dist.ProcessGroup] = None,
+                reference: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The L2 norm over every rank's share of the gradients (``grads`` is this rank's; the shares are disjoint),
+    without a host sync. ``reference`` gives the device when ``grads`` is empty (a rank may own no trainable
+    element; it still joins the all-reduce)."""
     sq = (torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]).square().sum() if grads
           else torch.zeros((), dtype=torch.float32, device=reference.device))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
-    norm = sq.sqrt()
+    return sq.sqrt()
+
+
+@torch.no_grad()
+def scale_to_max_norm(grads: List[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Multiply ``grads`` by ``min(1, max_norm / (norm + 1e-6))``, the coefficient kept on the device."""
     if grads:
-        coef = torch.clamp(max_norm / (norm + EPS), max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + EPS), max=1.0).to(grads[0].dtype))
+
+
+def clip_by_global_norm(grads: List[torch.Tensor], max_norm: float, group: Optional[dist.ProcessGroup] = None,
+                        reference: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Scale ``grads`` (this rank's share) so that the L2 norm over every rank's share is at most ``max_norm``;
+    returns that norm (before clipping) without a host sync (:func:`global_norm`, :func:`scale_to_max_norm`)."""
+    norm = global_norm(grads, group, reference)
+    scale_to_max_norm(grads, norm, max_norm)
     return norm
 
 
-def clip_before_step(optimizer: torch.optim.Optimizer, max_norm: float, group: Optional[dist.ProcessGroup] = None):
-    """Register :func:`clip_by_global_norm` of ``optimizer``'s gradients as its step pre-hook; returns the handle."""
+def clip_before_step(optimizer: torch.optim.Optimizer, max_norm: float, group: Optional[dist.ProcessGroup] = None,
+                     norm: Optional[Callable[[], torch.Tensor]] = None):
+    """Register clipping of ``optimizer``'s gradients to ``max_norm`` as its step pre-hook; returns the handle.
+    ``norm()``, if given, returns their global norm already taken (DeepSpeed's, just before it steps the
+    optimizer): it is not taken again."""
     if max_norm <= 0:
         raise ValueError(f"clip_before_step: max_norm must be > 0, got {max_norm}")
 
     def hook(opt, _args, _kwargs):
-        clip_by_global_norm(partition_grads(opt), max_norm, group, opt.param_groups[0]["params"][0])
+        grads = partition_grads(opt)
+        if norm is None:
+            clip_by_global_norm(grads, max_norm, group, opt.param_groups[0]["params"][0])
+        else:
+            scale_to_max_norm(grads, norm(), max_norm)
 
     return optimizer.register_step_pre_hook(hook)
 

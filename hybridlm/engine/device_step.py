@@ -6,8 +6,8 @@ on the host to decide whether to skip the step (``get_global_norm_of_tensors`` m
 only after the optimizer, with the GPU's queue nearly empty: on an H200, 6-8 ms a GDN-300M step of the GPU waiting
 for the host to launch the forward's first layers (BENCHMARKS.md, "Session 21").
 
-:func:`step_on_device` replaces that step on one optimizer instance. It takes the norm over the flat fp32
-gradient buffers (every rank holds the whole reduced gradient under ZeRO-1), clips this rank's partitions by
+:func:`step_on_device` replaces that step on one optimizer instance. It takes the norm over every rank's partition
+of the flat fp32 gradients (hybridlm/engine/clipping.py ``global_norm``), clips this rank's partitions by
 ``min(1, max_norm / (norm + 1e-6))`` and hands fused AdamW ``found_inf = not isfinite(norm)``: a non-finite step
 then leaves the fp32 master weights, both moments and AdamW's step count as they were, on the device (torch's
 fused AdamW subtracts ``found_inf`` from the step count it advanced). The host learns whether the step was
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from hybridlm.engine.clipping import EPS
+from hybridlm.engine.clipping import global_norm, scale_to_max_norm
 
 
 class ScheduleAdvancedByEngine(LambdaLR):
@@ -52,7 +52,6 @@ def step_on_device(bf16_optimizer, max_norm: float) -> None:
     if not all(g.get("fused") for g in adamw.param_groups):
         raise ValueError("step_on_device: the wrapped optimizer must be a fused torch AdamW (it skips a step "
                          "through found_inf)")
-    flat = list(bf16_optimizer.fp32_groups_actual_gradients_flat)
     partitions = list(bf16_optimizer.fp32_groups_gradient_flat_partition)
 
     @torch.no_grad()
@@ -61,10 +60,10 @@ def step_on_device(bf16_optimizer, max_norm: float) -> None:
             raise NotImplementedError("step_on_device: no closure")
         opt = bf16_optimizer
         opt.overflow = False  # the host does not know; the engine reads found_inf with the step's results
-        norm = torch.stack(torch._foreach_norm(flat, 2.0)).float().norm()
+        norm = global_norm(partitions, reference=partitions[0])  # this rank's partitions, summed over ranks
         found_inf = (~torch.isfinite(norm)).float()
         if max_norm > 0:
-            torch._foreach_mul_(partitions, torch.clamp(max_norm / (norm + EPS), max=1.0))
+            scale_to_max_norm(partitions, norm, max_norm)
         for master, grad in zip(opt.fp32_groups_flat_partition, partitions):
             master.grad = grad
         adamw.grad_scale, adamw.found_inf = None, found_inf

@@ -332,7 +332,9 @@ class Engine:
         if config.step_on_device:  # it clips too (hybridlm/engine/device_step.py)
             step_on_device(self.optimizer, config.grad_clip)
         elif clips_in_engine(config) and ds_config.get("gradient_clipping") == 0.0:  # not overridden
-            clip_before_step(self.ds_engine.basic_optimizer, config.grad_clip)
+            # DeepSpeed's norm, taken just before it steps the optimizer (hybridlm/engine/clipping.py)
+            clip_before_step(self.ds_engine.basic_optimizer, config.grad_clip,
+                             norm=lambda: self.optimizer._global_grad_norm)
         if bf16_optimizer and not config.step_on_device:  # (the device step takes its own norm over the same buffers)
             norm_over_flat_gradients(self.optimizer)
         if bf16_optimizer and self.dist.world_size == 1:
