@@ -62,11 +62,12 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     On Triton, a SiLU gate after the norm runs the project's kernel (hybridlm/ops/gated_norm.py), the others fla's.
     """
     if triton:
-        if norm_before_gate and group_size is None and activation in ("swish", "silu") and \
-                kernel_source("norm") == "project" and not x.shape[-1] & (x.shape[-1] - 1):
-            # the project's kernel reads z where it lies (a column slice of the fused projection): fla's copies it
-            return norm_then_gate(x.flatten(-2), z.flatten(-2), weight, eps).view(x.shape)
         if norm_before_gate and group_size is None:
+            if activation in ("swish", "silu") and kernel_source("norm") == "project" and \
+                    not x.shape[-1] & (x.shape[-1] - 1):
+                # the project's kernel reads z where it lies (a column slice of the fused projection); fla's
+                # copies it first
+                return norm_then_gate(x.flatten(-2), z.flatten(-2), weight, eps).view(x.shape)
             from fla.modules.fused_norm_gate import rms_norm_gated
             return rms_norm_gated(x, z, weight, None, activation=activation, eps=eps)
         if activation in ("swish", "silu"):
