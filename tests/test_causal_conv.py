@@ -7,6 +7,11 @@
    sequences shorter than, equal to and longer than one 64-row tile (and not a multiple of it), widths 2 to 4,
    with and without bias and SiLU, and ``x`` as a strided slice of a wider projection (as Mamba2 passes it); the
    backward's pass 1 with one and with two time tiles per program.
+3. ``causal_conv_split`` (one conv over adjacent column blocks, each block's output its own tensor) through the
+   interpreter against the twin of each block: two and three blocks, with and without bias and SiLU, bf16, an
+   output the loss does not use, a strided output gradient, and widths the joined kernel cannot take (one conv
+   per block then). And GDN's ``projected_inputs`` with ``fuse_short_convs`` on against off (same weights, the
+   kernels through the interpreter): the six inputs of the recurrence and every parameter's gradient.
 The GPU twin of this test (compiled kernels against the twin and fla) is tests/gpu/test_causal_conv_gpu.py.
 """
 import json
@@ -14,8 +19,8 @@ import json
 import pytest
 import torch
 
-from conftest import interpreter_rounds_like_gpu, interpreter_run_of, kernel_case_row
-from hybridlm.ops.causal_conv import causal_conv_reference
+from conftest import interpreter_rounds_like_gpu, interpreter_run_of, kernel_case_row, tiny_config
+from hybridlm.ops.causal_conv import can_split, causal_conv_reference
 from hybridlm.ops.elementwise import short_conv
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -72,29 +77,141 @@ def test_twin_equals_the_torch_path_and_an_explicit_loop(case):
 TILES = (1, 2)  # time tiles per program of the backward's pass 1: 2 leaves a partial group at 70 and 130 rows
 
 
+# (widths, time, bias, silu, dtype, which outputs the loss uses, strided output gradients)
+SPLIT_CASES = [
+    ((16, 16, 32), 70, False, True, F32, (0, 1, 2), False),   # GDN's q | k | v at a small width
+    ((32, 16), 130, True, False, F32, (0, 1), True),          # two blocks, bias, no SiLU: pass 1 must still write da
+    ((16, 16, 32), 70, True, True, BF16, (0, 2), False),      # k unused: its gradient is None
+    ((16, 8, 24), 40, False, True, F32, (0, 1, 2), False),    # 8 channels: not a block multiple, one conv per block
+]
+
+
+def _split_inputs(case, seed):
+    widths, T, bias, silu, dtype, used, strided = case
+    g = torch.Generator().manual_seed(seed)
+    D = sum(widths)
+    x = torch.randn(2, T, D + 7, generator=g).to(dtype)[..., 2:2 + D]  # a slice of a wider projection
+    weights = [(torch.randn(w, 4, generator=g) * 0.5).to(dtype) for w in widths]
+    biases = [(torch.randn(w, generator=g) * 0.3).to(dtype) for w in widths] if bias else None
+    dys = [torch.randn(2, T, 2 * w if strided else w, generator=g).to(dtype)[..., :w] for w in widths]
+    return x, weights, biases, silu, used, dys
+
+
+def _split_grads(fn, x, weights, biases, silu, used, dys):
+    leaves = [t.detach().clone().requires_grad_(True) for t in [x, *weights, *(biases or [])]]
+    n = len(weights)
+    ys = fn(leaves[0], leaves[1:1 + n], leaves[1 + n:] or None, silu)
+    torch.autograd.backward([ys[j] for j in used], [dys[j] for j in used])
+    # a block the loss does not use: no gradient on the twin's side, zeros from the joined conv's
+    grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
+    return [y.detach() for y in ys] + grads, [y.is_contiguous() for y in ys]
+
+
+def _split_twin(x, weights, biases, silu):
+    starts = [sum(w.shape[0] for w in weights[:j]) for j in range(len(weights))]
+    return [causal_conv_reference(x[..., s:s + w.shape[0]], w, None if biases is None else biases[j], silu)
+            for j, (s, w) in enumerate(zip(starts, weights))]
+
+
+def _gdn_projected_inputs_rows() -> list:
+    """GDN's six recurrence inputs and all gradients, ``fuse_short_convs`` on against off, kernels interpreted."""
+    import hybridlm.model.layers.delta_rule as delta_rule
+    from hybridlm.model import HybridForCausalLM
+    split, joined_calls = delta_rule.causal_conv_split, []
+    delta_rule.causal_conv_split = lambda *a, **k: joined_calls.append(1) or split(*a, **k)  # count, then run it
+    rows = []
+    for dtype in (F32, BF16):
+        models = []
+        for joined in (True, False):
+            torch.manual_seed(0)
+            model = HybridForCausalLM(tiny_config("G-", fuse_short_convs=joined)).to(dtype)
+            models.append(model.model.layers[0].mixer)
+        got_want, calls = [], []
+        for mixer in models:
+            joined_calls.clear()
+            x = torch.randn(2, 70, 64, generator=torch.Generator().manual_seed(3)).to(dtype).requires_grad_(True)
+            outs = mixer.projected_inputs(x, triton=True)
+            g = torch.Generator().manual_seed(4)
+            loss = sum((o.float() * torch.randn(o.shape, generator=g)).sum() for o in outs)
+            loss.backward()
+            got_want.append([o.detach() for o in outs] + [x.grad] + [p.grad for _, p in mixer.named_parameters()
+                                                                        if p.grad is not None])
+            calls.append(len(joined_calls))
+        got, want = got_want
+        rows.append(kernel_case_row(got, want, kind="gdn", bf16=dtype == BF16, joined_calls=calls,
+                                    contiguous=[o.is_contiguous() for o in got[:3]]))
+    delta_rule.causal_conv_split = split
+    return rows
+
+
 def run_kernel_cases() -> list:
     import hybridlm.ops.causal_conv as conv
     interpreter_rounds_like_gpu()
     rows = []
+    for seed, case in enumerate(SPLIT_CASES):
+        x, weights, biases, silu, used, dys = _split_inputs(case, seed)
+        want, _ = _split_grads(_split_twin, x, weights, biases, silu, used, dys)
+        got, contiguous = _split_grads(conv.causal_conv_split, x, weights, biases, silu, used, dys)
+        rows.append(kernel_case_row(got, want, kind="split", case=repr(case), bf16=case[4] == BF16,
+                                    contiguous=contiguous, joined=can_split(case[0])))
+    rows += _gdn_projected_inputs_rows()
     for tiles in TILES:
         conv.TILES_PER_PROGRAM = tiles
         for seed, case in enumerate(CASES):
             x, weight, b, silu, dy = _inputs(case, seed)
             want = _grads(causal_conv_reference, x, weight, b, silu, dy)
             got = _grads(conv.causal_conv, x, weight, b, silu, dy)
-            rows.append(kernel_case_row(got, want, case=repr(case), tiles=tiles, bf16=case[6] == BF16, bias=case[4]))
+            rows.append(kernel_case_row(got, want, kind="conv", case=repr(case), tiles=tiles, bf16=case[6] == BF16,
+                                        bias=case[4]))
     return rows
 
 
 interpreter_run = interpreter_run_of(__file__)
 
 
+def _rows(run, kind):
+    return [r for r in run if r["kind"] == kind]
+
+
 def test_kernels_equal_the_twin_in_the_interpreter(interpreter_run):
-    assert len(interpreter_run) == len(CASES) * len(TILES)
-    for r in interpreter_run:
+    assert len(_rows(interpreter_run, "conv")) == len(CASES) * len(TILES)
+    for r in _rows(interpreter_run, "conv"):
         assert r["dtypes_ok"] and r["n"] == 3 + r["bias"], r  # y, dx, dw (, db)
         # bf16: y and dx within a rounding of the fp32-math twin; the weight / bias sums over many rows
         assert max(r["errors"]) < (1e-5 if not r["bf16"] else 2e-2), r
+
+
+def test_split_conv_equals_a_conv_per_block_in_the_interpreter(interpreter_run):
+    rows = _rows(interpreter_run, "split")
+    assert [r["joined"] for r in rows] == [True, True, True, False]  # 8 channels: one conv per block
+    for r, case in zip(rows, SPLIT_CASES):
+        n_blocks, bias = len(case[0]), case[2]
+        assert r["dtypes_ok"] and r["n"] == r["n_want"] == n_blocks + 1 + n_blocks * (1 + bias), r  # ys, dx, dws, dbs
+        assert all(r["contiguous"]), r  # what fla's recurrence takes without a copy
+        assert max(r["errors"]) < (1e-5 if not r["bf16"] else 2e-2), r
+
+
+def test_gdn_inputs_with_one_conv_over_q_k_v_equal_three_convs(interpreter_run):
+    rows = _rows(interpreter_run, "gdn")
+    assert [r["bf16"] for r in rows] == [False, True]
+    for r in rows:
+        assert r["joined_calls"] == [1, 0], r  # the joined conv ran with the switch on, and only then
+        # q, k, v, b, a, z, the input's gradient, and the gradients of the projections and the three convs
+        assert r["dtypes_ok"] and r["n"] == r["n_want"] == 7 + 9, r
+        assert all(r["contiguous"]), r
+        # the same sums per channel in the same order: equal to the last bit here
+        assert max(r["errors"]) < (1e-6 if not r["bf16"] else 1e-2), r
+
+
+def test_split_needs_aligned_blocks_and_at_most_three():
+    assert can_split((256, 256, 512)) and can_split((1024,))
+    assert not can_split((256, 8)) and not can_split((32,) * 4) and not can_split(())
+
+
+def test_split_rejects_mismatched_weights():
+    from hybridlm.ops.causal_conv import causal_conv_split
+    with pytest.raises(ValueError, match="causal_conv_split: x must be"):
+        causal_conv_split(torch.randn(1, 4, 48), [torch.randn(16, 4), torch.randn(16, 4)])
 
 
 def test_pass1_takes_many_time_tiles_only_where_the_grid_stays_full():

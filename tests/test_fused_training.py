@@ -46,6 +46,18 @@ def test_project_fused_equals_the_separate_linears(bias):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_project_joins_the_first_outputs_into_one_view_only_where_fused():
+    linears = _linears(False)
+    x = torch.randn(2, 4, 6, requires_grad=True)
+    joined = project(x, linears, fuse=True, join_first=2)
+    separate = project(x, linears, fuse=False, join_first=2)  # unfused: the join does not apply
+    assert [t.shape[-1] for t in joined] == [12, 3] and [t.shape[-1] for t in separate] == [5, 7, 3]
+    torch.testing.assert_close(joined[0], torch.cat(separate[:2], -1), rtol=1e-6, atol=1e-6)
+    leaves = [x] + [m.weight for m in linears]
+    for a, b in zip(_grads(joined, leaves), _grads([torch.cat(separate[:2], -1), separate[2]], leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_fused_linear_applies_only_where_it_is_the_same_call():
     linears = _linears(False)
     x = torch.randn(3, 6)

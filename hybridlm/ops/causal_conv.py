@@ -17,10 +17,15 @@ it in one pass, recomputing the pre-activation of the ``W - 1`` following rows f
 :func:`causal_conv_reference` is the torch twin the tests hold the kernels to (through Triton's interpreter on
 CPU, compiled on GPU). No cached state: generation's conv continues from a state through
 ``hybridlm.ops.elementwise.short_conv_with_state``, which prepends the state and calls this.
+
+:func:`causal_conv_split` runs the convs of adjacent column blocks of one input (GDN / KDA's q, k and v, which the
+fused projection leaves side by side) as one conv, and writes each block's output to its own contiguous tensor
+(what fla's recurrence kernels take without a copy). The kernels take up to three output segments; a channel
+block never straddles two (the autotuner keeps only channel blocks that divide every segment's width).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -71,9 +76,31 @@ def _tap_sum(p, s_t, w, o_t, o_d, m_d, T, W: tl.constexpr, ANTI: tl.constexpr):
     return acc
 
 
-def _causal_conv_fwd_kernel(x, w, b, y, T, s_xb, s_xt, s_yb, s_yt,
+def _segment_rows(i_b, i_d, o_t, o_d, p0, s0b, s0t, p1, s1b, s1t, p2, s2b, s2t,
+                  D0: tl.constexpr, D1: tl.constexpr, BD: tl.constexpr, NSEG: tl.constexpr):
+    """Pointers ``[BT, BD]`` to rows ``o_t``, channels ``o_d`` (block ``i_d``) of a tensor whose channels are split
+    over ``NSEG`` tensors: ``[0, D0)`` in p0, ``[D0, D0 + D1)`` in p1, the rest in p2. The block lies in one of
+    them (the caller's channel blocks divide the widths), so its base is a scalar choice and its rows stay
+    contiguous runs."""
+    base = p0 + i_b.to(tl.int64) * s0b
+    s_t = s0t
+    first = 0
+    if NSEG > 1:
+        in1 = i_d * BD >= D0
+        base = tl.where(in1, p1 + i_b.to(tl.int64) * s1b, base)
+        s_t = tl.where(in1, s1t, s_t)
+        first = tl.where(in1, D0, first)
+    if NSEG > 2:
+        in2 = i_d * BD >= D0 + D1
+        base = tl.where(in2, p2 + i_b.to(tl.int64) * s2b, base)
+        s_t = tl.where(in2, s2t, s_t)
+        first = tl.where(in2, D0 + D1, first)
+    return base + o_t[:, None] * s_t + (o_d - first)[None, :]
+
+
+def _causal_conv_fwd_kernel(x, w, b, y0, y1, y2, T, s_xb, s_xt, s_y0b, s_y0t, s_y1b, s_y1t, s_y2b, s_y2t,
                 D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+                HAS_BIAS: tl.constexpr, SILU: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, NSEG: tl.constexpr):
     i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_d = i_d * BD + tl.arange(0, BD)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -83,15 +110,18 @@ def _causal_conv_fwd_kernel(x, w, b, y, T, s_xb, s_xt, s_yb, s_yt,
         acc += tl.load(b + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    p_y = y + i_b.to(tl.int64) * s_yb + o_t[:, None] * s_yt + o_d[None, :]
-    tl.store(p_y, acc.to(y.dtype.element_ty), mask=(o_t < T)[:, None] & m_d[None, :])
+    p_y = _segment_rows(i_b, i_d, o_t, o_d, y0, s_y0b, s_y0t, y1, s_y1b, s_y1t, y2, s_y2b, s_y2t, D0, D1, BD, NSEG)
+    tl.store(p_y, acc.to(y0.dtype.element_ty), mask=(o_t < T)[:, None] & m_d[None, :])
 
 
-def _causal_conv_bwd_weight_kernel(x, w, b, dy, da, dw, db, T, NG, s_xb, s_xt, s_dyb, s_dyt,
+def _causal_conv_bwd_weight_kernel(x, w, b, dy0, dy1, dy2, da, dw, db, T, NG, s_xb, s_xt,
+                       s_dy0b, s_dy0t, s_dy1b, s_dy1t, s_dy2b, s_dy2t,
                        D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                       TILES: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+                       TILES: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                       D0: tl.constexpr, D1: tl.constexpr, NSEG: tl.constexpr):
     """Backward, pass 1, over ``TILES`` consecutive ``[BT, BD]`` tiles of time: per tile ``da = dy * silu'(pre)``
-    (stored, with SiLU, in dy's dtype and layout ``[B, T, D]``); summed over the tiles, this program's fp32
+    (``dy`` split over ``NSEG`` tensors as the forward's output; ``da`` stored, with SiLU, in dy's dtype and one
+    layout ``[B, T, D]``); summed over the tiles, this program's fp32
     partials ``dw[:, i] = sum_s da[s] x[s - W + 1 + i]``, ``db = sum_s da[s]`` (``dw [B * NG, D, W]``,
     ``db [B * NG, D]``, NG = the tile groups per sequence). The products accumulate element-wise in a
     ``[BT, WP, BD]`` tile (all taps' shifted x rows in one load, from cache: the pre-activation just read them)
@@ -108,14 +138,16 @@ def _causal_conv_bwd_weight_kernel(x, w, b, dy, da, dw, db, T, NG, s_xb, s_xt, s
     for j in range(TILES):
         o_t = (i_g * TILES + j) * BT + tl.arange(0, BT)
         m = (o_t < T)[:, None] & m_d[None, :]
-        b_da = tl.load(dy + i_b.to(tl.int64) * s_dyb + o_t[:, None] * s_dyt + o_d[None, :], mask=m,
-                       other=0.0).to(tl.float32)
+        p_dy = _segment_rows(i_b, i_d, o_t, o_d, dy0, s_dy0b, s_dy0t, dy1, s_dy1b, s_dy1t, dy2, s_dy2b, s_dy2t,
+                             D0, D1, BD, NSEG)
+        b_da = tl.load(p_dy, mask=m, other=0.0).to(tl.float32)
         if SILU:
             pre = _tap_sum(p_x, s_xt, w, o_t, o_d, m_d, T, W, False)
             if HAS_BIAS:
                 pre += tl.load(b + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
             sig = tl.sigmoid(pre)
             b_da = b_da * sig * (1 + pre * (1 - sig))
+        if SILU or NSEG > 1:  # pass 2 reads one da: dy itself only when it is one tensor and there is no SiLU
             p_da = da + i_b.to(tl.int64) * T * D + o_t[:, None] * D + o_d[None, :]
             tl.store(p_da, b_da.to(da.dtype.element_ty), mask=m)
         o_x = o_t[:, None] + (o_w[None, :] - W + 1)  # [BT, WP]: the row tap i multiplies
@@ -146,77 +178,139 @@ def _causal_conv_bwd_input_kernel(da, w, dx, T, s_dab, s_dat, s_dxb, s_dxt,
 def _kernels():
     """``(forward, backward pass 1, backward pass 2)``, jitted (and autotuned over the channel block and warps, on
     a GPU) on first use."""
-    global _KERNELS, tl, _tap_sum
+    global _KERNELS, tl, _tap_sum, _segment_rows
     if _KERNELS is None:
         import triton
         import triton.language as tl  # noqa: F811 -- binds the module global the kernels' source names
-        _tap_sum = triton.jit(_tap_sum)
+        _tap_sum, _segment_rows = triton.jit(_tap_sum), triton.jit(_segment_rows)
         kernels = [triton.jit(k) for k in (_causal_conv_fwd_kernel, _causal_conv_bwd_weight_kernel,
                                            _causal_conv_bwd_input_kernel)]
         if not interpreting():  # the interpreter runs one configuration
             configs = [triton.Config({"BD": bd}, num_warps=nw) for bd in (32, 64, 128, 256) for nw in (4, 8)]
             # pass 1 holds [BT, WP, BD] fp32 accumulators: wide channel blocks would spill
             pass1_configs = [triton.Config({"BD": bd}, num_warps=nw) for bd in (16, 32, 64) for nw in (4, 8)]
-            kernels = [autotuned(kernels[0], configs, ["D", "W"]),
-                       autotuned(kernels[1], pass1_configs, ["D", "W", "TILES"]),
+            kernels = [autotuned(kernels[0], configs, ["D", "W", "D0", "D1"], prune=_blocks_within_segments),
+                       autotuned(kernels[1], pass1_configs, ["D", "W", "TILES", "D0", "D1"],
+                                 prune=_blocks_within_segments),
                        autotuned(kernels[2], configs, ["D", "W"])]
         _KERNELS = tuple(kernels)
     return _KERNELS
 
 
+def _blocks_within_segments(configs, named_args, **kwargs):
+    """The autotuner's configurations whose channel block divides every output segment's width (with one segment,
+    all: the kernels mask the last block)."""
+    args = {**named_args, **kwargs}
+    if args["NSEG"] == 1:
+        return configs
+    widths = (args["D0"], args["D1"], args["D"] - args["D0"] - args["D1"])[:args["NSEG"]]
+    return [c for c in configs if all(w % c.kwargs["BD"] == 0 for w in widths)]
+
+
+SEGMENT_ALIGN = 32  # the narrowest channel block of the forward's configurations: segments must be multiples of it
+INTERPRETER_BD = 16
+
+
 def _launch_args(D: int) -> dict:
     """The channel block where the autotuner does not choose it (the interpreter)."""
-    return {"BD": 16} if interpreting() else {}
+    return {"BD": INTERPRETER_BD} if interpreting() else {}
+
+
+def _segment_args(tensors) -> list:
+    """The kernels' segment arguments: three tensors (the last repeated where there are fewer segments: the
+    kernels do not read those), then each one's batch and row strides."""
+    tensors = list(tensors) + [tensors[-1]] * (3 - len(tensors))
+    return tensors + [s for t in tensors for s in (t.stride(0), t.stride(1))]
 
 
 class _CausalConv(torch.autograd.Function):
+    """The conv over ``x``'s channels, its output split into ``widths`` (one or up to three contiguous tensors)."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, silu):
+    def forward(ctx, x, weight, bias, silu, widths):
         Bsz, T, D = x.shape
         W = weight.shape[-1]
         fwd = _kernels()[0]
-        y = torch.empty(Bsz, T, D, dtype=x.dtype, device=x.device)
+        ys = [torch.empty(Bsz, T, w, dtype=x.dtype, device=x.device) for w in widths]
         grid = lambda meta: (-(-D // meta["BD"]), -(-T // BT), Bsz)  # noqa: E731
-        fwd[grid](x, weight, bias, y, T, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
-                  D=D, W=W, BT=BT, HAS_BIAS=bias is not None, SILU=silu, **_launch_args(D))
+        seg = _segment_args(ys)
+        fwd[grid](x, weight, bias, *seg[:3], T, x.stride(0), x.stride(1), *seg[3:], **_segment_constants(D, widths),
+                  W=W, BT=BT, HAS_BIAS=bias is not None, SILU=silu, **_launch_args(D))
         ctx.save_for_backward(x, weight, bias)
-        ctx.silu = silu
-        return y
+        ctx.silu, ctx.widths = silu, widths
+        return tuple(ys)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, *dys):
         x, weight, bias = ctx.saved_tensors
         Bsz, T, D = x.shape
         W = weight.shape[-1]
         NT = -(-T // BT)
         tiles = pass1_tiles(D, NT)
         NG = -(-NT // tiles)
-        if dy.stride(-1) != 1:
-            dy = dy.contiguous()
+        # an output the loss did not use has no gradient: zeros, so that the kernels read one tensor per segment
+        dys = [torch.zeros(Bsz, T, w, dtype=x.dtype, device=x.device) if dy is None
+               else dy if dy.stride(-1) == 1 else dy.contiguous() for dy, w in zip(dys, ctx.widths)]
         _, bwd_weight, bwd_input = _kernels()
-        # without SiLU, da is dy itself; with it, pass 1 writes da (dy's dtype: what fla's backward reads too)
-        da = torch.empty(Bsz, T, D, dtype=dy.dtype, device=x.device) if ctx.silu else dy
+        # without SiLU and with one segment, da is dy itself; else pass 1 writes da (dy's dtype: what fla's reads)
+        da = dys[0] if not ctx.silu and len(dys) == 1 else torch.empty(Bsz, T, D, dtype=dys[0].dtype, device=x.device)
         dw = torch.empty(Bsz * NG, D, W, dtype=torch.float32, device=x.device)
         db = torch.empty(Bsz * NG, D, dtype=torch.float32, device=x.device) if bias is not None else None
+        seg = _segment_args(dys)
         bwd_weight[lambda meta: (-(-D // meta["BD"]), NG, Bsz)](
-            x, weight, bias, dy, da, dw, db, T, NG, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), D=D, W=W,
+            x, weight, bias, *seg[:3], da, dw, db, T, NG, x.stride(0), x.stride(1), *seg[3:],
+            **_segment_constants(D, ctx.widths), W=W,
             WP=next_power_of_2(W), BT=BT, TILES=tiles, HAS_BIAS=bias is not None, SILU=ctx.silu, **_launch_args(D))
         grid = lambda meta: (-(-D // meta["BD"]), NT, Bsz)  # noqa: E731
         dx = torch.empty(Bsz, T, D, dtype=x.dtype, device=x.device)
         bwd_input[grid](da, weight, dx, T, da.stride(0), da.stride(1), dx.stride(0), dx.stride(1),
                         D=D, W=W, BT=BT, **_launch_args(D))
-        return (dx, dw.sum(0).to(weight.dtype), None if db is None else db.sum(0).to(bias.dtype), None)
+        return (dx, dw.sum(0).to(weight.dtype), None if db is None else db.sum(0).to(bias.dtype), None, None)
+
+
+def _segment_constants(D: int, widths) -> dict:
+    """The kernels' constexprs for the output split ``widths``: the total, the first two widths and their count."""
+    return {"D": D, "D0": widths[0], "D1": widths[1] if len(widths) > 1 else 0, "NSEG": len(widths)}
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], name: str) -> None:
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"{name}: x must be [B, T, D] and weight [D, W], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if bias is not None and bias.shape != (x.shape[-1],):
+        raise ValueError(f"{name}: bias must be [{x.shape[-1]}], got {tuple(bias.shape)}")
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 silu: bool = True) -> torch.Tensor:
     """``silu(conv(x))`` (or the bare conv): x ``[B, T, D]`` (a view whose last dim is contiguous is fine, e.g. a
     slice of a projection's output), weight ``[D, W]``, bias ``[D]`` or None. Output contiguous, in x's dtype."""
-    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"causal_conv: x must be [B, T, D] and weight [D, W], got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if bias is not None and bias.shape != (x.shape[-1],):
-        raise ValueError(f"causal_conv: bias must be [{x.shape[-1]}], got {tuple(bias.shape)}")
+    _check(x, weight, bias, "causal_conv")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return _CausalConv.apply(x, weight, bias, silu)
+    return _CausalConv.apply(x, weight, bias, silu, (x.shape[-1],))[0]
+
+
+def can_split(widths) -> bool:
+    """Whether :func:`causal_conv_split` runs ``widths`` as one conv: at most three segments, each a multiple of
+    the narrowest channel block the kernels may take (else it runs one conv per segment)."""
+    align = INTERPRETER_BD if interpreting() else SEGMENT_ALIGN
+    return 1 <= len(widths) <= 3 and all(w > 0 and w % align == 0 for w in widths)
+
+
+def causal_conv_split(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                      biases: Optional[Sequence[torch.Tensor]] = None, silu: bool = True) -> tuple:
+    """The convs of adjacent column blocks of ``x`` (``weights[j]`` ``[D_j, W]`` for the j-th block; ``biases``
+    all or none), each output its own contiguous ``[B, T, D_j]``: one conv over all the channels where
+    :func:`can_split` holds, so that one forward and two backward kernels run instead of three each."""
+    widths = tuple(w.shape[0] for w in weights)
+    weight = torch.cat(list(weights)) if len(weights) > 1 else weights[0]
+    bias = None if biases is None else torch.cat(list(biases)) if len(biases) > 1 else biases[0]
+    _check(x, weight, bias, "causal_conv_split")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if not can_split(widths):
+        starts = [sum(widths[:j]) for j in range(len(widths))]
+        return tuple(causal_conv(x[..., s:s + w], weights[j], None if biases is None else biases[j], silu)
+                     for j, (s, w) in enumerate(zip(starts, widths)))
+    return _CausalConv.apply(x, weight, bias, silu, widths)

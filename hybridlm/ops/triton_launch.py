@@ -12,12 +12,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def autotuned(kernel, configs, key):
+def autotuned(kernel, configs, key, prune=None):
     """``kernel`` autotuned over ``configs`` by ``key``, the winners kept on disk as fla keeps its own (Triton's
     ``cache_results``), so that hybridlm/training/kernel_cache.py carries them to a fresh machine too: without
-    them each of the project's kernels compiles and times every configuration there first."""
+    them each of the project's kernels compiles and times every configuration there first. ``prune(configs,
+    named_args, **kwargs)``: the configurations a launch may take (Triton's ``early_config_prune``)."""
     import triton
-    return triton.autotune(configs, key=key, cache_results=True)(kernel)
+    return triton.autotune(configs, key=key, cache_results=True,
+                           prune_configs_by={"early_config_prune": prune} if prune else None)(kernel)
 
 
 def next_power_of_2(n: int) -> int:

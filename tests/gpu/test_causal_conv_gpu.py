@@ -1,12 +1,13 @@
 """The stateless causal conv kernels (hybridlm/ops/causal_conv.py) compiled on a GPU: forward and the three
 gradients against the torch twin (in fp64 on the CPU) and against fla's causal_conv1d, at a Mamba2-300M layer's width
 with x a strided slice of the projection, as the model passes it (needs CUDA; the interpreter's CPU twin of this
-test is tests/test_causal_conv.py)."""
+test is tests/test_causal_conv.py). And ``causal_conv_split`` at GDN-300M's q | k | v widths against a conv per block
+(the twin in fp64, and the project's single conv)."""
 import pytest
 import torch
 
 from conftest import rel_err
-from hybridlm.ops.causal_conv import causal_conv, causal_conv_reference
+from hybridlm.ops.causal_conv import causal_conv, causal_conv_reference, causal_conv_split
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -43,3 +44,33 @@ def test_kernels_match_the_twin_and_fla(dtype, bias, T, tiles, monkeypatch):
         assert o.dtype == dtype and o.shape == t.shape, name
         assert rel_err(o, t) < tol, (name, rel_err(o, t))
         assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-6, (name, rel_err(o, t), rel_err(f, t))  # no worse than fla's
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_split_conv_matches_a_conv_per_block(dtype):
+    torch.manual_seed(0)
+    widths, T = (256, 256, 512), 2048
+    D = sum(widths)
+    proj = torch.randn(2, T, D + 528, device="cuda", dtype=dtype)
+    x = proj[..., :D]                                              # q | k | v in front of b, a, z, as GDN's
+    weights = [(torch.rand(w, 4, device="cuda") - 0.5).to(dtype) for w in widths]
+    dys = [torch.randn(2, T, w, device="cuda", dtype=dtype) for w in widths]
+    starts = [0, 256, 512]
+
+    def run(fn, x, weights, dys):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, *weights)]
+        ys = fn(leaves[0], leaves[1:])
+        torch.autograd.backward(ys, dys)
+        return [y.detach() for y in ys] + [t.grad for t in leaves], ys
+
+    per_block = lambda conv: lambda x, ws: [conv(x[..., s:s + w.shape[0]], w, None) for s, w in zip(starts, ws)]  # noqa: E731
+    ours, ys = run(lambda x, ws: causal_conv_split(x, ws), x, weights, dys)
+    assert all(y.is_contiguous() and y.shape[-1] == w for y, w in zip(ys, widths))
+    cpu64 = lambda t: t.detach().cpu().double()  # noqa: E731
+    twin, _ = run(per_block(causal_conv_reference), cpu64(x), [cpu64(w) for w in weights], [cpu64(d) for d in dys])
+    single, _ = run(per_block(causal_conv), x, weights, dys)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for i, (o, t, s) in enumerate(zip(ours, twin, single)):
+        assert o.dtype == dtype and o.shape == t.shape, i
+        assert rel_err(o, t) < tol, (i, rel_err(o, t))
+        assert rel_err(o, t) <= 1.5 * rel_err(s, t) + 1e-6, (i, rel_err(o, t), rel_err(s, t))

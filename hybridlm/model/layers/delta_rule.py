@@ -19,7 +19,8 @@ from torch import nn
 from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_conv
 from hybridlm.model.layers.init import init_A_log, init_dt_bias
 from hybridlm.model.layers.projections import project
-from hybridlm.ops.backend import use_triton, use_triton_elementwise
+from hybridlm.ops.backend import kernel_source, use_triton, use_triton_elementwise
+from hybridlm.ops.causal_conv import causal_conv_split
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state, l2_normalize
 from hybridlm.ops.elementwise import gated_rms_norm
 
@@ -40,6 +41,7 @@ class DeltaRuleMixer(nn.Module):
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.norm_eps = args.norm_eps
         self.fuse_projections = config.fuse_projections
+        self.fuse_short_convs = config.fuse_short_convs
         self.q_proj = nn.Linear(d, self.key_dim, bias=False)
         self.k_proj = nn.Linear(d, self.key_dim, bias=False)
         self.v_proj = nn.Linear(d, self.value_dim, bias=False)
@@ -96,16 +98,28 @@ class DeltaRuleMixer(nn.Module):
         g = -self.A_log.float().exp().view(-1, 1) * F.softplus(a)
         return g if self.gate_per_key_channel else g.squeeze(-1)
 
+    def projected_inputs(self, x: torch.Tensor, triton: bool, cache=None) -> tuple:
+        """``(q, k, v, b, a, z)``: the six projections, q / k / v through their short convs (continuing from the
+        cache's conv states in generation). In training one GEMM for the six (hybridlm/model/layers/projections.py),
+        and with ``fuse_short_convs`` one conv kernel over q | k | v where they lie side by side in its output,
+        writing each as its own contiguous tensor (hybridlm/ops/causal_conv.py ``causal_conv_split``)."""
+        linears = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.gate_projections())
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        join = (self.fuse_short_convs and triton and cache is None and kernel_source("conv") == "project"
+                and len({c.bias is None for c in convs}) == 1)
+        outputs = project(x, linears, fuse=self.fuse_projections, join_first=3 if join else 1)
+        if len(outputs) == len(linears) - 2:  # q | k | v as one view
+            qkv, *rest = outputs
+            biases = None if convs[0].bias is None else [c.bias for c in convs]
+            return (*causal_conv_split(qkv, [c.weight for c in convs], biases), *rest)
+        q, k, v, *rest = outputs
+        return (*(run_short_conv(c, t, triton, cache, name) for c, t, name in zip(convs, (q, k, v), "qkv")), *rest)
+
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         B, T, _ = x.shape
         triton = use_triton(self.backend, x)
         cache, x = recurrent_context(ctx, self.layer_idx, x)
-        # one GEMM for the six projections in training (hybridlm/model/layers/projections.py)
-        q, k, v, b, a, z = project(x, (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.gate_projections()),
-                                   fuse=self.fuse_projections)
-        q = run_short_conv(self.q_conv1d, q, triton, cache, "q")
-        k = run_short_conv(self.k_conv1d, k, triton, cache, "k")
-        v = run_short_conv(self.v_conv1d, v, triton, cache, "v")
+        q, k, v, b, a, z = self.projected_inputs(x, triton, cache)
         q = q.view(B, T, self.num_heads, self.head_k_dim)
         k = k.view(B, T, self.num_heads, self.head_k_dim)
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)

@@ -39,10 +39,13 @@ def fused_linear(x: torch.Tensor, linears: Sequence[nn.Module]) -> Optional[torc
     return F.linear(x, weight, bias)
 
 
-def project(x: torch.Tensor, linears: Sequence[nn.Module], fuse: bool = True) -> list:
+def project(x: torch.Tensor, linears: Sequence[nn.Module], fuse: bool = True, join_first: int = 1) -> list:
     """``[m(x) for m in linears]``; with ``fuse``, through :func:`fused_linear` where it applies (the outputs are
-    then views of one tensor: last dim contiguous, rows strided)."""
+    then views of one tensor: last dim contiguous, rows strided). Where it applies and ``join_first > 1``, the first
+    ``join_first`` outputs come as one view, their columns side by side (for one kernel over them), in place of
+    ``join_first`` views: the list is then ``join_first - 1`` shorter."""
     y = fused_linear(x, linears) if fuse else None
     if y is None:
         return [m(x) for m in linears]
-    return list(y.split([m.out_features for m in linears], dim=-1))
+    widths = [m.out_features for m in linears]
+    return list(y.split([sum(widths[:join_first]), *widths[join_first:]], dim=-1))
