@@ -12,7 +12,9 @@ rank-sharded ``PackedBatches`` loader), :func:`pretrain.train.build_engine` (the
 ZeRO-1 :class:`~hybridlm.engine.Engine`, bf16 weights with fp32 master weights and gradient accumulation,
 fused AdamW, clipping) and the shared :func:`~hybridlm.training.train_loop`, timed through its
 ``on_step`` hook, which the loop calls once the GPU has finished the step, with checkpoints off. A config is a
-model YAML name from ``configs/models`` (or any model / experiment YAML path; only its model section is used).
+model YAML name from ``configs/models`` (or any model / experiment YAML path; only its model section is used),
+optionally with overrides of its own after colons (``gdn_300m:optim.step_on_device=true:model.fuse_short_convs=true``):
+variants of one config measured in the same run, next to the same peers.
 
 **Peers** (one-process runs only): fla's ``GatedDeltaNetForCausalLM`` / ``KDAForCausalLM`` with the
 shapes of our GDN / KDA config (``fla_gdn[:CONFIG]``, default ``gdn_300m``; ``fla_kda[:CONFIG]``, default
@@ -38,15 +40,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import resource
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -71,6 +75,7 @@ from pretrain.train import build_engine, prepare_pretraining
 DEFAULT_CONFIGS = ["gdn_300m", "kda_300m", "mamba2_300m", "gdn_300m_hybrid", "mamba2_300m_hybrid", "gdn_1b"]
 DEFAULT_PEERS = ["fla_gdn", "fla_kda", "llama"]
 OOM = "out of memory"
+FAILED = "failed"  # an entry that raised under --keep-going
 PRECISION_RECIPE = {"bf16": "bf16 weights, fp32 master + grad accumulation",
                     "bf16-mixed": "fp32 weights, bf16 autocast", "fp32": "fp32"}
 
@@ -133,10 +138,28 @@ def make_profiler(args, device: torch.device, name: str, sync: bool = True):
     ``--trace`` it also writes them to ``<out>/trace_<name>.json.gz``. ``sync``: as the entry's StepTimer."""
     if not args.profile:
         return None
-    stem = Path(name).stem.replace("+", "_")  # a file name the device's hand-back takes
+    stem = file_stem(name)
     trace = Path(args.out) / f"trace_{stem}.json.gz" if args.trace else None
     return StepProfiler(skip=args.warmup + args.steps, active=args.profile, device=device, trace_path=trace,
                         sync=sync)
+
+
+def file_stem(name: str) -> str:
+    """An entry's name as a file name the device's hand-back takes (letters, digits, ``_ . -``)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", Path(name).stem if name.endswith((".yaml", ".yml")) else name)
+
+
+def split_variant(spec: str) -> Tuple[str, List[str], List[str]]:
+    """``CONFIG[:model.KEY=VALUE][:optim.KEY=VALUE]...`` -> (config, model overrides, optim overrides)."""
+    base, *overrides = spec.split(":")
+    model, optim = [], []
+    for item in overrides:
+        section, _, rest = item.partition(".")
+        if section not in ("model", "optim") or "=" not in rest:
+            raise SystemExit(f"--configs: {spec!r}: each override after ':' must be model.KEY=VALUE or "
+                             f"optim.KEY=VALUE, got {item!r}")
+        (model if section == "model" else optim).append(rest)
+    return base, model, optim
 
 
 def steps_to_run(args, late: bool) -> int:
@@ -153,23 +176,25 @@ def profile_result(profiler) -> Dict[str, Any]:
 # -------------------------------------------------------------------------------------- ours
 
 def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[str, Any]:
-    """One config through pretrain.py's own setup, engine and training loop."""
+    """One config (with its own overrides: :func:`split_variant`) through pretrain.py's own setup, engine and
+    training loop."""
 
     cuda = torch.cuda.is_available()
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    config, model_overrides, optim_overrides = split_variant(name)
     sections = {
-        "model": model_section(name, args.model_override),
+        "model": model_section(config, [*args.model_override, *model_overrides]),
         "data": {"path": str(data_dir), "seq_len": args.seq, "val_max_batches": 1, "sources": [],
                  "tokenizer": DEFAULT_TOKENIZER},
         "optim": {"micro_batch_size": mb, "global_batch_size": mb * world, "lr": 3.0e-4, "min_lr": 3.0e-5,
                   "warmup_steps": 0, "max_steps": steps_to_run(args, late=True), "weight_decay": 0.01,
                   "grad_clip": 1.0, "precision": args.precision, "zero_stage": 1, "seed": 42,
                   "activation_checkpointing": args.activation_checkpointing},
-        "run": {"output_dir": str(run_root / f"{Path(name).stem}-mb{mb}"), "log_interval": 1, "eval_interval": 0,
+        "run": {"output_dir": str(run_root / f"{file_stem(name)}-mb{mb}"), "log_interval": 1, "eval_interval": 0,
                 "save_interval": 0, "resume": False, "progress": False, "tensorboard": False, "export": False,
                 "sample_tokens": 0},
     }
-    for item in args.optim_override:
+    for item in [*args.optim_override, *optim_overrides]:
         sections = deep_merge(sections, parse_override(f"optim.{item}"))
     setup = prepare_pretraining(sections)
     summary = model_summary(setup.config)
@@ -189,6 +214,7 @@ def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[s
         del engine
     return {**profile_result(profiler), "params": summary["params"], "non_embedding_params": summary["non_embedding_params"],
             "matmul_params": n_mm, "mixers": F.describe(mixers),
+            "overrides": {"model": model_overrides, "optim": optim_overrides},
             "flops": F.train_flops_per_token(n_mm, mixers, args.seq), "timing": timer.summary(),
             "precision": args.precision,
             "recipe": f"pretrain.py: DeepSpeed ZeRO-1 {PRECISION_RECIPE[args.precision]}, "
@@ -270,16 +296,23 @@ def run_peer(spec: str, mb: int, args, data_dir: Path, device: torch.device) -> 
 
 def measure(name: str, kind: str, fn: Callable[[int], Dict[str, Any]], candidates: List[int], catch_oom: bool,
             args, world: int) -> Dict[str, Any]:
-    """Run ``fn(micro_batch)`` over the candidates (largest first) until one fits; one entry of the report."""
+    """Run ``fn(micro_batch)`` over the candidates (largest first) until one fits; one entry of the report. With
+    ``--keep-going`` an entry that raises anything but an OOM is reported as failed, with its error, and the run
+    goes on to the next entry (main exits non-zero at the end)."""
     tried: Dict[str, str] = {}
     entry: Dict[str, Any] = {"name": name, "kind": kind}
     for mb in candidates:
         failed = None
         try:
             res = fn(mb)
-        except Exception as e:  # noqa: BLE001 - only OOM is caught, anything else re-raised
+        except Exception as e:  # noqa: BLE001 - OOM is caught; anything else re-raised unless --keep-going
             if not (catch_oom and is_oom(e)):
-                raise
+                if not getattr(args, "keep_going", False) or world > 1:
+                    raise
+                traceback.print_exc()
+                free_memory()
+                entry.update(status=FAILED, micro_batch=mb, reason=f"{type(e).__name__}: {e}".splitlines()[0])
+                return entry
             failed = OOM
             res = None
         free_memory()
@@ -329,7 +362,7 @@ def plot(report: Dict[str, Any], png: Path) -> None:
         ax.bar(i, h, color="#c9a227" if peer else "#2a6f97", hatch="//" if peer else None, edgecolor="black",
                linewidth=0.6)
         label = (f"{_si(h)}\nMFU {100 * e['mfu']:.1f}%" if ok else
-                 ("OOM" if e["status"] == OOM else "skipped"))
+                 {OOM: "OOM", FAILED: "failed"}.get(e["status"], "skipped"))
         ax.text(i, h + 0.01 * top, label, ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(entries)))
     ax.set_xticklabels([e["name"] + (f"\nmb {e['micro_batch']}" if "micro_batch" in e else "") for e in entries],
@@ -371,7 +404,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory for train_speed.json and train_speed.png")
     p.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS,
-                   help="model YAML names in configs/models (or paths); none: peers only")
+                   help="model YAML names in configs/models (or paths), each optionally with overrides of its own "
+                        "(gdn_300m:optim.step_on_device=true:model.fuse_short_convs=true); none: peers only")
     p.add_argument("--peers", nargs="*", default=DEFAULT_PEERS,
                    help="fla_gdn, fla_kda, llama, each optionally :CONFIG for its shapes; none: ours only")
     p.add_argument("--micro-batch", type=int, default=32, help="sequences per GPU per step")
@@ -408,6 +442,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for op, (what, ours, theirs) in KERNEL_SWITCHES.items():
         p.add_argument(f"--{op}-kernel", choices=KERNEL_SOURCES, default="project",
                        help=f"ours: the Triton kernel of {what} (project: {ours}, fla: {theirs})")
+    p.add_argument("--keep-going", action="store_true",
+                   help="an entry that fails (not an OOM) is reported as failed and the next one runs; exit 1 at the "
+                        "end (one-process runs)")
     p.add_argument("--compare-to", default=None,
                    help="a train_speed.json (e.g. of one GPU): adds each entry's tokens/s ratio to it")
     p.add_argument("--run-dir", default=None, help="where the runs' metrics go (default: a temp dir, removed)")
@@ -502,6 +539,10 @@ def main(argv=None) -> Dict[str, Any]:
     barrier()
     if main_rank:
         print(f"wrote {out / 'train_speed.json'} and {out / 'train_speed.png'}", flush=True)
+    failed = [e["name"] for e in report["entries"] if e["status"] == FAILED]
+    if failed:
+        raise SystemExit(f"train_speed: {len(failed)} entries failed: {', '.join(failed)} (their errors are in the "
+                         f"report and above)")
     return report
 
 

@@ -103,11 +103,39 @@ def test_find_max_batch_takes_the_largest_that_fits():
 
 
 
+VARIANT = "model.intermediate_size=64:optim.grad_clip=0.5"
+
+
+def test_config_variants_parse_and_bad_ones_say_what_is_expected():
+    from pretrain.train_speed import file_stem, split_variant
+    assert split_variant("gdn_300m") == ("gdn_300m", [], [])
+    assert split_variant("gdn_300m:optim.step_on_device=true:model.fuse_short_convs=true") == (
+        "gdn_300m", ["fuse_short_convs=true"], ["step_on_device=true"])
+    assert file_stem("gdn_300m:optim.step_on_device=true") == "gdn_300m_optim.step_on_device_true"
+    assert file_stem("fla_gdn+late") == "fla_gdn_late" and file_stem("configs/models/gdn_300m.yaml") == "gdn_300m"
+    for bad in ("gdn_300m:step_on_device=true", "gdn_300m:run.x=1", "gdn_300m:optim.lr"):
+        with pytest.raises(SystemExit, match=r"each override after ':' must be model.KEY=VALUE or optim.KEY=VALUE"):
+            split_variant(bad)
+
+
+def test_keep_going_reports_a_failed_entry_and_runs_the_next(tmp_path, austen_data):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "pretrain.train_speed", "--out", str(out), "--data", str(austen_data),
+           "--configs", "tiny_hybrid:model.rms_norm_eps=-1", "tiny_hybrid", "--peers", "--micro-batch", "2",
+           "--seq", "32", "--steps", "1", "--warmup", "1", "--keep-going"]
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "train_speed: 1 entries failed: tiny_hybrid:model.rms_norm_eps=-1" in proc.stderr
+    bad, good = json.loads((out / "train_speed.json").read_text())["entries"]
+    assert bad["status"] == "failed" and "rms_norm_eps: must be a positive number" in bad["reason"]
+    assert good["status"] == "ok" and good["tokens_per_s"] > 0
+    assert_chart(out / "train_speed.png")
+
+
 def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     out = tmp_path / "bench"
     env = subprocess_env()
     cmd = [sys.executable, "-m", "pretrain.train_speed", "--out", str(out), "--data", str(austen_data),
-           "--configs", "tiny_hybrid", "--peers", "llama:tiny_hybrid", "fla_gdn", "llama:tiny_hybrid+late",
+           "--configs", "tiny_hybrid", f"tiny_hybrid:{VARIANT}", "--peers", "llama:tiny_hybrid", "fla_gdn", "llama:tiny_hybrid+late",
            "--micro-batch", "2",
            "--seq", "32", "--steps", "2", "--warmup", "1", "--profile", "2", "--trace",
            "--optim-override", "immediate_grad_update=true"]
@@ -117,7 +145,13 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     assert report["world_size"] == 1 and report["precision"] == "fp32" and report["seq_len"] == 32
     assert report["mamba2_compile_inputs"] == "off"
     entries = {e["name"]: e for e in report["entries"]}
-    assert list(entries) == ["tiny_hybrid", "llama:tiny_hybrid", "fla_gdn", "llama:tiny_hybrid+late"]
+    assert list(entries) == ["tiny_hybrid", f"tiny_hybrid:{VARIANT}", "llama:tiny_hybrid", "fla_gdn",
+                             "llama:tiny_hybrid+late"]
+    # a variant of a config with overrides of its own, in the same run
+    variant = entries[f"tiny_hybrid:{VARIANT}"]
+    assert variant["overrides"] == {"model": ["intermediate_size=64"], "optim": ["grad_clip=0.5"]}
+    assert entries["tiny_hybrid"]["overrides"] == {"model": [], "optim": []}
+    assert variant["status"] == "ok" and variant["params"] < entries["tiny_hybrid"]["params"]
     assert entries["fla_gdn"]["status"] == "skipped" and "CUDA" in entries["fla_gdn"]["reason"]
 
     from hybridlm.data import read_meta
@@ -148,7 +182,8 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     assert "ours tiny_hybrid" in proc.stdout and "tok/s" in proc.stdout
     # --trace: each profiled entry's steps as a Chrome trace with Python stacks (a CPU run has no kernels)
     from hybridlm.bench.trace_gaps import load_events
-    for name in ("tiny_hybrid", "llama:tiny_hybrid", "llama:tiny_hybrid_late"):
+    for name in ("tiny_hybrid", "tiny_hybrid_model.intermediate_size_64_optim.grad_clip_0.5", "llama_tiny_hybrid",
+                 "llama_tiny_hybrid_late"):
         events = load_events(out / f"trace_{name}.json.gz")
         frames = [e["name"] for e in events if e.get("cat") == "python_function"]
         assert any("hybridlm/" in f for f in frames), frames[:5]

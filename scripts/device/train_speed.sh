@@ -17,7 +17,8 @@
 #   TAG=_suffix                   appended to the report's name (for a run with OVERRIDES / OPTIM_OVERRIDES)
 #   TRACE=1                       also a Chrome trace with Python stacks of each entry's profiled steps
 #                                 (trace_<entry>.json.gz; python -m hybridlm.bench.trace_gaps reads it)
-#   CONFIGS="gdn_300m"            only these of the family's configs
+#   CONFIGS="gdn_300m"            only these of the family's configs; a config may carry overrides of its own, measured
+#                                 in the same run: CONFIGS="gdn_300m gdn_300m:optim.step_on_device=true"
 #   PEERS=""                      these peers instead of the family's (empty: none)
 # Reports: $LOGS/speed_<family>/train_speed.{json,png} (+ profile_<entry>.json); join them with --merge.
 set -u
@@ -36,7 +37,7 @@ for fam in ${FAMILIES:-gdn mamba2 kda mb16 1b}; do
   echo "[$(date +%T)] train_speed $fam (${left}s left)"
   tag=$fam${PRECISION:+_$PRECISION}$([ "${MAMBA2_COMPILE:-off}" = on ] && echo _compiled)$([ "${CONV_KERNEL:-project}" = fla ] && echo _flaconv)$([ "${NORM_KERNEL:-project}" = fla ] && echo _flanorm)$([ "${LOSS_KERNEL:-project}" = fla ] && echo _flaloss)${TAG:-}
   CUDA_VISIBLE_DEVICES=${GPU:-1} timeout "$left" python3 -m pretrain.train_speed --out "$LOGS/speed_$tag" \
-    --data data_cache/janeausten-llama3.2 --seq 2048 --steps ${STEPS:-10} --warmup 3 --profile ${PROFILE:-3} \
+    --keep-going --data data_cache/janeausten-llama3.2 --seq 2048 --steps ${STEPS:-10} --warmup 3 --profile ${PROFILE:-3} \
     --precision "${PRECISION:-bf16}" --mamba2-compile-inputs "${MAMBA2_COMPILE:-off}" \
     --conv-kernel "${CONV_KERNEL:-project}" --norm-kernel "${NORM_KERNEL:-project}" \
     --loss-kernel "${LOSS_KERNEL:-project}" ${OVERRIDES:+--model-override $OVERRIDES} \
