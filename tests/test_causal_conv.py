@@ -11,7 +11,8 @@
    interpreter against the twin of each block: two and three blocks, with and without bias and SiLU, bf16, an
    output the loss does not use, a strided output gradient, and widths the joined kernel cannot take (one conv
    per block then). And GDN's ``projected_inputs`` with ``fuse_short_convs`` on against off (same weights, the
-   kernels through the interpreter): the six inputs of the recurrence and every parameter's gradient.
+   kernels through the interpreter): the six inputs of the recurrence and every parameter's gradient. And both
+   kernels compiled for an H200 here (no GPU): the split keeps the single-output kernels' vector accesses.
 The GPU twin of this test (compiled kernels against the twin and fla) is tests/gpu/test_causal_conv_gpu.py.
 """
 import json
@@ -212,6 +213,21 @@ def test_split_rejects_mismatched_weights():
     from hybridlm.ops.causal_conv import causal_conv_split
     with pytest.raises(ValueError, match="causal_conv_split: x must be"):
         causal_conv_split(torch.randn(1, 4, 48), [torch.randn(16, 4), torch.randn(16, 4)])
+
+
+def test_split_kernels_compile_for_an_h200_as_the_single_output_ones():
+    """Compiled for sm_90 here (no GPU: hybridlm/bench/kernel_compile.py): choosing the output tensor per channel
+    block keeps the rows' 16-byte stores and loads, no spills, and about the registers of one output."""
+    from hybridlm.bench.kernel_compile import conv_cases
+    rows = list(conv_cases())
+    single = {(r["kernel"], r["BD"], r["num_warps"]): r for r in rows if r["segments"] == 1}
+    split = [r for r in rows if r["segments"] == 3]
+    assert len(split) == len(single) == 7
+    for r in split:
+        one = single[(r["kernel"], r["BD"], r["num_warps"])]
+        assert r["stack_bytes"] == 0 and r["st_b16"] == 0 and r["st_v4"] > 0, r
+        assert (r["st_v4"], r["ld_v4"], r["ld_b16"]) == (one["st_v4"], one["ld_v4"], one["ld_b16"]), (r, one)
+        assert r["registers"] <= one["registers"] + 16, (r, one)
 
 
 def test_pass1_takes_many_time_tiles_only_where_the_grid_stays_full():

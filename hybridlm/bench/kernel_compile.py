@@ -1,0 +1,95 @@
+"""The project's Triton kernels compiled for an H200 (sm_90) on a machine without a GPU: what ptxas made of them.
+
+    python -m hybridlm.bench.kernel_compile [--kernels conv] [--out kernel_compile.jsonl]
+
+Triton compiles ahead of time for a named target without a driver (``triton.compile`` of an ``ASTSource`` with a
+``GPUTarget``; its bundled ptxas and cuobjdump). For each kernel and launch configuration this reports the
+registers a thread uses, its stack (spills), and how many global loads and stores are 16-byte vectors against
+scalar 2-byte ones: the static facts that decide a memory-bound kernel's speed, visible before a device session.
+It times nothing. Arguments are specialised as the JIT specialises real tensors (pointers and integers divisible
+by 16). One JSON line per compiled configuration.
+
+Cases (``--kernels``): ``conv``, the short conv's forward and backward pass 1 (hybridlm/ops/causal_conv.py) with one
+output and with three (``causal_conv_split``'s q | k | v at GDN-300M's widths), at the channel blocks the autotuner
+may pick.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+from typing import Dict, Iterator, List
+
+from hybridlm.utils.atomic import json_text
+
+ACCESSES = {"ld_v4": r"ld\.global(?:\.\w+)*\.v4", "ld_b16": r"ld\.global(?:\.\w+)*\.b16",
+            "st_v4": r"st\.global(?:\.\w+)*\.v4", "st_b16": r"st\.global(?:\.\w+)*\.b16"}
+
+
+def compile_for_gpu(fn, pointers: Dict[str, str], constexprs: Dict[str, object], num_warps: int,
+                    arch: int = 90) -> Dict[str, int]:
+    """Compile the ``triton.jit`` function ``fn`` for ``sm_<arch>``: ``pointers`` maps pointer arguments to their
+    Triton type (``"*bf16"``), other non-constexpr arguments are ``i32``. Returns registers, stack bytes and the
+    counts of :data:`ACCESSES` in its PTX."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {a: "constexpr" if a in constexprs else pointers.get(a, "i32") for a in fn.arg_names}
+    divisible = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if signature[a] != "constexpr"}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=divisible)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    found = {k: re.search(rf"{k}:(\d+)", usage) for k in ("REG", "STACK")}
+    if None in found.values():
+        raise RuntimeError(f"kernel_compile: no register / stack figures in cuobjdump's output: {usage!r}")
+    ptx = compiled.asm["ptx"]
+    return {"registers": int(found["REG"].group(1)), "stack_bytes": int(found["STACK"].group(1)),
+            **{k: len(re.findall(p, ptx)) for k, p in ACCESSES.items()}}
+
+
+def conv_cases() -> Iterator[Dict[str, object]]:
+    """The short conv's forward and backward pass 1, one output segment against three (q | k | v at GDN-300M's
+    widths, 256 + 256 + 512), bf16, width 4, at channel blocks and warps from their autotuning configurations."""
+    import hybridlm.ops.causal_conv as conv
+    forward, pass1, _ = (k.fn for k in conv._kernels())  # under their autotuners
+    bf16 = "*bf16"
+    for nseg, D0, D1 in ((1, 1024, 0), (3, 256, 256)):
+        split = {"D": 1024, "D0": D0, "D1": D1, "NSEG": nseg, "W": 4, "BT": conv.BT, "HAS_BIAS": False, "SILU": True}
+        for bd, warps in ((64, 4), (128, 4), (256, 8)):
+            yield {"kernel": "causal_conv forward", "segments": nseg, "BD": bd, "num_warps": warps,
+                   **compile_for_gpu(forward, dict.fromkeys(("x", "w", "b", "y0", "y1", "y2"), bf16),
+                                     {**split, "BD": bd}, warps)}
+        for bd, warps, tiles in ((16, 4, 1), (32, 4, 1), (32, 8, 32), (64, 8, 32)):
+            pointers = {**dict.fromkeys(("x", "w", "b", "dy0", "dy1", "dy2", "da"), bf16), "dw": "*fp32", "db": "*fp32"}
+            yield {"kernel": "causal_conv backward pass 1", "segments": nseg, "BD": bd, "num_warps": warps,
+                   "tiles": tiles, **compile_for_gpu(pass1, pointers, {**split, "BD": bd, "WP": 4, "TILES": tiles},
+                                                     warps)}
+
+
+CASES = {"conv": conv_cases}
+
+
+def main(argv=None) -> List[Dict[str, object]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kernels", nargs="+", choices=sorted(CASES), default=sorted(CASES))
+    p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    args = p.parse_args(argv)
+    rows = [row for name in args.kernels for row in CASES[name]()]
+    text = "".join(json_text(r) + "\n" for r in rows)
+    print(text, end="")
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
