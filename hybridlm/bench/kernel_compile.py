@@ -10,8 +10,8 @@ It times nothing. Arguments are specialised as the JIT specialises real tensors 
 by 16). One JSON line per compiled configuration.
 
 Cases (``--kernels``): ``conv``, the short conv's forward and backward pass 1 (hybridlm/ops/causal_conv.py) with one
-output and with three (``causal_conv_split``'s q | k | v at GDN-300M's widths), at the channel blocks the autotuner
-may pick.
+output and with three (``causal_conv_split``'s q | k | v at GDN-300M's widths), at channel blocks (and, for pass 1,
+rows per iteration) the autotuner may pick.
 """
 from __future__ import annotations
 
@@ -67,11 +67,12 @@ def conv_cases() -> Iterator[Dict[str, object]]:
             yield {"kernel": "causal_conv forward", "segments": nseg, "BD": bd, "num_warps": warps,
                    **compile_for_gpu(forward, dict.fromkeys(("x", "w", "b", "y0", "y1", "y2"), bf16),
                                      {**split, "BD": bd}, warps)}
+        pointers = {**dict.fromkeys(("x", "w", "b", "dy0", "dy1", "dy2", "da"), bf16), "dw": "*fp32", "db": "*fp32"}
         for bd, warps, tiles in ((16, 4, 1), (32, 4, 1), (32, 8, 32), (64, 8, 32)):
-            pointers = {**dict.fromkeys(("x", "w", "b", "dy0", "dy1", "dy2", "da"), bf16), "dw": "*fp32", "db": "*fp32"}
-            yield {"kernel": "causal_conv backward pass 1", "segments": nseg, "BD": bd, "num_warps": warps,
-                   "tiles": tiles, **compile_for_gpu(pass1, pointers, {**split, "BD": bd, "WP": 4, "TILES": tiles},
-                                                     warps)}
+            for rows in (16, conv.BT):
+                constexprs = {**split, "BD": bd, "WP": 4, "TILES": tiles, "BR": rows}
+                yield {"kernel": "causal_conv backward pass 1", "segments": nseg, "BD": bd, "num_warps": warps,
+                       "tiles": tiles, "BR": rows, **compile_for_gpu(pass1, pointers, constexprs, warps)}
 
 
 CASES = {"conv": conv_cases}

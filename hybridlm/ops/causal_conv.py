@@ -118,25 +118,28 @@ def _causal_conv_bwd_weight_kernel(x, w, b, dy0, dy1, dy2, da, dw, db, T, NG, s_
                        s_dy0b, s_dy0t, s_dy1b, s_dy1t, s_dy2b, s_dy2t,
                        D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                        TILES: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                       D0: tl.constexpr, D1: tl.constexpr, NSEG: tl.constexpr):
-    """Backward, pass 1, over ``TILES`` consecutive ``[BT, BD]`` tiles of time: per tile ``da = dy * silu'(pre)``
+                       D0: tl.constexpr, D1: tl.constexpr, NSEG: tl.constexpr, BR: tl.constexpr):
+    """Backward, pass 1, over ``TILES`` consecutive ``[BT, BD]`` tiles of time, ``BR`` rows at a time (``BR``
+    divides ``BT``): per block of rows ``da = dy * silu'(pre)``
     (``dy`` split over ``NSEG`` tensors as the forward's output; ``da`` stored, with SiLU, in dy's dtype and one
     layout ``[B, T, D]``); summed over the tiles, this program's fp32
     partials ``dw[:, i] = sum_s da[s] x[s - W + 1 + i]``, ``db = sum_s da[s]`` (``dw [B * NG, D, W]``,
     ``db [B * NG, D]``, NG = the tile groups per sequence). The products accumulate element-wise in a
-    ``[BT, WP, BD]`` tile (all taps' shifted x rows in one load, from cache: the pre-activation just read them)
+    ``[BR, WP, BD]`` tile (all taps' shifted x rows in one load, from cache: the pre-activation just read them)
     and are summed over time once per program, not once per tap and tile (a sum over a tile's rows crosses
     warps): at Mamba2's width the conv went from 3.29 to 2.70 ms forward + backward (BENCHMARKS.md,
-    "Session 19"); the pass is still ~3x its memory time."""
+    "Session 19"); the pass is still ~3x its memory time. With ``BR = BT`` that tile takes 186 registers a
+    thread at 64 channels and 8 warps (one block an SM: few loads in flight for a memory-bound pass); fewer rows
+    at a time take fewer (``python -m hybridlm.bench.kernel_compile``), and the autotuner picks."""
     i_d, i_g, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
     p_x = x + i_b.to(tl.int64) * s_xb
     o_w = tl.arange(0, WP)
-    acc_w = tl.zeros([BT, WP, BD], dtype=tl.float32)  # [:, i, :]: tap i's products
-    acc_b = tl.zeros([BT, BD], dtype=tl.float32)
-    for j in range(TILES):
-        o_t = (i_g * TILES + j) * BT + tl.arange(0, BT)
+    acc_w = tl.zeros([BR, WP, BD], dtype=tl.float32)  # [:, i, :]: tap i's products
+    acc_b = tl.zeros([BR, BD], dtype=tl.float32)
+    for j in range(TILES * (BT // BR)):
+        o_t = i_g * TILES * BT + j * BR + tl.arange(0, BR)
         m = (o_t < T)[:, None] & m_d[None, :]
         p_dy = _segment_rows(i_b, i_d, o_t, o_d, dy0, s_dy0b, s_dy0t, dy1, s_dy1b, s_dy1t, dy2, s_dy2b, s_dy2t,
                              D0, D1, BD, NSEG)
@@ -150,7 +153,7 @@ def _causal_conv_bwd_weight_kernel(x, w, b, dy0, dy1, dy2, da, dw, db, T, NG, s_
         if SILU or NSEG > 1:  # pass 2 reads one da: dy itself only when it is one tensor and there is no SiLU
             p_da = da + i_b.to(tl.int64) * T * D + o_t[:, None] * D + o_d[None, :]
             tl.store(p_da, b_da.to(da.dtype.element_ty), mask=m)
-        o_x = o_t[:, None] + (o_w[None, :] - W + 1)  # [BT, WP]: the row tap i multiplies
+        o_x = o_t[:, None] + (o_w[None, :] - W + 1)  # [BR, WP]: the row tap i multiplies
         m_x = (((o_x >= 0) & (o_x < T) & (o_w < W)[None, :]))[:, :, None] & m_d[None, None, :]
         x3 = tl.load(p_x + o_x[:, :, None] * s_xt + o_d[None, None, :], mask=m_x, other=0.0).to(tl.float32)
         acc_w += x3 * b_da[:, None, :]
@@ -187,8 +190,10 @@ def _kernels():
                                            _causal_conv_bwd_input_kernel)]
         if not interpreting():  # the interpreter runs one configuration
             configs = [triton.Config({"BD": bd}, num_warps=nw) for bd in (32, 64, 128, 256) for nw in (4, 8)]
-            # pass 1 holds [BT, WP, BD] fp32 accumulators: wide channel blocks would spill
-            pass1_configs = [triton.Config({"BD": bd}, num_warps=nw) for bd in (16, 32, 64) for nw in (4, 8)]
+            # pass 1 holds [BR, WP, BD] fp32 accumulators: wide channel blocks would spill, and many rows at a time
+            # leave few warps an SM
+            pass1_configs = [triton.Config({"BD": bd, "BR": br}, num_warps=nw) for bd in (16, 32, 64)
+                             for br in PASS1_ROWS for nw in (4, 8)]
             kernels = [autotuned(kernels[0], configs, ["D", "W", "D0", "D1"], prune=_blocks_within_segments),
                        autotuned(kernels[1], pass1_configs, ["D", "W", "TILES", "D0", "D1"],
                                  prune=_blocks_within_segments),
@@ -209,6 +214,8 @@ def _blocks_within_segments(configs, named_args, **kwargs):
 
 SEGMENT_ALIGN = 32  # the narrowest channel block of the forward's configurations: segments must be multiples of it
 INTERPRETER_BD = 16
+PASS1_ROWS = (16, 32, 64)  # rows per iteration of the backward's pass 1 (each divides BT) the autotuner tries
+INTERPRETER_PASS1_ROWS = 32  # the one the interpreter runs (the CPU tests set it per case)
 
 
 def _launch_args(D: int) -> dict:
@@ -260,7 +267,8 @@ class _CausalConv(torch.autograd.Function):
         bwd_weight[lambda meta: (-(-D // meta["BD"]), NG, Bsz)](
             x, weight, bias, *seg[:3], da, dw, db, T, NG, x.stride(0), x.stride(1), *seg[3:],
             **_segment_constants(D, ctx.widths), W=W,
-            WP=next_power_of_2(W), BT=BT, TILES=tiles, HAS_BIAS=bias is not None, SILU=ctx.silu, **_launch_args(D))
+            WP=next_power_of_2(W), BT=BT, TILES=tiles, HAS_BIAS=bias is not None, SILU=ctx.silu,
+            **_launch_args(D), **({"BR": INTERPRETER_PASS1_ROWS} if interpreting() else {}))
         grid = lambda meta: (-(-D // meta["BD"]), NT, Bsz)  # noqa: E731
         dx = torch.empty(Bsz, T, D, dtype=x.dtype, device=x.device)
         bwd_input[grid](da, weight, dx, T, da.stride(0), da.stride(1), dx.stride(0), dx.stride(1),

@@ -5,7 +5,9 @@ and the time that takes at the H200's ~4.8 TB/s (the memory floor).
     python scripts/device/kernel_bench.py [--ops conv norm ce] [--micro-batch 64] [--out kernel_bench.jsonl]
 
 conv: the short conv + SiLU (hybridlm/ops/causal_conv.py against fla's causal_conv1d), x a strided slice of the
-projection as the mixers pass it, for each ``--conv-tiles`` of the backward's pass 1. norm: the residual-add
+projection as the mixers pass it, for each ``--conv-tiles`` of the backward's pass 1 (with the autotuner's pick of
+channel block, rows at a time and warps). conv_split: GDN-300M's q | k | v, three convs (the project's kernel, one per
+block) against one ``causal_conv_split`` over the joined columns (``fuse_short_convs``). norm: the residual-add
 RMSNorm (hybridlm/ops/rms_norm.py against fla's rms_norm with ``residual=``), and Mamba2's output stage
 (hybridlm/ops/gated_norm.py against ``addcmul`` + fla's grouped gated norm). ce: the cross-entropy of one chunk of LM-head logits with its gradient
 (hybridlm/ops/cross_entropy.py, one launch, against fla's fused cross-entropy forward + backward), also for
@@ -83,9 +85,39 @@ def bench_conv(args) -> list:
                 row.update({"project_tiles_ms": tiles, "project_best_tiles": best, "project_fwd_bwd_ms": tiles[best]})
             else:
                 row[f"{kname}_fwd_bwd_ms"] = timed(fwd_bwd, args.iters)
+        row["project_pass1_config"] = str(conv._kernels()[1].best_config)  # the winner at the last tiles count
         # forward reads x and writes y; backward reads x and dy and writes dx
         rows.append(_floor(row, 5 * args.micro_batch * args.seq * D * 2, "project", "fla"))
     return rows
+
+
+def bench_conv_split(args) -> list:
+    from hybridlm.ops.causal_conv import causal_conv, causal_conv_split
+    widths, proj = (256, 256, 512), 1552
+    D = sum(widths)
+    torch.manual_seed(0)
+    base = torch.randn(args.micro_batch, args.seq, proj, device="cuda", dtype=torch.bfloat16)
+    weights = [(torch.rand(w, 4, device="cuda") - 0.5).to(torch.bfloat16).requires_grad_(True) for w in widths]
+    dys = [torch.randn(args.micro_batch, args.seq, w, device="cuda", dtype=torch.bfloat16) for w in widths]
+    starts = (0, 256, 512)
+    kernels = {"split": lambda x: causal_conv_split(x[..., :D], weights),
+               "three": lambda x: [causal_conv(x[..., s:s + w], wt) for s, w, wt in zip(starts, widths, weights)]}
+    row = {"op": "conv_split", "shape": "gdn_300m q | k | v", "B": args.micro_batch, "T": args.seq, "D": D}
+    for kname, fn in kernels.items():
+        xg = base.detach().requires_grad_(True)
+
+        def fwd():
+            with torch.no_grad():
+                fn(base)
+
+        def fwd_bwd():
+            torch.autograd.backward(fn(xg), dys)
+            xg.grad = None
+            for w in weights:
+                w.grad = None
+        row[f"{kname}_fwd_ms"] = timed(fwd, args.iters)
+        row[f"{kname}_fwd_bwd_ms"] = timed(fwd_bwd, args.iters)
+    return [_floor(row, 5 * args.micro_batch * args.seq * D * 2, "split", "three")]
 
 
 def bench_norm(args) -> list:
@@ -186,7 +218,8 @@ def bench_ce(args) -> list:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ops", nargs="+", choices=("conv", "norm", "ce"), default=["conv", "norm", "ce"])
+    p.add_argument("--ops", nargs="+", choices=("conv", "conv_split", "norm", "ce"),
+                   default=["conv", "conv_split", "norm", "ce"])
     p.add_argument("--micro-batch", type=int, default=64)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--iters", type=int, default=20)
@@ -199,7 +232,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="append the JSON lines here too")
     args = p.parse_args()
     for op in args.ops:
-        for row in {"conv": bench_conv, "norm": bench_norm, "ce": bench_ce}[op](args):
+        for row in {"conv": bench_conv, "conv_split": bench_conv_split, "norm": bench_norm, "ce": bench_ce}[op](args):
             line = json.dumps(row)
             print(line, flush=True)
             if args.out:
