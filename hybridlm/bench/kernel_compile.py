@@ -5,7 +5,7 @@
 Triton compiles ahead of time for a named target without a driver (``triton.compile`` of an ``ASTSource`` with a
 ``GPUTarget``; its bundled ptxas and cuobjdump). For each kernel and launch configuration this reports the
 registers a thread uses, its stack (spills), and how many global loads and stores are 16-byte vectors against
-scalar 2-byte ones: the static facts that decide a memory-bound kernel's speed, visible before a device session.
+8-byte vectors, words and scalar 2-byte ones: the static facts that decide a memory-bound kernel's speed, visible before a device session.
 It times nothing. Arguments are specialised as the JIT specialises real tensors (pointers and integers divisible
 by 16). One JSON line per compiled configuration.
 
@@ -24,15 +24,26 @@ from typing import Dict, Iterator, List
 
 from hybridlm.utils.atomic import json_text
 
-ACCESSES = {"ld_v4": r"ld\.global(?:\.\w+)*\.v4", "ld_b16": r"ld\.global(?:\.\w+)*\.b16",
-            "st_v4": r"st\.global(?:\.\w+)*\.v4", "st_b16": r"st\.global(?:\.\w+)*\.b16"}
+WIDTHS = ("v4", "v2", "b32", "b16")  # a vector of 4 or 2 words, one 4-byte word, one 2-byte element
+
+
+def count_accesses(ptx: str) -> Dict[str, int]:
+    """Global loads and stores in ``ptx`` by width (:data:`WIDTHS`; the vector qualifier decides where there is
+    one): ``{"ld_v4": ..., "st_b16": ...}``."""
+    counts = {f"{op}_{w}": 0 for op in ("ld", "st") for w in WIDTHS}
+    for op, qualifiers in re.findall(r"\b(ld|st)\.global((?:\.[\w:]+)*)", ptx):
+        quals = qualifiers.split(".")
+        width = next((w for w in WIDTHS if w in quals), None)
+        if width is not None:
+            counts[f"{op}_{width}"] += 1
+    return counts
 
 
 def compile_for_gpu(fn, pointers: Dict[str, str], constexprs: Dict[str, object], num_warps: int,
                     arch: int = 90) -> Dict[str, int]:
     """Compile the ``triton.jit`` function ``fn`` for ``sm_<arch>``: ``pointers`` maps pointer arguments to their
-    Triton type (``"*bf16"``), other non-constexpr arguments are ``i32``. Returns registers, stack bytes and the
-    counts of :data:`ACCESSES` in its PTX."""
+    Triton type (``"*bf16"``), other non-constexpr arguments are ``i32``. Returns registers, stack bytes and its
+    global accesses by width (:func:`count_accesses`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -50,9 +61,8 @@ def compile_for_gpu(fn, pointers: Dict[str, str], constexprs: Dict[str, object],
     found = {k: re.search(rf"{k}:(\d+)", usage) for k in ("REG", "STACK")}
     if None in found.values():
         raise RuntimeError(f"kernel_compile: no register / stack figures in cuobjdump's output: {usage!r}")
-    ptx = compiled.asm["ptx"]
     return {"registers": int(found["REG"].group(1)), "stack_bytes": int(found["STACK"].group(1)),
-            **{k: len(re.findall(p, ptx)) for k, p in ACCESSES.items()}}
+            **count_accesses(compiled.asm["ptx"])}
 
 
 def conv_cases() -> Iterator[Dict[str, object]]:
