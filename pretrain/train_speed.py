@@ -13,7 +13,7 @@ ZeRO-1 :class:`~hybridlm.engine.Engine`, bf16 weights with fp32 master weights a
 fused AdamW, clipping) and the shared :func:`~hybridlm.training.train_loop`, timed through its
 ``on_step`` hook, which the loop calls once the GPU has finished the step, with checkpoints off. A config is a
 model YAML name from ``configs/models`` (or any model / experiment YAML path; only its model section is used),
-optionally with overrides of its own after colons (``gdn_300m:optim.step_on_device=true:model.fuse_short_convs=true``):
+optionally with overrides of its own after colons (``gdn_300m:optim.step_on_device=true:model.split_conv_outputs=true``):
 variants of one config measured in the same run, next to the same peers.
 
 **Peers** (one-process runs only): fla's ``GatedDeltaNetForCausalLM`` / ``KDAForCausalLM`` with the
@@ -405,7 +405,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="directory for train_speed.json and train_speed.png")
     p.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS,
                    help="model YAML names in configs/models (or paths), each optionally with overrides of its own "
-                        "(gdn_300m:optim.step_on_device=true:model.fuse_short_convs=true); none: peers only")
+                        "(gdn_300m:optim.step_on_device=true:model.split_conv_outputs=true); none: peers only")
     p.add_argument("--peers", nargs="*", default=DEFAULT_PEERS,
                    help="fla_gdn, fla_kda, llama, each optionally :CONFIG for its shapes; none: ours only")
     p.add_argument("--micro-batch", type=int, default=32, help="sequences per GPU per step")

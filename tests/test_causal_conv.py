@@ -10,8 +10,8 @@
 3. ``causal_conv_split`` (one conv over adjacent column blocks, each block's output its own tensor) through the
    interpreter against the twin of each block: two and three blocks, with and without bias and SiLU, bf16, an
    output the loss does not use, a strided output gradient, and widths the joined kernel cannot take (one conv
-   per block then). And GDN's ``projected_inputs`` with ``fuse_short_convs`` on against off (same weights, the
-   kernels through the interpreter): the six inputs of the recurrence and every parameter's gradient. And both
+   per block then). And GDN's ``projected_inputs`` and Mamba2's conv outputs with ``split_conv_outputs`` on against
+   off (same weights, the kernels through the interpreter): the inputs of the recurrence and every gradient. And both
    kernels compiled for an H200 here (no GPU): the split keeps the single-output kernels' vector accesses.
 The GPU twin of this test (compiled kernels against the twin and fla) is tests/gpu/test_causal_conv_gpu.py.
 """
@@ -116,34 +116,59 @@ def _split_twin(x, weights, biases, silu):
             for j, (s, w) in enumerate(zip(starts, weights))]
 
 
-def _gdn_projected_inputs_rows() -> list:
-    """GDN's six recurrence inputs and all gradients, ``fuse_short_convs`` on against off, kernels interpreted."""
-    import hybridlm.model.layers.delta_rule as delta_rule
+def _split_kernel(x, weights, biases, silu):
+    """``causal_conv_split`` over per-block leaves (their gradients come back through the concatenation)."""
+    from hybridlm.ops.causal_conv import causal_conv_split
+    bias = None if biases is None else torch.cat(biases)
+    return causal_conv_split(x, torch.cat(weights), bias, [w.shape[0] for w in weights], silu)
+
+
+def _gdn_inputs(mixer, x):
+    return mixer.projected_inputs(x, triton=True)
+
+
+def _mamba2_inputs(mixer, x):
+    """x, B, C after the conv, from in_proj's [x | B | C] columns (as Mamba2.forward passes them)."""
+    xbc = mixer.in_proj(x)[..., mixer.d_inner:mixer.d_inner + mixer.conv_dim]
+    return mixer._convolve(xbc, triton=True, cache=None, ctx=None)
+
+
+# mixer kind -> (pattern, the module that calls causal_conv_split, the mixer's conv inputs, how many it returns)
+MIXER_CASES = {"gdn": ("G-", "hybridlm.model.layers.delta_rule", _gdn_inputs, 6),
+               "mamba2": ("S-", "hybridlm.model.layers.mamba2", _mamba2_inputs, 3)}
+
+
+def _mixer_rows(kind: str) -> list:
+    """A mixer's inputs to its recurrence and all gradients, ``split_conv_outputs`` on against off, the kernels
+    interpreted; counts the split conv's calls (it must run with the switch on, and only then)."""
+    import importlib
     from hybridlm.model import HybridForCausalLM
-    split, joined_calls = delta_rule.causal_conv_split, []
-    delta_rule.causal_conv_split = lambda *a, **k: joined_calls.append(1) or split(*a, **k)  # count, then run it
+    pattern, module_name, inputs, _ = MIXER_CASES[kind]
+    module = importlib.import_module(module_name)
+    split, split_calls = module.causal_conv_split, []
+    module.causal_conv_split = lambda *a, **k: split_calls.append(1) or split(*a, **k)  # count, then run it
     rows = []
     for dtype in (F32, BF16):
-        models = []
-        for joined in (True, False):
+        mixers = []
+        for on in (True, False):
             torch.manual_seed(0)
-            model = HybridForCausalLM(tiny_config("G-", fuse_short_convs=joined)).to(dtype)
-            models.append(model.model.layers[0].mixer)
+            model = HybridForCausalLM(tiny_config(pattern, split_conv_outputs=on)).to(dtype)
+            mixers.append(model.model.layers[0].mixer)
         got_want, calls = [], []
-        for mixer in models:
-            joined_calls.clear()
+        for mixer in mixers:
+            split_calls.clear()
             x = torch.randn(2, 70, 64, generator=torch.Generator().manual_seed(3)).to(dtype).requires_grad_(True)
-            outs = mixer.projected_inputs(x, triton=True)
+            outs = inputs(mixer, x)
             g = torch.Generator().manual_seed(4)
             loss = sum((o.float() * torch.randn(o.shape, generator=g)).sum() for o in outs)
             loss.backward()
             got_want.append([o.detach() for o in outs] + [x.grad] + [p.grad for _, p in mixer.named_parameters()
                                                                         if p.grad is not None])
-            calls.append(len(joined_calls))
+            calls.append(len(split_calls))
         got, want = got_want
-        rows.append(kernel_case_row(got, want, kind="gdn", bf16=dtype == BF16, joined_calls=calls,
+        rows.append(kernel_case_row(got, want, kind=kind, bf16=dtype == BF16, split_calls=calls,
                                     contiguous=[o.is_contiguous() for o in got[:3]]))
-    delta_rule.causal_conv_split = split
+    module.causal_conv_split = split
     return rows
 
 
@@ -154,10 +179,10 @@ def run_kernel_cases() -> list:
     for seed, case in enumerate(SPLIT_CASES):
         x, weights, biases, silu, used, dys = _split_inputs(case, seed)
         want, _ = _split_grads(_split_twin, x, weights, biases, silu, used, dys)
-        got, contiguous = _split_grads(conv.causal_conv_split, x, weights, biases, silu, used, dys)
+        got, contiguous = _split_grads(_split_kernel, x, weights, biases, silu, used, dys)
         rows.append(kernel_case_row(got, want, kind="split", case=repr(case), bf16=case[4] == BF16,
                                     contiguous=contiguous, joined=can_split(case[0])))
-    rows += _gdn_projected_inputs_rows()
+    rows += [row for kind in MIXER_CASES for row in _mixer_rows(kind)]
     for tiles, rows_at_a_time in TILES:
         conv.TILES_PER_PROGRAM, conv.INTERPRETER_PASS1_ROWS = tiles, rows_at_a_time
         for seed, case in enumerate(CASES):
@@ -194,14 +219,18 @@ def test_split_conv_equals_a_conv_per_block_in_the_interpreter(interpreter_run):
         assert max(r["errors"]) < (1e-5 if not r["bf16"] else 2e-2), r
 
 
-def test_gdn_inputs_with_one_conv_over_q_k_v_equal_three_convs(interpreter_run):
-    rows = _rows(interpreter_run, "gdn")
+@pytest.mark.parametrize("kind", sorted(MIXER_CASES))
+def test_mixer_inputs_with_split_conv_outputs_equal_the_plain_ones(interpreter_run, kind):
+    """GDN: one conv over q | k | v against three; Mamba2: x, B, C as tensors of their own against column blocks."""
+    rows = _rows(interpreter_run, kind)
+    n_inputs = MIXER_CASES[kind][3]
     assert [r["bf16"] for r in rows] == [False, True]
     for r in rows:
-        assert r["joined_calls"] == [1, 0], r  # the joined conv ran with the switch on, and only then
-        # q, k, v, b, a, z, the input's gradient, and the gradients of the projections and the three convs
-        assert r["dtypes_ok"] and r["n"] == r["n_want"] == 7 + 9, r
-        assert all(r["contiguous"]), r
+        assert r["split_calls"] == [1, 0], r  # the split conv ran with the switch on, and only then
+        # the inputs, the input's gradient, and the gradients of the parameters they depend on
+        n_params = 9 if kind == "gdn" else 3  # GDN: six projections, three convs; Mamba2: in_proj, conv weight, bias
+        assert r["dtypes_ok"] and r["n"] == r["n_want"] == n_inputs + 1 + n_params, r
+        assert all(r["contiguous"]), r  # what fla's scans take without a copy
         # the same sums per channel in the same order: equal to the last bit here
         assert max(r["errors"]) < (1e-6 if not r["bf16"] else 1e-2), r
 
@@ -211,10 +240,12 @@ def test_split_needs_aligned_blocks_and_at_most_three():
     assert not can_split((256, 8)) and not can_split((32,) * 4) and not can_split(())
 
 
-def test_split_rejects_mismatched_weights():
+def test_split_rejects_mismatched_weights_and_widths():
     from hybridlm.ops.causal_conv import causal_conv_split
-    with pytest.raises(ValueError, match="causal_conv_split: x must be"):
-        causal_conv_split(torch.randn(1, 4, 48), [torch.randn(16, 4), torch.randn(16, 4)])
+    with pytest.raises(ValueError, match=r"causal_conv_split: x must be \[B, T, D\] and weight \[D, W\]"):
+        causal_conv_split(torch.randn(1, 4, 48), torch.randn(32, 4), None, (16, 16))
+    with pytest.raises(ValueError, match=r"causal_conv_split: widths \(16, 16\) must add up to x's 48 channels"):
+        causal_conv_split(torch.randn(1, 4, 48), torch.randn(48, 4), None, (16, 16))
 
 
 def test_split_kernels_compile_for_an_h200_as_the_single_output_ones():

@@ -13,8 +13,9 @@ def test_compiled_inputs_equal_the_eager_ones_with_gradients():
     torch.manual_seed(0)
     B, T, H, P, N, G, xb_heads = 2, 16, 8, 8, 4, 2, 4
     d_xb, d_b = xb_heads * P, G * N // (H // xb_heads)
-    kw = dict(head_dim=P, d_state=N, n_groups=G, d_xb=d_xb, d_b=d_b)
-    leaves = [torch.randn(B, T, d_xb + d_b + G * N), torch.randn(B, T, H), torch.randn(H), torch.randn(H)]
+    kw = dict(head_dim=P, d_state=N, n_groups=G)
+    leaves = [torch.randn(B, T, d_xb), torch.randn(B, T, d_b), torch.randn(B, T, G * N), torch.randn(B, T, H),
+              torch.randn(H), torch.randn(H)]
     weights = None
     results = []
     for fn in (ssd_inputs, compiled_ssd_inputs()):

@@ -109,8 +109,8 @@ VARIANT = "model.intermediate_size=64:optim.grad_clip=0.5"
 def test_config_variants_parse_and_bad_ones_say_what_is_expected():
     from pretrain.train_speed import file_stem, split_variant
     assert split_variant("gdn_300m") == ("gdn_300m", [], [])
-    assert split_variant("gdn_300m:optim.step_on_device=true:model.fuse_short_convs=true") == (
-        "gdn_300m", ["fuse_short_convs=true"], ["step_on_device=true"])
+    assert split_variant("gdn_300m:optim.step_on_device=true:model.split_conv_outputs=true") == (
+        "gdn_300m", ["split_conv_outputs=true"], ["step_on_device=true"])
     assert file_stem("gdn_300m:optim.step_on_device=true") == "gdn_300m_optim.step_on_device_true"
     assert file_stem("fla_gdn+late") == "fla_gdn_late" and file_stem("configs/models/gdn_300m.yaml") == "gdn_300m"
     for bad in ("gdn_300m:step_on_device=true", "gdn_300m:run.x=1", "gdn_300m:optim.lr"):

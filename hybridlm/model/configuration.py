@@ -171,7 +171,7 @@ class HybridConfig(PretrainedConfig):
         loss_chunks: int = 8,
         fuse_residual_norm: bool = True,
         fuse_projections: bool = True,
-        fuse_short_convs: bool = False,
+        split_conv_outputs: bool = False,
         bos_token_id: Optional[int] = None,
         eos_token_id: Optional[int] = None,
         pad_token_id: Optional[int] = None,
@@ -193,8 +193,10 @@ class HybridConfig(PretrainedConfig):
         # training-time fusions, same function (docs/design.md, "Fused training paths")
         self.fuse_residual_norm = fuse_residual_norm
         self.fuse_projections = fuse_projections
-        self.fuse_short_convs = fuse_short_convs  # off until measured on a GPU (BENCHMARKS.md, "Session 22")
-        for name in ("fuse_residual_norm", "fuse_projections", "fuse_short_convs"):
+        # the short conv writes each block the scan takes as its own tensor; off until measured on a GPU
+        # (docs/design.md, "Fused training paths")
+        self.split_conv_outputs = split_conv_outputs
+        for name in ("fuse_residual_norm", "fuse_projections", "split_conv_outputs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if backend not in BACKENDS:

@@ -18,9 +18,9 @@ it in one pass, recomputing the pre-activation of the ``W - 1`` following rows f
 CPU, compiled on GPU). No cached state: generation's conv continues from a state through
 ``hybridlm.ops.elementwise.short_conv_with_state``, which prepends the state and calls this.
 
-:func:`causal_conv_split` runs the convs of adjacent column blocks of one input (GDN / KDA's q, k and v, which the
-fused projection leaves side by side) as one conv, and writes each block's output to its own contiguous tensor
-(what fla's recurrence kernels take without a copy). The kernels take up to three output segments; a channel
+:func:`causal_conv_split` writes the conv's output over adjacent column blocks of one input as one contiguous tensor
+per block (GDN / KDA's q, k and v, which the fused projection leaves side by side and which had a conv each;
+Mamba2's x, B and C): what fla's recurrence kernels take without a copy. The kernels take up to three output segments; a channel
 block never straddles two (the autotuner keeps only channel blocks that divide every segment's width).
 """
 from __future__ import annotations
@@ -306,19 +306,20 @@ def can_split(widths) -> bool:
     return 1 <= len(widths) <= 3 and all(w > 0 and w % align == 0 for w in widths)
 
 
-def causal_conv_split(x: torch.Tensor, weights: Sequence[torch.Tensor],
-                      biases: Optional[Sequence[torch.Tensor]] = None, silu: bool = True) -> tuple:
-    """The convs of adjacent column blocks of ``x`` (``weights[j]`` ``[D_j, W]`` for the j-th block; ``biases``
-    all or none), each output its own contiguous ``[B, T, D_j]``: one conv over all the channels where
-    :func:`can_split` holds, so that one forward and two backward kernels run instead of three each."""
-    widths = tuple(w.shape[0] for w in weights)
-    weight = torch.cat(list(weights)) if len(weights) > 1 else weights[0]
-    bias = None if biases is None else torch.cat(list(biases)) if len(biases) > 1 else biases[0]
+def causal_conv_split(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], widths: Sequence[int],
+                      silu: bool = True) -> tuple:
+    """The conv of :func:`causal_conv` over ``x``'s channels, its output as one contiguous ``[B, T, w]`` tensor per
+    block of ``widths`` (adjacent column blocks: GDN / KDA's q | k | v, Mamba2's x | B | C). One kernel for all
+    blocks where :func:`can_split` holds (one forward and two backward kernels where a conv per block would
+    launch three each), else one conv per block. ``weight [sum(widths), W]``, ``bias`` the same rows or None."""
+    widths = tuple(int(w) for w in widths)
     _check(x, weight, bias, "causal_conv_split")
+    if sum(widths) != x.shape[-1]:
+        raise ValueError(f"causal_conv_split: widths {widths} must add up to x's {x.shape[-1]} channels")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if not can_split(widths):
         starts = [sum(widths[:j]) for j in range(len(widths))]
-        return tuple(causal_conv(x[..., s:s + w], weights[j], None if biases is None else biases[j], silu)
-                     for j, (s, w) in enumerate(zip(starts, widths)))
+        return tuple(causal_conv(x[..., s:s + w], weight[s:s + w], None if bias is None else bias[s:s + w], silu)
+                     for s, w in zip(starts, widths))
     return _CausalConv.apply(x, weight, bias, silu, widths)

@@ -1,4 +1,4 @@
-"""What Mamba2's SSD scan takes, made from the conv's output ``xbc = [x | B | C]`` and in_proj's ``dt``.
+"""What Mamba2's SSD scan takes, made from the conv's outputs x, B and C and in_proj's ``dt``.
 
 The scan is fla's simple GLA with q = C, k = dt * B and v = x per head, log-decay g = A * dt (A = -exp(A_log)),
 so the groups of B and C (and with ``d_xb`` the fewer x channels) are broadcast over their heads, dt goes through
@@ -36,14 +36,14 @@ def dt_scaled_keys(b: torch.Tensor, dt: torch.Tensor, d_state: int) -> torch.Ten
     return scaled.reshape(Bsz, T, H, d_state)
 
 
-def ssd_inputs(xbc: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, head_dim: int,
-               d_state: int, n_groups: int, d_xb: int, d_b: int
+def ssd_inputs(x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor,
+               A_log: torch.Tensor, head_dim: int, d_state: int, n_groups: int
                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(x [B,T,H,P], c [B,T,H,N], k [B,T,H,N], g [B,T,H] fp32)`` from ``xbc [B, T, d_xb + d_b + n_groups * N]``
-    and ``dt [B, T, H]`` (before softplus and its bias)."""
+    """``(x [B,T,H,P], c [B,T,H,N], k [B,T,H,N], g [B,T,H] fp32)`` from the conv's outputs ``x [B, T, d_xb]``,
+    ``b [B, T, d_b]``, ``c [B, T, n_groups * N]`` (column blocks of one tensor or tensors of their own) and
+    ``dt [B, T, H]`` (before softplus and its bias)."""
     H = dt.shape[-1]
-    x, b, c = xbc.split([d_xb, d_b, n_groups * d_state], dim=-1)
-    x = repeat_heads(x, d_xb // head_dim, head_dim, H)
+    x = repeat_heads(x, x.shape[-1] // head_dim, head_dim, H)
     c = repeat_heads(c, n_groups, d_state, H)
     dt = F.softplus(dt.float() + dt_bias.float())
     g = -A_log.float().exp() * dt

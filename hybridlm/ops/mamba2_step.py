@@ -92,8 +92,9 @@ def mamba2_decode_step_reference(z, xbc, dt, conv_state, ssm_state, conv_weight,
     conv_state.copy_(new_conv)
     if keep is not None:  # InferenceContext.zero_padding
         xbc = xbc.masked_fill(~keep.view(Bsz, 1, 1), 0)
-    x, c, k, g = ssd_inputs(xbc, dt.unsqueeze(1), dt_bias, A_log, head_dim=head_dim, d_state=d_state,
-                            n_groups=n_groups, d_xb=d_xb, d_b=d_b)      # [B,1,H,P], [B,1,H,N] x 2, [B,1,H]
+    x, b, c = xbc.split([d_xb, d_b, n_groups * d_state], dim=-1)
+    x, c, k, g = ssd_inputs(x, b, c, dt.unsqueeze(1), dt_bias, A_log, head_dim=head_dim, d_state=d_state,
+                            n_groups=n_groups)      # [B,1,H,P], [B,1,H,N] x 2, [B,1,H]
     y, state = gated_recurrence_with_state(c, k, x, g, None, 1.0, ssm_state)
     ssm_state.copy_(state)
     y = torch.addcmul(y, x, D.to(x.dtype).view(-1, 1))

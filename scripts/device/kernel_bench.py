@@ -7,7 +7,7 @@ and the time that takes at the H200's ~4.8 TB/s (the memory floor).
 conv: the short conv + SiLU (hybridlm/ops/causal_conv.py against fla's causal_conv1d), x a strided slice of the
 projection as the mixers pass it, for each ``--conv-tiles`` of the backward's pass 1 (with the autotuner's pick of
 channel block, rows at a time and warps). conv_split: GDN-300M's q | k | v, three convs (the project's kernel, one per
-block) against one ``causal_conv_split`` over the joined columns (``fuse_short_convs``). norm: the residual-add
+block) against one ``causal_conv_split`` over the joined columns (``split_conv_outputs``). norm: the residual-add
 RMSNorm (hybridlm/ops/rms_norm.py against fla's rms_norm with ``residual=``), and Mamba2's output stage
 (hybridlm/ops/gated_norm.py against ``addcmul`` + fla's grouped gated norm). ce: the cross-entropy of one chunk of LM-head logits with its gradient
 (hybridlm/ops/cross_entropy.py, one launch, against fla's fused cross-entropy forward + backward), also for

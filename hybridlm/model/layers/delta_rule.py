@@ -41,7 +41,7 @@ class DeltaRuleMixer(nn.Module):
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.norm_eps = args.norm_eps
         self.fuse_projections = config.fuse_projections
-        self.fuse_short_convs = config.fuse_short_convs
+        self.split_conv_outputs = config.split_conv_outputs
         self.q_proj = nn.Linear(d, self.key_dim, bias=False)
         self.k_proj = nn.Linear(d, self.key_dim, bias=False)
         self.v_proj = nn.Linear(d, self.value_dim, bias=False)
@@ -101,17 +101,18 @@ class DeltaRuleMixer(nn.Module):
     def projected_inputs(self, x: torch.Tensor, triton: bool, cache=None) -> tuple:
         """``(q, k, v, b, a, z)``: the six projections, q / k / v through their short convs (continuing from the
         cache's conv states in generation). In training one GEMM for the six (hybridlm/model/layers/projections.py),
-        and with ``fuse_short_convs`` one conv kernel over q | k | v where they lie side by side in its output,
+        and with ``split_conv_outputs`` one conv kernel over q | k | v where they lie side by side in its output,
         writing each as its own contiguous tensor (hybridlm/ops/causal_conv.py ``causal_conv_split``)."""
         linears = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.gate_projections())
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        join = (self.fuse_short_convs and triton and cache is None and kernel_source("conv") == "project"
+        join = (self.split_conv_outputs and triton and cache is None and kernel_source("conv") == "project"
                 and len({c.bias is None for c in convs}) == 1)
         outputs = project(x, linears, fuse=self.fuse_projections, join_first=3 if join else 1)
         if len(outputs) == len(linears) - 2:  # q | k | v as one view
             qkv, *rest = outputs
-            biases = None if convs[0].bias is None else [c.bias for c in convs]
-            return (*causal_conv_split(qkv, [c.weight for c in convs], biases), *rest)
+            bias = None if convs[0].bias is None else torch.cat([c.bias for c in convs])
+            widths = [c.weight.shape[0] for c in convs]
+            return (*causal_conv_split(qkv, torch.cat([c.weight for c in convs]), bias, widths), *rest)
         q, k, v, *rest = outputs
         return (*(run_short_conv(c, t, triton, cache, name) for c, t, name in zip(convs, (q, k, v), "qkv")), *rest)
 

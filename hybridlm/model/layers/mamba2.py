@@ -22,7 +22,8 @@ from torch import nn
 
 from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_conv
 from hybridlm.model.layers.init import init_A_log, init_dt_bias, init_short_conv_uniform
-from hybridlm.ops.backend import use_triton, use_triton_elementwise
+from hybridlm.ops.backend import kernel_source, use_triton, use_triton_elementwise
+from hybridlm.ops.causal_conv import causal_conv_split
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state
 from hybridlm.ops.elementwise import skip_gated_rms_norm
 from hybridlm.ops.mamba2_inputs import compiled_ssd_inputs, repeat_heads, ssd_inputs
@@ -49,6 +50,7 @@ class Mamba2(nn.Module):
         self.xb_repeat = self.d_inner // self.d_xb
         self.d_b = self.n_groups * self.d_state // self.xb_repeat  # B channels before repetition
         self.norm_eps = a.norm_eps
+        self.split_conv_outputs = config.split_conv_outputs
         self.conv_dim = self.d_xb + self.d_b + self.n_groups * self.d_state
         self.in_proj = nn.Linear(d, self.d_inner + self.conv_dim + self.num_heads, bias=False)
         self.conv1d = ShortConv(self.conv_dim, a.conv_size, bias=a.conv_bias)
@@ -88,12 +90,10 @@ class Mamba2(nn.Module):
         z, xbc, dt = self.in_proj(hidden).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         if self.z_bias is not None:
             z = z + self.z_bias.to(z.dtype)
-        xbc = run_short_conv(self.conv1d, xbc, triton, cache)
-        if ctx is not None:
-            xbc = ctx.zero_padding(xbc)
+        x, b, c = self._convolve(xbc, triton, cache, ctx)
         inputs = compiled_ssd_inputs() if self._compile_inputs(triton) else ssd_inputs
-        x, c, k, g = inputs(xbc, dt, self.dt_bias, self.A_log, head_dim=self.head_dim, d_state=self.d_state,
-                            n_groups=self.n_groups, d_xb=self.d_xb, d_b=self.d_b)   # [B,T,H,P], [B,T,H,N] x 2, [B,T,H]
+        x, c, k, g = inputs(x, b, c, dt, self.dt_bias, self.A_log, head_dim=self.head_dim, d_state=self.d_state,
+                            n_groups=self.n_groups)   # [B,T,H,P], [B,T,H,N] x 2, [B,T,H]
         if triton:
             y, state = self._triton_ssd(c, k, x, g, cache)
         elif cache is None:
@@ -106,6 +106,19 @@ class Mamba2(nn.Module):
                                 self.norm_weight, self.norm_eps, group_size=self.d_inner // self.n_groups,
                                 triton=triton and use_triton_elementwise(self.backend, y))
         return self.out_proj(y.to(hidden.dtype))
+
+    def _convolve(self, xbc: torch.Tensor, triton: bool, cache, ctx) -> tuple:
+        """x, B and C after the conv + SiLU over ``xbc = [x | B | C]``. In training with ``split_conv_outputs``,
+        each written as its own contiguous tensor (hybridlm/ops/causal_conv.py ``causal_conv_split``): fla's scan
+        (its ``input_guard``) copies a non-contiguous input first, and x as a column block of one output is one.
+        Session 21's Mamba2-300M profile has a copy kernel a layer, 8.0 ms a step (BENCHMARKS.md, "Session 22")."""
+        widths = (self.d_xb, self.d_b, self.n_groups * self.d_state)
+        if self.split_conv_outputs and triton and cache is None and kernel_source("conv") == "project":
+            return causal_conv_split(xbc, self.conv1d.weight, self.conv1d.bias, widths)
+        xbc = run_short_conv(self.conv1d, xbc, triton, cache)
+        if ctx is not None:
+            xbc = ctx.zero_padding(xbc)
+        return xbc.split(widths, dim=-1)
 
     def _compile_inputs(self, triton: bool) -> bool:
         """Training on the Triton path (one shape a run; generation's prompt lengths would recompile)."""
