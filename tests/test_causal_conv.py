@@ -128,35 +128,46 @@ def _gdn_inputs(mixer, x):
 
 
 def _mamba2_inputs(mixer, x):
-    """x, B, C after the conv, from in_proj's [x | B | C] columns (as Mamba2.forward passes them)."""
-    xbc = mixer.in_proj(x)[..., mixer.d_inner:mixer.d_inner + mixer.conv_dim]
-    return mixer._convolve(xbc, triton=True, cache=None, ctx=None)
+    """x, B, C after the conv, and z and dt: in_proj's blocks as Mamba2.forward takes them."""
+    z, xbc, dt = mixer._project(x, triton=True, cache=None)
+    return (*mixer._convolve(xbc, triton=True, cache=None, ctx=None), z, dt)
 
 
 # mixer kind -> (pattern, the module that calls causal_conv_split, the mixer's conv inputs, how many it returns)
 MIXER_CASES = {"gdn": ("G-", "hybridlm.model.layers.delta_rule", _gdn_inputs, 6),
-               "mamba2": ("S-", "hybridlm.model.layers.mamba2", _mamba2_inputs, 3)}
+               "mamba2": ("S-", "hybridlm.model.layers.mamba2", _mamba2_inputs, 5)}
+
+
+# what the "on" side of a mixer case turns on: the split conv outputs alone, and with the projection's gradient
+# assembled in place
+SWITCHES = {"split": dict(split_conv_outputs=True), "in_place": dict(split_conv_outputs=True,
+                                                                     projection_grads_in_place=True)}
 
 
 def _mixer_rows(kind: str) -> list:
-    """A mixer's inputs to its recurrence and all gradients, ``split_conv_outputs`` on against off, the kernels
-    interpreted; counts the split conv's calls (it must run with the switch on, and only then)."""
+    """A mixer's inputs to its recurrence and all gradients, each of :data:`SWITCHES` on against all off, the
+    kernels interpreted; counts the split conv's calls (it must run with the switch on, and only then) and records
+    which gradient blocks were found written in place."""
     import importlib
     from hybridlm.model import HybridForCausalLM
+    from hybridlm.ops.gradient_slots import GradientSlot
     pattern, module_name, inputs, _ = MIXER_CASES[kind]
     module = importlib.import_module(module_name)
     split, split_calls = module.causal_conv_split, []
     module.causal_conv_split = lambda *a, **k: split_calls.append(1) or split(*a, **k)  # count, then run it
+    holds, held = GradientSlot.holds, []
+    GradientSlot.holds = lambda self, g: held.append((self.start, holds(self, g))) or held[-1][1]  # record it
     rows = []
-    for dtype in (F32, BF16):
+    for switch, dtype in [(sw, dt) for sw in SWITCHES for dt in (F32, BF16)]:
         mixers = []
         for on in (True, False):
             torch.manual_seed(0)
-            model = HybridForCausalLM(tiny_config(pattern, split_conv_outputs=on)).to(dtype)
+            model = HybridForCausalLM(tiny_config(pattern, **(SWITCHES[switch] if on else {}))).to(dtype)
             mixers.append(model.model.layers[0].mixer)
         got_want, calls = [], []
         for mixer in mixers:
             split_calls.clear()
+            held.clear()
             x = torch.randn(2, 70, 64, generator=torch.Generator().manual_seed(3)).to(dtype).requires_grad_(True)
             outs = inputs(mixer, x)
             g = torch.Generator().manual_seed(4)
@@ -165,10 +176,12 @@ def _mixer_rows(kind: str) -> list:
             got_want.append([o.detach() for o in outs] + [x.grad] + [p.grad for _, p in mixer.named_parameters()
                                                                         if p.grad is not None])
             calls.append(len(split_calls))
+            if mixer is mixers[0]:
+                in_place = [start for start, was_held in held if was_held]
         got, want = got_want
-        rows.append(kernel_case_row(got, want, kind=kind, bf16=dtype == BF16, split_calls=calls,
-                                    contiguous=[o.is_contiguous() for o in got[:3]]))
-    module.causal_conv_split = split
+        rows.append(kernel_case_row(got, want, kind=kind, switch=switch, bf16=dtype == BF16, split_calls=calls,
+                                    in_place=in_place, contiguous=[o.is_contiguous() for o in got[:3]]))
+    module.causal_conv_split, GradientSlot.holds = split, holds
     return rows
 
 
@@ -221,12 +234,15 @@ def test_split_conv_equals_a_conv_per_block_in_the_interpreter(interpreter_run):
 
 @pytest.mark.parametrize("kind", sorted(MIXER_CASES))
 def test_mixer_inputs_with_split_conv_outputs_equal_the_plain_ones(interpreter_run, kind):
-    """GDN: one conv over q | k | v against three; Mamba2: x, B, C as tensors of their own against column blocks."""
+    """GDN: one conv over q | k | v against three; Mamba2: x, B, C as tensors of their own against column blocks.
+    And with the projection's gradient assembled in place: the conv's block written there, not copied."""
     rows = _rows(interpreter_run, kind)
     n_inputs = MIXER_CASES[kind][3]
-    assert [r["bf16"] for r in rows] == [False, True]
+    assert [(r["switch"], r["bf16"]) for r in rows] == [(s, b) for s in SWITCHES for b in (False, True)]
     for r in rows:
         assert r["split_calls"] == [1, 0], r  # the split conv ran with the switch on, and only then
+        # in place: the conv's block (GDN: q | k | v at column 0; Mamba2: x | B | C after z's 128 columns)
+        assert r["in_place"] == ([] if r["switch"] == "split" else [0] if kind == "gdn" else [128]), r
         # the inputs, the input's gradient, and the gradients of the parameters they depend on
         n_params = 9 if kind == "gdn" else 3  # GDN: six projections, three convs; Mamba2: in_proj, conv weight, bias
         assert r["dtypes_ok"] and r["n"] == r["n_want"] == n_inputs + 1 + n_params, r

@@ -10,6 +10,8 @@ and GDN's (per-head RMSNorm, then the SiLU gate, the heads sharing the weight).
    last row block and more row blocks than backward programs.
    GDN's the same way: its twin against the model's torch path (``gated_rms_norm``, norm before gate) and a loop
    over heads, its kernels in the interpreter with z a strided slice of a wider projection, as GDN passes it.
+3. Both kernels writing z's gradient into its slot of a split projection (hybridlm/ops/gradient_slots.py): the
+   projection's gradient equals the one through a plain split, and z's slot held the kernel's write.
 The GPU twin of this test is tests/gpu/test_loss_and_norm_kernels_gpu.py.
 """
 import json
@@ -150,10 +152,52 @@ def test_bad_shapes_are_named():
         norm_then_gate(y, y[:, :16], torch.ones(16), EPS)
 
 
+def _slot_rows() -> list:
+    """z a block of a projection split by ``split_columns``, its gradient written by the kernel into its slot:
+    the projection's gradient against the twin's through a plain split; and whether z's slot held the kernel's
+    gradient (written in place, not copied)."""
+    from hybridlm.ops.gated_norm import gated_norm_skip, norm_then_gate
+    from hybridlm.ops.gradient_slots import GradientSlot, gradient_slot, split_columns
+    held, holds = [], GradientSlot.holds
+    GradientSlot.holds = lambda self, grad: held.append(holds(self, grad)) or held[-1]  # record, then answer
+    rows = []
+    for kind, dtype in (("mamba2", F32), ("mamba2", BF16), ("gdn", F32), ("gdn", BF16)):
+        g = torch.Generator().manual_seed(7)
+        lead, C, H = (2, 9), 32, 4
+        proj = torch.randn(*lead, 2 * C + 3, generator=g).to(dtype)
+        y = torch.randn(*lead, C, generator=g).to(dtype)
+        D, w = (1 + 0.3 * torch.randn(H, generator=g)).to(dtype), (1 + 0.2 * torch.randn(C, generator=g)).to(dtype)
+        w = w if kind == "mamba2" else w[:C // H]
+        dout = torch.randn(*lead, C, generator=g).to(dtype)
+        results = []
+        for in_place in (True, False):
+            leaves = [t.detach().clone().requires_grad_(True) for t in (proj, y, D, w)]
+            P, yy, DD, ww = leaves
+            if in_place:
+                (x, z, _), _ = split_columns(P, [C, C, 3])
+                slot = gradient_slot(z)
+            else:
+                x, z, _ = P.split([C, C, 3], -1)
+            if kind == "mamba2":
+                out = (gated_norm_skip(yy, x, DD, z, ww, EPS, 16, slot) if in_place else
+                       _twin(yy, x, DD, z, ww, 16))
+            else:
+                y4, z4 = yy.unflatten(-1, (H, C // H)), z.unflatten(-1, (H, C // H))
+                out = (norm_then_gate(y4.flatten(-2), z4.flatten(-2), ww, EPS, slot) if in_place else
+                       _gdn_twin(y4, z4, ww).flatten(-2))
+            held.clear()
+            (out.float() * dout.float()).sum().backward()
+            results.append(([out.detach()] + [t.grad for t in leaves if t.grad is not None], list(held)))
+        (got, held_in_place), (want, _) = results
+        rows.append(kernel_case_row(got, want, kind=kind, bf16=dtype == BF16, held=held_in_place))
+    GradientSlot.holds = holds
+    return rows
+
+
 def run_kernel_cases() -> dict:
     from hybridlm.ops.gated_norm import gated_norm_skip, norm_then_gate
     interpreter_rounds_like_gpu()
-    rows = {"mamba2": [], "gdn": []}
+    rows = {"mamba2": [], "gdn": [], "slots": _slot_rows()}
     for seed, case in enumerate(CASES):
         inputs = _inputs(case, seed)
         want = _grads(_twin, *inputs)
@@ -182,6 +226,19 @@ def test_gdn_kernels_equal_the_twin_in_the_interpreter(interpreter_run):
     assert len(interpreter_run["gdn"]) == len(GDN_CASES)
     for r in interpreter_run["gdn"]:
         assert r["dtypes_ok"] and r["n"] == 4, r  # out, dy, dz, dw
+        assert max(r["errors"]) < (1e-5 if not r["bf16"] else 3e-2), r
+
+
+def test_z_gradient_written_into_its_slot_equals_the_split_one(interpreter_run):
+    rows = interpreter_run["slots"]
+    assert [(r["kind"], r["bf16"]) for r in rows] == [("mamba2", False), ("mamba2", True), ("gdn", False),
+                                                      ("gdn", True)]
+    for r in rows:
+        # z's gradient is in place; x's (Mamba2's skip) is copied in; GDN's x and the last block are unused (None:
+        # zeroed without a look)
+        assert r["held"] == ([False, True] if r["kind"] == "mamba2" else [True]), r
+        # out, and the gradients of the projection, y, (D,) the weight
+        assert r["dtypes_ok"] and r["n"] == (5 if r["kind"] == "mamba2" else 4), r
         assert max(r["errors"]) < (1e-5 if not r["bf16"] else 3e-2), r
 
 

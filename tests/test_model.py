@@ -48,6 +48,7 @@ def test_pattern_plan_and_ratio():
     (dict(mamba2=dict(d_state=0)), "mamba2.d_state: must be a positive integer, got 0"),
     (dict(rms_norm_eps=-1.0), "rms_norm_eps: must be a positive number, got -1.0"),
     (dict(split_conv_outputs="yes"), "split_conv_outputs: must be true or false, got 'yes'"),
+    (dict(projection_grads_in_place=1), "projection_grads_in_place: must be true or false, got 1"),
 ])
 def test_bad_config_is_one_clear_line(values, field):
     with pytest.raises(ConfigError) as e:

@@ -11,7 +11,7 @@ by 16). One JSON line per compiled configuration.
 
 Cases (``--kernels``): ``conv``, the short conv's forward and backward pass 1 (hybridlm/ops/causal_conv.py) with one
 output and with three (``causal_conv_split``'s q | k | v at GDN-300M's widths), at channel blocks (and, for pass 1,
-rows per iteration) the autotuner may pick.
+rows per iteration) the autotuner may pick. ``gated_norm``: the gated output norm's backward at both mixers' shapes.
 """
 from __future__ import annotations
 
@@ -85,7 +85,23 @@ def conv_cases() -> Iterator[Dict[str, object]]:
                        "tiles": tiles, "BR": rows, **compile_for_gpu(pass1, pointers, constexprs, warps)}
 
 
-CASES = {"conv": conv_cases}
+def gated_norm_cases() -> Iterator[Dict[str, object]]:
+    """The gated output norm's backward (hybridlm/ops/gated_norm.py), bf16, at Mamba2-300M's groups (2,048 channels
+    in 8 groups, the D skip) and GDN-300M's heads (8 heads of 64 sharing the weight), dz's rows strided as a block
+    of the projection's gradient."""
+    import hybridlm.ops.gated_norm as gn
+    for name, C, group, skip, heads in (("mamba2", 2048, 256, True, 32), ("gdn", 512, 64, False, 8)):
+        backward = gn._kernels(group)[1].fn  # under its autotuner
+        pointers = {**dict.fromkeys(("y", "x", "z", "D", "w", "dout", "dy", "dxs", "dz"), "*bf16"),
+                    **dict.fromkeys(("rstd", "dw", "dd"), "*fp32")}
+        constexprs = {"NG": C // group, "HD": C // heads, "GS": group, "WS": C if skip else group,
+                      "NORM_FIRST": not skip, "HAS_SKIP": skip}
+        for rows, warps in ((8, 4), (32, 8)):
+            yield {"kernel": f"gated_norm backward ({name})", "BR": rows, "num_warps": warps,
+                   **compile_for_gpu(backward, pointers, {**constexprs, "BR": rows}, warps)}
+
+
+CASES = {"conv": conv_cases, "gated_norm": gated_norm_cases}
 
 
 def main(argv=None) -> List[Dict[str, object]]:

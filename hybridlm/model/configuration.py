@@ -172,6 +172,7 @@ class HybridConfig(PretrainedConfig):
         fuse_residual_norm: bool = True,
         fuse_projections: bool = True,
         split_conv_outputs: bool = False,
+        projection_grads_in_place: bool = False,
         bos_token_id: Optional[int] = None,
         eos_token_id: Optional[int] = None,
         pad_token_id: Optional[int] = None,
@@ -196,7 +197,10 @@ class HybridConfig(PretrainedConfig):
         # the short conv writes each block the scan takes as its own tensor; off until measured on a GPU
         # (docs/design.md, "Fused training paths")
         self.split_conv_outputs = split_conv_outputs
-        for name in ("fuse_residual_norm", "fuse_projections", "split_conv_outputs"):
+        # the mixers' projection gradients assembled where their consumers write them, not concatenated; off
+        # until measured (hybridlm/ops/gradient_slots.py)
+        self.projection_grads_in_place = projection_grads_in_place
+        for name in ("fuse_residual_norm", "fuse_projections", "split_conv_outputs", "projection_grads_in_place"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if backend not in BACKENDS:

@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from hybridlm.ops.gradient_slots import GradientSlot, gradient_into
 from hybridlm.ops.triton_launch import autotuned, interpreting, next_power_of_2
 
 BT = 64  # rows of time per tile (fixed: the partial-gradient buffers are sized by it)
@@ -234,7 +235,7 @@ class _CausalConv(torch.autograd.Function):
     """The conv over ``x``'s channels, its output split into ``widths`` (one or up to three contiguous tensors)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, silu, widths):
+    def forward(ctx, x, weight, bias, silu, widths, grad_slot):
         Bsz, T, D = x.shape
         W = weight.shape[-1]
         fwd = _kernels()[0]
@@ -244,7 +245,7 @@ class _CausalConv(torch.autograd.Function):
         fwd[grid](x, weight, bias, *seg[:3], T, x.stride(0), x.stride(1), *seg[3:], **_segment_constants(D, widths),
                   W=W, BT=BT, HAS_BIAS=bias is not None, SILU=silu, **_launch_args(D))
         ctx.save_for_backward(x, weight, bias)
-        ctx.silu, ctx.widths = silu, widths
+        ctx.silu, ctx.widths, ctx.grad_slot = silu, widths, grad_slot
         return tuple(ys)
 
     @staticmethod
@@ -270,10 +271,11 @@ class _CausalConv(torch.autograd.Function):
             WP=next_power_of_2(W), BT=BT, TILES=tiles, HAS_BIAS=bias is not None, SILU=ctx.silu,
             **_launch_args(D), **({"BR": INTERPRETER_PASS1_ROWS} if interpreting() else {}))
         grid = lambda meta: (-(-D // meta["BD"]), NT, Bsz)  # noqa: E731
-        dx = torch.empty(Bsz, T, D, dtype=x.dtype, device=x.device)
+        # in place in the split projection's gradient where x is a block of it (gradient_slots.py)
+        dx = gradient_into(ctx.grad_slot, x.shape, x.dtype, x.device)
         bwd_input[grid](da, weight, dx, T, da.stride(0), da.stride(1), dx.stride(0), dx.stride(1),
                         D=D, W=W, BT=BT, **_launch_args(D))
-        return (dx, dw.sum(0).to(weight.dtype), None if db is None else db.sum(0).to(bias.dtype), None, None)
+        return (dx, dw.sum(0).to(weight.dtype), None if db is None else db.sum(0).to(bias.dtype), None, None, None)
 
 
 def _segment_constants(D: int, widths) -> dict:
@@ -296,7 +298,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     _check(x, weight, bias, "causal_conv")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return _CausalConv.apply(x, weight, bias, silu, (x.shape[-1],))[0]
+    return _CausalConv.apply(x, weight, bias, silu, (x.shape[-1],), None)[0]
 
 
 def can_split(widths) -> bool:
@@ -307,11 +309,13 @@ def can_split(widths) -> bool:
 
 
 def causal_conv_split(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], widths: Sequence[int],
-                      silu: bool = True) -> tuple:
+                      silu: bool = True, grad_slot: Optional[GradientSlot] = None) -> tuple:
     """The conv of :func:`causal_conv` over ``x``'s channels, its output as one contiguous ``[B, T, w]`` tensor per
     block of ``widths`` (adjacent column blocks: GDN / KDA's q | k | v, Mamba2's x | B | C). One kernel for all
     blocks where :func:`can_split` holds (one forward and two backward kernels where a conv per block would
-    launch three each), else one conv per block. ``weight [sum(widths), W]``, ``bias`` the same rows or None."""
+    launch three each), else one conv per block. ``weight [sum(widths), W]``, ``bias`` the same rows or None.
+    ``grad_slot``: where the backward writes x's gradient (hybridlm/ops/gradient_slots.py), if x is a block of a
+    split projection."""
     widths = tuple(int(w) for w in widths)
     _check(x, weight, bias, "causal_conv_split")
     if sum(widths) != x.shape[-1]:
@@ -322,4 +326,4 @@ def causal_conv_split(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         starts = [sum(widths[:j]) for j in range(len(widths))]
         return tuple(causal_conv(x[..., s:s + w], weight[s:s + w], None if bias is None else bias[s:s + w], silu)
                      for s, w in zip(starts, widths))
-    return _CausalConv.apply(x, weight, bias, silu, widths)
+    return _CausalConv.apply(x, weight, bias, silu, widths, grad_slot)

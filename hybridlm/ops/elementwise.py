@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from hybridlm.ops.backend import is_small_inference_call, kernel_source
 from hybridlm.ops.causal_conv import causal_conv
 from hybridlm.ops.gated_norm import gated_norm_skip, norm_then_gate
+from hybridlm.ops.gradient_slots import GradientSlot
 from hybridlm.ops.rms_norm import rms_norm_kernel
 from hybridlm.ops.swiglu_packed import swiglu_packed_kernel
 
@@ -54,12 +55,15 @@ def _gate(z: torch.Tensor, activation: str) -> torch.Tensor:
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
                    activation: str = "swish", norm_before_gate: bool = True,
-                   group_size: Optional[int] = None, triton: bool = False) -> torch.Tensor:
+                   group_size: Optional[int] = None, triton: bool = False,
+                   z_grad_slot: Optional[GradientSlot] = None) -> torch.Tensor:
     """RMSNorm over groups of the last dim of ``x``, gated by ``act(z)`` before or after normalising.
 
     GDN / KDA: norm first, then gate (``norm(x) * act(z)``) per head (``x``, ``z`` ``[..., heads, head_dim]``,
     ``weight`` ``[head_dim]``); Mamba2: gate first (``norm(x * silu(z))``) per group of ``group_size`` channels.
     On Triton, a SiLU gate after the norm runs the project's kernel (hybridlm/ops/gated_norm.py), the others fla's.
+    ``z_grad_slot``: where the project's kernel writes z's gradient (hybridlm/ops/gradient_slots.py; the other
+    paths return it as usual).
     """
     if triton:
         if norm_before_gate and group_size is None:
@@ -67,7 +71,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
                     not x.shape[-1] & (x.shape[-1] - 1):
                 # the project's kernel reads z where it lies (a column slice of the fused projection); fla's
                 # copies it first
-                return norm_then_gate(x.flatten(-2), z.flatten(-2), weight, eps).view(x.shape)
+                return norm_then_gate(x.flatten(-2), z.flatten(-2), weight, eps, z_grad_slot).view(x.shape)
             from fla.modules.fused_norm_gate import rms_norm_gated
             return rms_norm_gated(x, z, weight, None, activation=activation, eps=eps)
         if activation in ("swish", "silu"):
@@ -87,13 +91,14 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 
 def skip_gated_rms_norm(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
-                        eps: float, group_size: int, triton: bool = False) -> torch.Tensor:
+                        eps: float, group_size: int, triton: bool = False,
+                        z_grad_slot: Optional[GradientSlot] = None) -> torch.Tensor:
     """Mamba2's output stage: ``rms_norm_per_group((y + D_h x) * silu(z)) * weight`` (y, x, z ``[..., C]``, D per
     head). The project's Triton kernel does it in one pass forward and backward (hybridlm/ops/gated_norm.py); the
     other paths add the skip in the activations' dtype (an fp32 sum would be one more fp32 ``[tokens, C]`` tensor
     kept for the norm's backward), then run :func:`gated_rms_norm`."""
     if triton and kernel_source("norm") == "project" and not group_size & (group_size - 1):
-        return gated_norm_skip(y, x, D, z, weight, eps, group_size)
+        return gated_norm_skip(y, x, D, z, weight, eps, group_size, z_grad_slot)
     shape = y.shape
     heads = D.shape[0]
     y = torch.addcmul(y.reshape(*shape[:-1], heads, -1), x.reshape(*shape[:-1], heads, -1),

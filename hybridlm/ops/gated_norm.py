@@ -21,9 +21,12 @@ Shapes: y, x, z ``[R, C]`` (x and z may be strided row views, e.g. slices of the
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
+from hybridlm.ops.gradient_slots import GradientSlot, gradient_into
 from hybridlm.ops.triton_launch import autotuned, interpreting, persistent_programs, rows_view
 
 tl = None  # bound on first use (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
@@ -93,12 +96,13 @@ def _gated_norm_fwd_kernel(y, x, z, D, w, out, rstd, R, eps, s_y, s_x, s_z, NG: 
     tl.store(out + r64 * (NG * GS) + o_c[None, :], y_out.to(out.dtype.element_ty), mask=m)
 
 
-def _gated_norm_bwd_kernel(y, x, z, D, w, rstd, dout, dy, dxs, dz, dw, dd, R, s_y, s_x, s_z, s_do,
+def _gated_norm_bwd_kernel(y, x, z, D, w, rstd, dout, dy, dxs, dz, dw, dd, R, s_y, s_x, s_z, s_do, s_dz,
                            NG: tl.constexpr, HD: tl.constexpr, GS: tl.constexpr, WS: tl.constexpr,
                            NORM_FIRST: tl.constexpr, HAS_SKIP: tl.constexpr, BR: tl.constexpr):
     """Persistent over row blocks: program ``(p, grp)`` takes blocks ``p, p + P, ...`` of group ``grp`` and writes
     its fp32 partials ``dw[p, group's channels]`` and, with the skip, ``dd[p, group's channels]``
-    (``sum_rows ds * x``)."""
+    (``sum_rows ds * x``). ``dz``'s rows are ``s_dz`` apart (a block of a split projection's gradient,
+    hybridlm/ops/gradient_slots.py), the other outputs' contiguous."""
     pid, n_prog, grp = tl.program_id(0), tl.num_programs(0), tl.program_id(1)
     o_cg = grp * GS + tl.arange(0, GS)
     b_w = tl.load(w + o_cg % WS).to(tl.float32)
@@ -118,13 +122,13 @@ def _gated_norm_bwd_kernel(y, x, z, D, w, rstd, dout, dy, dxs, dz, dw, dd, R, s_
             acc_w += g * xhat * gate
             wg = gw * gate
             ds = (wg - xhat * (tl.sum(xhat * wg, 1) / GS)[:, None]) * r[:, None]
-            tl.store(dz + off, (gw * xhat * dgate).to(dz.dtype.element_ty), mask=m)
+            tl.store(dz + r64 * s_dz + o_c[None, :], (gw * xhat * dgate).to(dz.dtype.element_ty), mask=m)
         else:  # out = xhat * w, xhat = s * gate * r
             xhat = s * gate * r[:, None]
             acc_w += g * xhat
             du = (gw - xhat * (tl.sum(xhat * gw, 1) / GS)[:, None]) * r[:, None]
             ds = du * gate
-            tl.store(dz + off, (du * s * dgate).to(dz.dtype.element_ty), mask=m)
+            tl.store(dz + r64 * s_dz + o_c[None, :], (du * s * dgate).to(dz.dtype.element_ty), mask=m)
         tl.store(dy + off, ds.to(dy.dtype.element_ty), mask=m)
         if HAS_SKIP:
             acc_d += ds * b_x
@@ -164,7 +168,7 @@ class _GatedNorm(torch.autograd.Function):
     """Both output stages; ``x`` and ``D`` are None without the skip."""
 
     @staticmethod
-    def forward(ctx, y, x, D, z, weight, eps, group_size, norm_first):
+    def forward(ctx, y, x, D, z, weight, eps, group_size, norm_first, z_slot):
         shape, C = y.shape, y.shape[-1]
         skip = x is not None
         y2, z2 = rows_view(y), rows_view(z)
@@ -178,7 +182,8 @@ class _GatedNorm(torch.autograd.Function):
             y2, x2, z2, D if skip else weight, weight, out, rstd, R, eps, y2.stride(0), x2.stride(0), z2.stride(0),
             **meta, **_launch_args())
         ctx.save_for_backward(y2, x2 if skip else None, z2, D, weight, rstd)
-        ctx.meta, ctx.shape, ctx.x_shape = meta, shape, x.shape if skip else None
+        ctx.meta, ctx.shape, ctx.x_shape, ctx.z_shape, ctx.z_slot = meta, shape, x.shape if skip else None, \
+            z.shape, z_slot
         return out.view(shape)
 
     @staticmethod
@@ -187,22 +192,25 @@ class _GatedNorm(torch.autograd.Function):
         skip = ctx.meta["HAS_SKIP"]
         R, C = y2.shape
         do2 = rows_view(dout)
-        dy, dz = (torch.empty(R, C, dtype=t.dtype, device=t.device) for t in (y2, z2))
+        dy = torch.empty(R, C, dtype=y2.dtype, device=y2.device)
+        # z's gradient in place in the split projection's gradient where z is a block of it (gradient_slots.py)
+        dz = gradient_into(ctx.z_slot, ctx.z_shape, z2.dtype, z2.device)
+        dz2 = rows_view(dz)  # a slot's view keeps its rows strided: the kernel writes them in place
         dxs = torch.empty(R, C, dtype=x2.dtype, device=x2.device) if skip else dy  # not written without the skip
         NG = ctx.meta["NG"]
         P = persistent_programs(y2.device, R, PROGRAMS_PER_SM, shares=NG)
         dw = torch.empty(P, C, dtype=torch.float32, device=y2.device)
         dd = torch.empty(P, C, dtype=torch.float32, device=y2.device) if skip else dw
         x2 = x2 if skip else y2  # without the skip the kernel never reads x or D
-        _kernels(ctx.meta["GS"])[1][(P, NG)](y2, x2, z2, D if skip else weight, weight, rstd, do2, dy, dxs, dz, dw, dd,
-                                             R, y2.stride(0), x2.stride(0), z2.stride(0), do2.stride(0), **ctx.meta,
-                                             **_launch_args())
+        _kernels(ctx.meta["GS"])[1][(P, NG)](y2, x2, z2, D if skip else weight, weight, rstd, do2, dy, dxs, dz2, dw, dd,
+                                             R, y2.stride(0), x2.stride(0), z2.stride(0), do2.stride(0), dz2.stride(0),
+                                             **ctx.meta, **_launch_args())
         dweight = dw.sum(0).view(-1, weight.shape[0]).sum(0)  # the heads share a GDN weight
         if not skip:
-            return dy.view(ctx.shape), None, None, dz.view(ctx.shape), dweight.to(weight.dtype), None, None, None
+            return dy.view(ctx.shape), None, None, dz, dweight.to(weight.dtype), None, None, None, None
         dD = dd.sum(0).view(D.shape[0], -1).sum(-1)
-        return (dy.view(ctx.shape), dxs.view(ctx.x_shape), dD.to(D.dtype), dz.view(ctx.shape),
-                dweight.to(weight.dtype), None, None, None)
+        return (dy.view(ctx.shape), dxs.view(ctx.x_shape), dD.to(D.dtype), dz, dweight.to(weight.dtype), None, None,
+                None, None)
 
 
 def _check(name: str, y, z, weight, group_size: int, weight_size: int, others=()) -> None:
@@ -217,19 +225,22 @@ def _check(name: str, y, z, weight, group_size: int, weight_size: int, others=()
 
 
 def gated_norm_skip(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
-                    eps: float, group_size: int) -> torch.Tensor:
+                    eps: float, group_size: int, z_grad_slot: Optional[GradientSlot] = None) -> torch.Tensor:
     """Mamba2's ``rms_norm_per_group((y + D_h x) * silu(z)) * weight`` over the last dim (``[..., C]`` each; x and
-    z may be views with strided rows), D per head ``[H]``; output contiguous in y's dtype."""
+    z may be views with strided rows), D per head ``[H]``; output contiguous in y's dtype. ``z_grad_slot``: where
+    the backward writes z's gradient (hybridlm/ops/gradient_slots.py), if z is a block of a split projection."""
     C = y.shape[-1]
     _check("gated_norm_skip", y, z, weight, group_size, C, (x,))
     if C % D.shape[0]:
         raise ValueError(f"gated_norm_skip: the {C} channels must split into {D.shape[0]} heads")
-    return _GatedNorm.apply(y, x, D, z, weight, eps, group_size, False)
+    return _GatedNorm.apply(y, x, D, z, weight, eps, group_size, False, z_grad_slot)
 
 
-def norm_then_gate(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def norm_then_gate(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   z_grad_slot: Optional[GradientSlot] = None) -> torch.Tensor:
     """GDN's ``rms_norm_per_head(y) * weight * silu(z)`` over the last dim (``[..., C]``, heads of
     ``weight.shape[0]`` channels sharing the weight; z may be a view with strided rows, as the fused projection's
-    column slice is, which fla's gated norm copies first); output contiguous in y's dtype."""
+    column slice is, which fla's gated norm copies first); output contiguous in y's dtype. ``z_grad_slot``: as
+    :func:`gated_norm_skip`'s."""
     _check("norm_then_gate", y, z, weight, weight.shape[0], weight.shape[0])
-    return _GatedNorm.apply(y, None, None, z, weight, eps, weight.shape[0], True)
+    return _GatedNorm.apply(y, None, None, z, weight, eps, weight.shape[0], True, z_grad_slot)

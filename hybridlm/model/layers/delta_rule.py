@@ -21,6 +21,7 @@ from hybridlm.model.layers.init import init_A_log, init_dt_bias
 from hybridlm.model.layers.projections import project
 from hybridlm.ops.backend import kernel_source, use_triton, use_triton_elementwise
 from hybridlm.ops.causal_conv import causal_conv_split
+from hybridlm.ops.gradient_slots import gradient_slot
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state, l2_normalize
 from hybridlm.ops.elementwise import gated_rms_norm
 
@@ -42,6 +43,7 @@ class DeltaRuleMixer(nn.Module):
         self.norm_eps = args.norm_eps
         self.fuse_projections = config.fuse_projections
         self.split_conv_outputs = config.split_conv_outputs
+        self.projection_grads_in_place = config.projection_grads_in_place
         self.q_proj = nn.Linear(d, self.key_dim, bias=False)
         self.k_proj = nn.Linear(d, self.key_dim, bias=False)
         self.v_proj = nn.Linear(d, self.value_dim, bias=False)
@@ -102,17 +104,21 @@ class DeltaRuleMixer(nn.Module):
         """``(q, k, v, b, a, z)``: the six projections, q / k / v through their short convs (continuing from the
         cache's conv states in generation). In training one GEMM for the six (hybridlm/model/layers/projections.py),
         and with ``split_conv_outputs`` one conv kernel over q | k | v where they lie side by side in its output,
-        writing each as its own contiguous tensor (hybridlm/ops/causal_conv.py ``causal_conv_split``)."""
+        writing each as its own contiguous tensor (hybridlm/ops/causal_conv.py ``causal_conv_split``). With
+        ``projection_grads_in_place`` the GEMM's output gradient is assembled where the conv and the output norm
+        write theirs (hybridlm/ops/gradient_slots.py)."""
         linears = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.gate_projections())
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         join = (self.split_conv_outputs and triton and cache is None and kernel_source("conv") == "project"
                 and len({c.bias is None for c in convs}) == 1)
-        outputs = project(x, linears, fuse=self.fuse_projections, join_first=3 if join else 1)
+        in_place = self.projection_grads_in_place and triton and cache is None
+        outputs = project(x, linears, fuse=self.fuse_projections, join_first=3 if join else 1, grads_in_place=in_place)
         if len(outputs) == len(linears) - 2:  # q | k | v as one view
             qkv, *rest = outputs
             bias = None if convs[0].bias is None else torch.cat([c.bias for c in convs])
             widths = [c.weight.shape[0] for c in convs]
-            return (*causal_conv_split(qkv, torch.cat([c.weight for c in convs]), bias, widths), *rest)
+            return (*causal_conv_split(qkv, torch.cat([c.weight for c in convs]), bias, widths,
+                                       grad_slot=gradient_slot(qkv)), *rest)
         q, k, v, *rest = outputs
         return (*(run_short_conv(c, t, triton, cache, name) for c, t, name in zip(convs, (q, k, v), "qkv")), *rest)
 
@@ -141,8 +147,9 @@ class DeltaRuleMixer(nn.Module):
                 o, state = gated_recurrence_with_state(q, k, v, g, beta, scale, state, self.chunk_size)
         if cache is not None:
             cache.advance(state, T)
-        gate = self.output_gate(z).view(B, T, self.num_v_heads, self.head_v_dim)
-        o = gated_rms_norm(o, gate, self.o_norm_weight, self.norm_eps,
+        gate = self.output_gate(z)
+        z_slot = gradient_slot(z) if gate is z else None  # z's gradient written in place (gradient_slots.py)
+        o = gated_rms_norm(o, gate.view(B, T, self.num_v_heads, self.head_v_dim), self.o_norm_weight, self.norm_eps,
                            activation=self.output_gate_activation,
-                           triton=triton and use_triton_elementwise(self.backend, o))
+                           triton=triton and use_triton_elementwise(self.backend, o), z_grad_slot=z_slot)
         return self.o_proj(o.reshape(B, T, self.value_dim).to(x.dtype))

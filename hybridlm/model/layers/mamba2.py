@@ -24,6 +24,7 @@ from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_c
 from hybridlm.model.layers.init import init_A_log, init_dt_bias, init_short_conv_uniform
 from hybridlm.ops.backend import kernel_source, use_triton, use_triton_elementwise
 from hybridlm.ops.causal_conv import causal_conv_split
+from hybridlm.ops.gradient_slots import gradient_slot, split_columns
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state
 from hybridlm.ops.elementwise import skip_gated_rms_norm
 from hybridlm.ops.mamba2_inputs import compiled_ssd_inputs, repeat_heads, ssd_inputs
@@ -51,6 +52,7 @@ class Mamba2(nn.Module):
         self.d_b = self.n_groups * self.d_state // self.xb_repeat  # B channels before repetition
         self.norm_eps = a.norm_eps
         self.split_conv_outputs = config.split_conv_outputs
+        self.projection_grads_in_place = config.projection_grads_in_place
         self.conv_dim = self.d_xb + self.d_b + self.n_groups * self.d_state
         self.in_proj = nn.Linear(d, self.d_inner + self.conv_dim + self.num_heads, bias=False)
         self.conv1d = ShortConv(self.conv_dim, a.conv_size, bias=a.conv_bias)
@@ -87,7 +89,7 @@ class Mamba2(nn.Module):
         cache, hidden = recurrent_context(ctx, self.layer_idx, hidden)
         if triton and T == 1 and self._can_fuse_step(cache):
             return self._fused_step(hidden, ctx, cache)
-        z, xbc, dt = self.in_proj(hidden).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        z, xbc, dt = self._project(hidden, triton, cache)
         if self.z_bias is not None:
             z = z + self.z_bias.to(z.dtype)
         x, b, c = self._convolve(xbc, triton, cache, ctx)
@@ -104,8 +106,16 @@ class Mamba2(nn.Module):
             cache.advance(state, T)
         y = skip_gated_rms_norm(y.reshape(Bsz, T, self.d_inner), x.reshape(Bsz, T, self.d_inner), self.D, z,
                                 self.norm_weight, self.norm_eps, group_size=self.d_inner // self.n_groups,
-                                triton=triton and use_triton_elementwise(self.backend, y))
+                                triton=triton and use_triton_elementwise(self.backend, y), z_grad_slot=gradient_slot(z))
         return self.out_proj(y.to(hidden.dtype))
+
+    def _project(self, hidden: torch.Tensor, triton: bool, cache) -> list:
+        """``[z, xbc, dt]``, in_proj's column blocks. In training with ``projection_grads_in_place`` its output
+        gradient is assembled where the conv and the output norm write theirs (hybridlm/ops/gradient_slots.py)."""
+        widths = [self.d_inner, self.conv_dim, self.num_heads]
+        if self.projection_grads_in_place and triton and cache is None and torch.is_grad_enabled():
+            return split_columns(self.in_proj(hidden), widths)[0]
+        return list(self.in_proj(hidden).split(widths, dim=-1))
 
     def _convolve(self, xbc: torch.Tensor, triton: bool, cache, ctx) -> tuple:
         """x, B and C after the conv + SiLU over ``xbc = [x | B | C]``. In training with ``split_conv_outputs``,
@@ -114,7 +124,7 @@ class Mamba2(nn.Module):
         Session 21's Mamba2-300M profile has a copy kernel a layer, 8.0 ms a step (BENCHMARKS.md, "Session 22")."""
         widths = (self.d_xb, self.d_b, self.n_groups * self.d_state)
         if self.split_conv_outputs and triton and cache is None and kernel_source("conv") == "project":
-            return causal_conv_split(xbc, self.conv1d.weight, self.conv1d.bias, widths)
+            return causal_conv_split(xbc, self.conv1d.weight, self.conv1d.bias, widths, grad_slot=gradient_slot(xbc))
         xbc = run_short_conv(self.conv1d, xbc, triton, cache)
         if ctx is not None:
             xbc = ctx.zero_padding(xbc)

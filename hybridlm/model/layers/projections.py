@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridlm.ops.gradient_slots import split_columns
+
 
 def fusable(linears: Sequence[nn.Module]) -> bool:
     """Plain ``nn.Linear`` modules without hooks, with materialised weights (not ZeRO-3 partitions) of one dtype,
@@ -39,13 +41,17 @@ def fused_linear(x: torch.Tensor, linears: Sequence[nn.Module]) -> Optional[torc
     return F.linear(x, weight, bias)
 
 
-def project(x: torch.Tensor, linears: Sequence[nn.Module], fuse: bool = True, join_first: int = 1) -> list:
+def project(x: torch.Tensor, linears: Sequence[nn.Module], fuse: bool = True, join_first: int = 1,
+            grads_in_place: bool = False) -> list:
     """``[m(x) for m in linears]``; with ``fuse``, through :func:`fused_linear` where it applies (the outputs are
     then views of one tensor: last dim contiguous, rows strided). Where it applies and ``join_first > 1``, the first
     ``join_first`` outputs come as one view, their columns side by side (for one kernel over them), in place of
-    ``join_first`` views: the list is then ``join_first - 1`` shorter."""
+    ``join_first`` views: the list is then ``join_first - 1`` shorter. With ``grads_in_place`` the views come from
+    :func:`hybridlm.ops.gradient_slots.split_columns`: each carries the slot its consumer may write its gradient
+    into, and the GEMM's output gradient is assembled there instead of concatenated."""
     y = fused_linear(x, linears) if fuse else None
     if y is None:
         return [m(x) for m in linears]
     widths = [m.out_features for m in linears]
-    return list(y.split([sum(widths[:join_first]), *widths[join_first:]], dim=-1))
+    widths = [sum(widths[:join_first]), *widths[join_first:]]
+    return split_columns(y, widths)[0] if grads_in_place else list(y.split(widths, dim=-1))
