@@ -22,6 +22,8 @@ import subprocess
 import tempfile
 from typing import Dict, Iterator, List
 
+import hybridlm.ops.causal_conv as conv
+import hybridlm.ops.gated_norm as gn
 from hybridlm.utils.atomic import json_text
 
 WIDTHS = ("v4", "v2", "b32", "b16")  # a vector of 4 or 2 words, one 4-byte word, one 2-byte element
@@ -68,7 +70,6 @@ def compile_for_gpu(fn, pointers: Dict[str, str], constexprs: Dict[str, object],
 def conv_cases() -> Iterator[Dict[str, object]]:
     """The short conv's forward and backward pass 1, one output segment against three (q | k | v at GDN-300M's
     widths, 256 + 256 + 512), bf16, width 4, at channel blocks and warps from their autotuning configurations."""
-    import hybridlm.ops.causal_conv as conv
     forward, pass1, _ = (k.fn for k in conv._kernels())  # under their autotuners
     bf16 = "*bf16"
     for nseg, D0, D1 in ((1, 1024, 0), (3, 256, 256)):
@@ -89,7 +90,6 @@ def gated_norm_cases() -> Iterator[Dict[str, object]]:
     """The gated output norm's backward (hybridlm/ops/gated_norm.py), bf16, at Mamba2-300M's groups (2,048 channels
     in 8 groups, the D skip) and GDN-300M's heads (8 heads of 64 sharing the weight), dz's rows strided as a block
     of the projection's gradient."""
-    import hybridlm.ops.gated_norm as gn
     for name, C, group, skip, heads in (("mamba2", 2048, 256, True, 32), ("gdn", 512, 64, False, 8)):
         backward = gn._kernels(group)[1].fn  # under its autotuner
         pointers = {**dict.fromkeys(("y", "x", "z", "D", "w", "dout", "dy", "dxs", "dz"), "*bf16"),
