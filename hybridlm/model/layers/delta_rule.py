@@ -21,9 +21,9 @@ from hybridlm.model.layers.init import init_A_log, init_dt_bias
 from hybridlm.model.layers.projections import project
 from hybridlm.ops.backend import kernel_source, use_triton, use_triton_elementwise
 from hybridlm.ops.causal_conv import causal_conv_split
-from hybridlm.ops.gradient_slots import gradient_slot
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state, l2_normalize
 from hybridlm.ops.elementwise import gated_rms_norm
+from hybridlm.ops.gradient_slots import gradient_slot
 
 
 class DeltaRuleMixer(nn.Module):

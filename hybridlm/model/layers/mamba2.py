@@ -24,9 +24,9 @@ from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_c
 from hybridlm.model.layers.init import init_A_log, init_dt_bias, init_short_conv_uniform
 from hybridlm.ops.backend import kernel_source, use_triton, use_triton_elementwise
 from hybridlm.ops.causal_conv import causal_conv_split
-from hybridlm.ops.gradient_slots import gradient_slot, split_columns
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state
 from hybridlm.ops.elementwise import skip_gated_rms_norm
+from hybridlm.ops.gradient_slots import gradient_slot, split_columns
 from hybridlm.ops.mamba2_inputs import compiled_ssd_inputs, repeat_heads, ssd_inputs
 from hybridlm.ops.mamba2_step import mamba2_decode_step
 
