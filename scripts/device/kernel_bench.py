@@ -100,7 +100,7 @@ def bench_conv_split(args) -> list:
     weights = [(torch.rand(w, 4, device="cuda") - 0.5).to(torch.bfloat16).requires_grad_(True) for w in widths]
     dys = [torch.randn(args.micro_batch, args.seq, w, device="cuda", dtype=torch.bfloat16) for w in widths]
     starts = (0, 256, 512)
-    kernels = {"split": lambda x: causal_conv_split(x[..., :D], weights),
+    kernels = {"split": lambda x: causal_conv_split(x[..., :D], torch.cat(weights), None, widths),
                "three": lambda x: [causal_conv(x[..., s:s + w], wt) for s, w, wt in zip(starts, widths, weights)]}
     row = {"op": "conv_split", "shape": "gdn_300m q | k | v", "B": args.micro_batch, "T": args.seq, "D": D}
     for kname, fn in kernels.items():
