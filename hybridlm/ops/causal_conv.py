@@ -18,10 +18,12 @@ it in one pass, recomputing the pre-activation of the ``W - 1`` following rows f
 CPU, compiled on GPU). No cached state: generation's conv continues from a state through
 ``hybridlm.ops.elementwise.short_conv_with_state``, which prepends the state and calls this.
 
-:func:`causal_conv_split` writes the conv's output over adjacent column blocks of one input as one contiguous tensor
-per block (GDN / KDA's q, k and v, which the fused projection leaves side by side and which had a conv each;
-Mamba2's x, B and C): what fla's recurrence kernels take without a copy. The kernels take up to three output segments; a channel
-block never straddles two (the autotuner keeps only channel blocks that divide every segment's width).
+:func:`causal_conv_split` writes the conv's output over adjacent column blocks of one input as one contiguous
+tensor per block (GDN / KDA's q, k and v, which the fused projection leaves side by side and which had a conv each;
+Mamba2's x, B and C): what fla's recurrence kernels take without a copy. The kernels take up to three output
+segments; a channel block never straddles two (the autotuner keeps only channel blocks that divide every
+segment's width). Its backward can write dx into the input's slot of a split projection's gradient
+(hybridlm/ops/gradient_slots.py).
 """
 from __future__ import annotations
 
@@ -180,8 +182,8 @@ def _causal_conv_bwd_input_kernel(da, w, dx, T, s_dab, s_dat, s_dxb, s_dxt,
 
 
 def _kernels():
-    """``(forward, backward pass 1, backward pass 2)``, jitted (and autotuned over the channel block and warps, on
-    a GPU) on first use."""
+    """``(forward, backward pass 1, backward pass 2)``, jitted on first use; on a GPU autotuned over the channel
+    block and warps (pass 1 also over its rows at a time), keeping only channel blocks that fit the segments."""
     global _KERNELS, tl, _tap_sum, _segment_rows
     if _KERNELS is None:
         import triton
