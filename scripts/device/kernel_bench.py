@@ -49,6 +49,24 @@ def _floor(row: dict, nbytes: int, ours: str, peer: str) -> dict:
     return row
 
 
+def _fwd_and_fwd_bwd(fn, x, grads, params):
+    """Two closures to time: ``fn(x)`` without autograd, and ``fn`` forward + backward with ``grads`` as its
+    outputs' gradients (the gradients of x and ``params`` cleared after each)."""
+    xg = x.detach().requires_grad_(True)
+
+    def fwd():
+        with torch.no_grad():
+            fn(x)
+
+    def fwd_bwd():
+        out = fn(xg)
+        torch.autograd.backward(list(out) if isinstance(out, (list, tuple)) else [out], grads)
+        xg.grad = None
+        for p in params:
+            p.grad = None
+    return fwd, fwd_bwd
+
+
 def bench_conv(args) -> list:
     from fla.modules.convolution import causal_conv1d
 
@@ -65,15 +83,7 @@ def bench_conv(args) -> list:
                    "fla": lambda x: causal_conv1d(x=x, weight=weight, bias=None, activation="silu")[0]}
         row = {"op": "conv", "shape": name, "B": args.micro_batch, "T": args.seq, "D": D, "strided": bool(proj)}
         for kname, fn in kernels.items():
-            xg = x.detach().requires_grad_(True)
-
-            def fwd():
-                with torch.no_grad():
-                    fn(x)
-
-            def fwd_bwd():
-                fn(xg).backward(dy)
-                xg.grad = weight.grad = None
+            fwd, fwd_bwd = _fwd_and_fwd_bwd(fn, x, [dy], [weight])
             row[f"{kname}_fwd_ms"] = timed(fwd, args.iters)
             if kname == "project":  # each count of time tiles per program of the backward's pass 1
                 tiles = {}
@@ -104,17 +114,7 @@ def bench_conv_split(args) -> list:
                "three": lambda x: [causal_conv(x[..., s:s + w], wt) for s, w, wt in zip(starts, widths, weights)]}
     row = {"op": "conv_split", "shape": "gdn_300m q | k | v", "B": args.micro_batch, "T": args.seq, "D": D}
     for kname, fn in kernels.items():
-        xg = base.detach().requires_grad_(True)
-
-        def fwd():
-            with torch.no_grad():
-                fn(base)
-
-        def fwd_bwd():
-            torch.autograd.backward(fn(xg), dys)
-            xg.grad = None
-            for w in weights:
-                w.grad = None
+        fwd, fwd_bwd = _fwd_and_fwd_bwd(fn, base, dys, weights)
         row[f"{kname}_fwd_ms"] = timed(fwd, args.iters)
         row[f"{kname}_fwd_bwd_ms"] = timed(fwd_bwd, args.iters)
     return [_floor(row, 5 * args.micro_batch * args.seq * D * 2, "split", "three")]
