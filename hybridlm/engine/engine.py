@@ -328,7 +328,6 @@ class Engine:
         if (clips_in_engine(config) or config.step_on_device) and not bf16_optimizer:
             raise RuntimeError(f"Engine: expected DeepSpeed's BF16_Optimizer for bf16 ZeRO-1, got "
                                f"{type(self.optimizer).__name__}; the engine's clipping and step assume it")
-        self.step_on_device = config.step_on_device
         if config.step_on_device:  # it clips too (hybridlm/engine/device_step.py)
             step_on_device(self.optimizer, config.grad_clip)
         elif clips_in_engine(config) and ds_config.get("gradient_clipping") == 0.0:  # not overridden
@@ -456,16 +455,16 @@ class Engine:
         assert stats is not None and keys is not None
         norm = engine.get_global_grad_norm()
         tail = [_scalar(norm if norm is not None else float("nan"), dev).reshape(1)]
-        if self.step_on_device:  # whether the step was skipped is known on the device only
+        if self.config.step_on_device:  # whether the step was skipped is known on the device only
             tail.append(self.optimizer.found_inf.to(torch.float64).reshape(1))
         self.global_step += 1
         end = Stamp(dev)  # before the Readback, so that reading it means the stamp's work is done
         pending = PendingStep(step=self.global_step, lr=lr,
-                              skipped=None if self.step_on_device else engine.skipped_steps > skipped_before,
+                              skipped=None if self.config.step_on_device else engine.skipped_steps > skipped_before,
                               keys=keys, denom=n * self.dist.world_size,
                               values=Readback(torch.cat([stats] + tail)), is_main=self.dist.is_main,
                               account=self._account, span=(start, end))
-        if self.step_on_device:
+        if self.config.step_on_device:
             self._unread = pending
         else:
             self._account(pending)
@@ -481,7 +480,7 @@ class Engine:
             self.consecutive_nonfinite += 1
         else:
             self.consecutive_nonfinite = 0
-            if self.step_on_device:
+            if self.config.step_on_device:
                 self.lr_scheduler.advance()
         pending.streak, pending.skipped_total = self.consecutive_nonfinite, self.skipped_steps
         if pending.skipped and self.consecutive_nonfinite >= self.config.max_consecutive_nonfinite:

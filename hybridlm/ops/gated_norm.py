@@ -181,7 +181,7 @@ class _GatedNorm(torch.autograd.Function):
         _kernels(group_size)[0][lambda m: (-(-R // m["BR"]), NG)](
             y2, x2, z2, D if skip else weight, weight, out, rstd, R, eps, y2.stride(0), x2.stride(0), z2.stride(0),
             **meta, **_launch_args())
-        ctx.save_for_backward(y2, x2 if skip else None, z2, D, weight, rstd)
+        ctx.save_for_backward(y2, x2, z2, D, weight, rstd)  # x2 is y2 without the skip: never read
         ctx.meta, ctx.shape, ctx.x_shape, ctx.z_shape, ctx.z_slot = meta, shape, x.shape if skip else None, \
             z.shape, z_slot
         return out.view(shape)
@@ -201,7 +201,6 @@ class _GatedNorm(torch.autograd.Function):
         P = persistent_programs(y2.device, R, PROGRAMS_PER_SM, shares=NG)
         dw = torch.empty(P, C, dtype=torch.float32, device=y2.device)
         dd = torch.empty(P, C, dtype=torch.float32, device=y2.device) if skip else dw
-        x2 = x2 if skip else y2  # without the skip the kernel never reads x or D
         _kernels(ctx.meta["GS"])[1][(P, NG)](y2, x2, z2, D if skip else weight, weight, rstd, do2, dy, dxs, dz2, dw, dd,
                                              R, y2.stride(0), x2.stride(0), z2.stride(0), do2.stride(0), dz2.stride(0),
                                              **ctx.meta, **_launch_args())

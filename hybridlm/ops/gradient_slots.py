@@ -50,9 +50,10 @@ class GradientSlot:
         if self.buffer.tensor is None:
             return False
         view = self.tensor()
-        return (grad.data_ptr() == view.data_ptr() and grad.numel() == view.numel()
-                and grad.reshape(view.shape).stride() == view.stride()
-                and grad.reshape(view.shape).data_ptr() == view.data_ptr())
+        if grad.data_ptr() != view.data_ptr() or grad.numel() != view.numel():
+            return False
+        rows = grad.reshape(view.shape)  # a view when grad's layout allows one, else a copy (elsewhere)
+        return rows.data_ptr() == view.data_ptr() and rows.stride() == view.stride()
 
 
 def gradient_slot(block: Optional[torch.Tensor]) -> Optional[GradientSlot]:
@@ -85,7 +86,8 @@ class _SplitColumns(torch.autograd.Function):
             if grad is None:
                 slot.tensor().zero_()
             elif not slot.holds(grad):
-                slot.tensor().copy_(grad.reshape(slot.tensor().shape))
+                view = slot.tensor()
+                view.copy_(grad.reshape(view.shape))
         slots[0].buffer.tensor = None  # a second backward through a kept graph assembles into a new buffer
         return out, None, None
 

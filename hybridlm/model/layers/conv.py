@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from hybridlm.model.layers.init import init_short_conv
+from hybridlm.ops.backend import kernel_source
 from hybridlm.ops.elementwise import short_conv, short_conv_with_state
 
 
@@ -34,6 +35,13 @@ def recurrent_context(ctx, layer_idx: int, x: torch.Tensor):
     if ctx is None:
         return None, x
     return ctx.layer(layer_idx), ctx.zero_padding(x)
+
+
+def split_conv_applies(split_conv_outputs: bool, triton: bool, cache) -> bool:
+    """Whether a mixer runs its conv through ``causal_conv_split`` (hybridlm/ops/causal_conv.py): the model key
+    ``split_conv_outputs`` on, on the Triton path with the project's conv kernel, outside generation (whose conv
+    continues from cached states, which the split conv does not take)."""
+    return split_conv_outputs and triton and cache is None and kernel_source("conv") == "project"
 
 
 def run_short_conv(conv: ShortConv, x: torch.Tensor, triton: bool, cache=None, name: str = "conv") -> torch.Tensor:

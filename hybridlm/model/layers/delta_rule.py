@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_conv
+from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_conv, split_conv_applies
 from hybridlm.model.layers.init import init_A_log, init_dt_bias
 from hybridlm.model.layers.projections import project
-from hybridlm.ops.backend import kernel_source, use_triton, use_triton_elementwise
+from hybridlm.ops.backend import use_triton, use_triton_elementwise
 from hybridlm.ops.causal_conv import causal_conv_split
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state, l2_normalize
 from hybridlm.ops.elementwise import gated_rms_norm
@@ -109,8 +109,7 @@ class DeltaRuleMixer(nn.Module):
         write theirs (hybridlm/ops/gradient_slots.py)."""
         linears = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.gate_projections())
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        join = (self.split_conv_outputs and triton and cache is None and kernel_source("conv") == "project"
-                and len({c.bias is None for c in convs}) == 1)
+        join = split_conv_applies(self.split_conv_outputs, triton, cache) and len({c.bias is None for c in convs}) == 1
         in_place = self.projection_grads_in_place and triton and cache is None
         outputs = project(x, linears, fuse=self.fuse_projections, join_first=3 if join else 1, grads_in_place=in_place)
         if len(outputs) == len(linears) - 2:  # q | k | v as one view

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_conv
+from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_conv, split_conv_applies
 from hybridlm.model.layers.init import init_A_log, init_dt_bias, init_short_conv_uniform
-from hybridlm.ops.backend import kernel_source, use_triton, use_triton_elementwise
+from hybridlm.ops.backend import use_triton, use_triton_elementwise
 from hybridlm.ops.causal_conv import causal_conv_split
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state
 from hybridlm.ops.elementwise import skip_gated_rms_norm
@@ -123,7 +123,7 @@ class Mamba2(nn.Module):
         (its ``input_guard``) copies a non-contiguous input first, and x as a column block of one output is one.
         Session 21's Mamba2-300M profile has a copy kernel a layer, 8.0 ms a step (BENCHMARKS.md, "Session 22")."""
         widths = (self.d_xb, self.d_b, self.n_groups * self.d_state)
-        if self.split_conv_outputs and triton and cache is None and kernel_source("conv") == "project":
+        if split_conv_applies(self.split_conv_outputs, triton, cache):
             return causal_conv_split(xbc, self.conv1d.weight, self.conv1d.bias, widths, grad_slot=gradient_slot(xbc))
         xbc = run_short_conv(self.conv1d, xbc, triton, cache)
         if ctx is not None:
