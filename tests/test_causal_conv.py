@@ -10,9 +10,13 @@
 3. ``causal_conv_split`` (one conv over adjacent column blocks, each block's output its own tensor) through the
    interpreter against the twin of each block: two and three blocks, with and without bias and SiLU, bf16, an
    output the loss does not use, a strided output gradient, and widths the joined kernel cannot take (one conv
-   per block then). And GDN's ``projected_inputs`` and Mamba2's conv outputs with ``split_conv_outputs`` on against
-   off (same weights, the kernels through the interpreter): the inputs of the recurrence and every gradient. And both
-   kernels compiled for an H200 here (no GPU): the split keeps the single-output kernels' vector accesses.
+   per block then). With a ``HeadNorm`` (q and k L2-normalised per head and their heads repeated, in the kernels)
+   against the twin that normalises the fp32 conv output in torch: repeats of 1 and 2, bf16, an unused output,
+   no SiLU with a bias, and widths the kernels cannot take (per block, normalised in torch).
+   And GDN's ``projected_inputs`` and Mamba2's conv outputs with ``split_conv_outputs`` on against off (same weights,
+   the kernels through the interpreter): the inputs of the recurrence and every gradient; GDN and KDA also with
+   ``qk_norm_in_conv``, against the plain path's q and k normalised and repeated in torch. And both kernels
+   compiled for an H200 here (no GPU): the split keeps the single-output kernels' vector accesses.
 The GPU twin of this test (compiled kernels against the twin and fla) is tests/gpu/test_causal_conv_gpu.py.
 """
 import json
@@ -21,7 +25,7 @@ import pytest
 import torch
 
 from conftest import interpreter_rounds_like_gpu, interpreter_run_of, kernel_case_row, tiny_config
-from hybridlm.ops.causal_conv import can_split, causal_conv_reference
+from hybridlm.ops.causal_conv import HeadNorm, can_split, causal_conv_reference, head_normalized
 from hybridlm.ops.elementwise import short_conv
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -88,39 +92,50 @@ SPLIT_CASES = [
     ((16, 8, 24), 40, False, True, F32, (0, 1, 2), False),    # 8 channels: not a block multiple, one conv per block
 ]
 
+# SPLIT_CASES' fields, then the HeadNorm on the first blocks
+HEAD_NORM_CASES = [
+    ((32, 32, 64), 70, False, True, F32, (0, 1, 2), False, HeadNorm(2, 16, repeat=2)),   # GDN: grouped v heads
+    ((32, 32, 32), 130, False, True, F32, (0, 1, 2), True, HeadNorm(2, 16)),            # KDA: one v head each
+    ((32, 32, 64), 70, True, False, F32, (0, 1, 2), False, HeadNorm(2, 16, repeat=2)),   # bias, no SiLU
+    ((32, 32, 64), 70, False, True, BF16, (0, 2), False, HeadNorm(2, 16, repeat=2)),     # k unused
+    ((32, 32, 64), 40, False, True, F32, (0, 1, 2), False, HeadNorm(2, 32, repeat=4)),   # wider heads, 4 repeats
+    ((32, 32, 40), 40, False, True, F32, (0, 1, 2), False, HeadNorm(2, 16, repeat=2)),   # v not whole heads: per block
+]
+
 
 def _split_inputs(case, seed):
-    widths, T, bias, silu, dtype, used, strided = case
+    widths, T, bias, silu, dtype, used, strided = case[:7]
+    out_widths = case[7].output_widths(widths) if len(case) > 7 else widths
     g = torch.Generator().manual_seed(seed)
     D = sum(widths)
     x = torch.randn(2, T, D + 7, generator=g).to(dtype)[..., 2:2 + D]  # a slice of a wider projection
     weights = [(torch.randn(w, 4, generator=g) * 0.5).to(dtype) for w in widths]
     biases = [(torch.randn(w, generator=g) * 0.3).to(dtype) for w in widths] if bias else None
-    dys = [torch.randn(2, T, 2 * w if strided else w, generator=g).to(dtype)[..., :w] for w in widths]
+    dys = [torch.randn(2, T, 2 * w if strided else w, generator=g).to(dtype)[..., :w] for w in out_widths]
     return x, weights, biases, silu, used, dys
 
 
-def _split_grads(fn, x, weights, biases, silu, used, dys):
+def _split_grads(fn, x, weights, biases, silu, used, dys, head_norm=None):
     leaves = [t.detach().clone().requires_grad_(True) for t in [x, *weights, *(biases or [])]]
     n = len(weights)
-    ys = fn(leaves[0], leaves[1:1 + n], leaves[1 + n:] or None, silu)
+    ys = fn(leaves[0], leaves[1:1 + n], leaves[1 + n:] or None, silu, head_norm)
     torch.autograd.backward([ys[j] for j in used], [dys[j] for j in used])
     # a block the loss does not use: no gradient on the twin's side, zeros from the joined conv's
     grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
     return [y.detach() for y in ys] + grads, [y.is_contiguous() for y in ys]
 
 
-def _split_twin(x, weights, biases, silu):
-    starts = [sum(w.shape[0] for w in weights[:j]) for j in range(len(weights))]
-    return [causal_conv_reference(x[..., s:s + w.shape[0]], w, None if biases is None else biases[j], silu)
-            for j, (s, w) in enumerate(zip(starts, weights))]
+def _split_twin(x, weights, biases, silu, head_norm=None):
+    from hybridlm.ops.causal_conv import causal_conv_split_reference
+    bias = None if biases is None else torch.cat(biases)
+    return causal_conv_split_reference(x, torch.cat(weights), bias, [w.shape[0] for w in weights], silu, head_norm)
 
 
-def _split_kernel(x, weights, biases, silu):
+def _split_kernel(x, weights, biases, silu, head_norm=None):
     """``causal_conv_split`` over per-block leaves (their gradients come back through the concatenation)."""
     from hybridlm.ops.causal_conv import causal_conv_split
     bias = None if biases is None else torch.cat(biases)
-    return causal_conv_split(x, torch.cat(weights), bias, [w.shape[0] for w in weights], silu)
+    return causal_conv_split(x, torch.cat(weights), bias, [w.shape[0] for w in weights], silu, head_norm=head_norm)
 
 
 def _gdn_inputs(mixer, x):
@@ -133,15 +148,28 @@ def _mamba2_inputs(mixer, x):
     return (*mixer._convolve(xbc, triton=True, cache=None, ctx=None), z, dt)
 
 
+def _normalised_qk(mixer, outs):
+    """The plain path's q and k as the conv with ``qk_norm_in_conv`` gives them: normalised, heads repeated."""
+    q, k, *rest = outs
+    return (*(head_normalized(t, mixer.qk_head_norm()) for t in (q, k)), *rest)
+
+
 # mixer kind -> (pattern, the module that calls causal_conv_split, the mixer's conv inputs, how many it returns)
 MIXER_CASES = {"gdn": ("G-", "hybridlm.model.layers.delta_rule", _gdn_inputs, 6),
+               "kda": ("K-", "hybridlm.model.layers.delta_rule", _gdn_inputs, 6),
                "mamba2": ("S-", "hybridlm.model.layers.mamba2", _mamba2_inputs, 5)}
 
 
-# what the "on" side of a mixer case turns on: the split conv outputs alone, and with the projection's gradient
-# assembled in place
+# what the "on" side of a mixer case turns on: the split conv outputs alone, with the projection's gradient
+# assembled in place, and (delta-rule mixers) with q and k normalised in the conv
 SWITCHES = {"split": dict(split_conv_outputs=True), "in_place": dict(split_conv_outputs=True,
-                                                                     projection_grads_in_place=True)}
+                                                                     projection_grads_in_place=True),
+            "qk_norm": dict(split_conv_outputs=True, projection_grads_in_place=True, qk_norm_in_conv=True)}
+
+
+def _switches(kind: str) -> list:
+    """The switches a mixer kind is run with (KDA only with its q / k norm: the rest is GDN's code)."""
+    return {"gdn": list(SWITCHES), "kda": ["qk_norm"], "mamba2": ["split", "in_place"]}[kind]
 
 
 def _mixer_rows(kind: str) -> list:
@@ -158,7 +186,7 @@ def _mixer_rows(kind: str) -> list:
     holds, held = GradientSlot.holds, []
     GradientSlot.holds = lambda self, g: held.append((self.start, holds(self, g))) or held[-1][1]  # record it
     rows = []
-    for switch, dtype in [(sw, dt) for sw in SWITCHES for dt in (F32, BF16)]:
+    for switch, dtype in [(sw, dt) for sw in _switches(kind) for dt in (F32, BF16)]:
         mixers = []
         for on in (True, False):
             torch.manual_seed(0)
@@ -170,6 +198,8 @@ def _mixer_rows(kind: str) -> list:
             held.clear()
             x = torch.randn(2, 70, 64, generator=torch.Generator().manual_seed(3)).to(dtype).requires_grad_(True)
             outs = inputs(mixer, x)
+            if switch == "qk_norm" and mixer is mixers[1]:
+                outs = _normalised_qk(mixer, outs)
             g = torch.Generator().manual_seed(4)
             loss = sum((o.float() * torch.randn(o.shape, generator=g)).sum() for o in outs)
             loss.backward()
@@ -195,6 +225,12 @@ def run_kernel_cases() -> list:
         got, contiguous = _split_grads(_split_kernel, x, weights, biases, silu, used, dys)
         rows.append(kernel_case_row(got, want, kind="split", case=repr(case), bf16=case[4] == BF16,
                                     contiguous=contiguous, joined=can_split(case[0])))
+    for seed, case in enumerate(HEAD_NORM_CASES):
+        x, weights, biases, silu, used, dys = _split_inputs(case, seed)
+        want, _ = _split_grads(_split_twin, x, weights, biases, silu, used, dys, case[7])
+        got, contiguous = _split_grads(_split_kernel, x, weights, biases, silu, used, dys, case[7])
+        rows.append(kernel_case_row(got, want, kind="head_norm", case=repr(case), bf16=case[4] == BF16,
+                                    contiguous=contiguous, joined=can_split(case[0], case[7])))
     rows += [row for kind in MIXER_CASES for row in _mixer_rows(kind)]
     for tiles, rows_at_a_time in TILES:
         conv.TILES_PER_PROGRAM, conv.INTERPRETER_PASS1_ROWS = tiles, rows_at_a_time
@@ -232,23 +268,38 @@ def test_split_conv_equals_a_conv_per_block_in_the_interpreter(interpreter_run):
         assert max(r["errors"]) < (1e-5 if not r["bf16"] else 2e-2), r
 
 
+def test_head_norm_in_the_split_conv_equals_the_twin_in_the_interpreter(interpreter_run):
+    """q and k L2-normalised per head and their heads repeated in the conv's kernels, against the conv's twin
+    normalised in torch: outputs, and the gradients through the norm and the repeats."""
+    rows = _rows(interpreter_run, "head_norm")
+    assert [r["joined"] for r in rows] == [True] * 5 + [False]  # v of 40 channels is not whole heads of 16
+    for r, case in zip(rows, HEAD_NORM_CASES):
+        n_blocks, bias = len(case[0]), case[2]
+        assert r["dtypes_ok"] and r["n"] == r["n_want"] == n_blocks + 1 + n_blocks * (1 + bias), r
+        assert all(r["contiguous"]), r
+        assert max(r["errors"]) < (1e-5 if not r["bf16"] else 2e-2), r
+
+
 @pytest.mark.parametrize("kind", sorted(MIXER_CASES))
 def test_mixer_inputs_with_split_conv_outputs_equal_the_plain_ones(interpreter_run, kind):
     """GDN: one conv over q | k | v against three; Mamba2: x, B, C as tensors of their own against column blocks.
-    And with the projection's gradient assembled in place: the conv's block written there, not copied."""
+    And with the projection's gradient assembled in place: the conv's block written there, not copied. GDN and
+    KDA with q and k normalised in the conv: against the plain path's, normalised and repeated in torch."""
     rows = _rows(interpreter_run, kind)
     n_inputs = MIXER_CASES[kind][3]
-    assert [(r["switch"], r["bf16"]) for r in rows] == [(s, b) for s in SWITCHES for b in (False, True)]
+    assert [(r["switch"], r["bf16"]) for r in rows] == [(s, b) for s in _switches(kind) for b in (False, True)]
     for r in rows:
         assert r["split_calls"] == [1, 0], r  # the split conv ran with the switch on, and only then
-        # in place: the conv's block (GDN: q | k | v at column 0; Mamba2: x | B | C after z's 128 columns)
-        assert r["in_place"] == ([] if r["switch"] == "split" else [0] if kind == "gdn" else [128]), r
+        # in place: the conv's block (GDN / KDA: q | k | v at column 0; Mamba2: x | B | C after z's 128 columns)
+        assert r["in_place"] == ([] if r["switch"] == "split" else [128] if kind == "mamba2" else [0]), r
         # the inputs, the input's gradient, and the gradients of the parameters they depend on
-        n_params = 9 if kind == "gdn" else 3  # GDN: six projections, three convs; Mamba2: in_proj, conv weight, bias
+        n_params = 3 if kind == "mamba2" else 9  # GDN / KDA: six projections, three convs; Mamba2: in_proj, conv
         assert r["dtypes_ok"] and r["n"] == r["n_want"] == n_inputs + 1 + n_params, r
         assert all(r["contiguous"]), r  # what fla's scans take without a copy
-        # the same sums per channel in the same order: equal to the last bit here
-        assert max(r["errors"]) < (1e-6 if not r["bf16"] else 1e-2), r
+        # the same sums per channel in the same order: equal to the last bit here; the norm in the kernel from
+        # the fp32 conv output, in torch from its rounding to bf16
+        bound = 1e-5 if r["switch"] == "qk_norm" else 1e-6
+        assert max(r["errors"]) < (bound if not r["bf16"] else 2e-2), r
 
 
 def test_split_needs_aligned_blocks_and_at_most_three():
@@ -269,15 +320,35 @@ def test_split_kernels_compile_for_an_h200_as_the_single_output_ones():
     block keeps the rows' vector stores and loads, no spills, and about the registers of one output."""
     from hybridlm.bench.kernel_compile import conv_cases
     rows = list(conv_cases())
-    key = lambda r: (r["kernel"], r["BD"], r["num_warps"], r.get("BR"))  # noqa: E731
+    key = lambda r: (r["kernel"], r["BD"], r["num_warps"], r.get("tiles"), r.get("BR"))  # noqa: E731
     single = {key(r): r for r in rows if r["segments"] == 1}
-    split = [r for r in rows if r["segments"] == 3]
-    assert len(split) == len(single) == 3 + 8  # forward: 3 channel blocks; pass 1: 4 blocks x 2 row counts
+    split = [r for r in rows if r["segments"] == 3 and not r["head_norm"]]
+    assert len(split) == len(single) == 4 + 10  # forward: 4 configurations; pass 1: 5 x 2 row counts
     for r in split:
         one = single[key(r)]
         assert r["stack_bytes"] == 0 and r["st_b16"] == 0, r  # no spills, no 2-byte stores
         assert (r["st_v4"], r["ld_v4"], r["ld_b16"]) == (one["st_v4"], one["ld_v4"], one["ld_b16"]), (r, one)
         assert r["registers"] <= one["registers"] + 16, (r, one)
+
+
+def test_head_norm_kernels_compile_for_an_h200_without_spills():
+    """q and k's heads normalised and repeated in the split conv, compiled for sm_90 here: no spills; the forward
+    stores the repeated heads with the same 16-byte vectors (twice the stores of the plain split at its block), and
+    pass 1 loads the copies' gradients as vectors too, in about the plain split's registers."""
+    from hybridlm.bench.kernel_compile import conv_cases
+    rows = list(conv_cases())
+    key = lambda r: (r["kernel"], r["BD"], r["num_warps"], r.get("tiles"), r.get("BR"))  # noqa: E731
+    plain = {key(r): r for r in rows if r["segments"] == 3 and not r["head_norm"]}
+    normed = [r for r in rows if r["head_norm"]]
+    assert len(normed) == 2 + 2 * 2  # the 64-channel block (the head): 2 forward, 2 pass-1 configurations x 2 rows
+    for r in normed:
+        one = plain[key(r)]
+        assert r["stack_bytes"] == 0 and r["st_b16"] == 0 and r["ld_b32"] == 0, r
+        if r["kernel"] == "causal_conv forward":
+            assert r["st_v4"] == 2 * one["st_v4"] and r["ld_v4"] == one["ld_v4"], (r, one)
+        else:
+            assert r["ld_v4"] + r["ld_v2"] > one["ld_v4"] + one["ld_v2"], (r, one)  # the second copy's dy
+        assert r["registers"] <= one["registers"] + 32, (r, one)
 
 
 def test_pass1_takes_many_time_tiles_only_where_the_grid_stays_full():

@@ -10,8 +10,8 @@ It times nothing. Arguments are specialised as the JIT specialises real tensors 
 by 16). One JSON line per compiled configuration.
 
 Cases (``--kernels``): ``conv``, the short conv's forward and backward pass 1 (hybridlm/ops/causal_conv.py) with one
-output and with three (``causal_conv_split``'s q | k | v at GDN-300M's widths), at channel blocks (and, for pass 1,
-rows per iteration) the autotuner may pick. ``gated_norm``: the gated output norm's backward at both mixers' shapes.
+output and with three (``causal_conv_split``'s q | k | v at GDN-300M's widths), and with q and k's heads normalised
+and repeated in them, at channel blocks (and, for pass 1, rows per iteration) the autotuner may pick. ``gated_norm``: the gated output norm's backward at both mixers' shapes.
 """
 from __future__ import annotations
 
@@ -45,13 +45,14 @@ def compile_for_gpu(fn, pointers: Dict[str, str], constexprs: Dict[str, object],
                     arch: int = 90) -> Dict[str, int]:
     """Compile the ``triton.jit`` function ``fn`` for ``sm_<arch>``: ``pointers`` maps pointer arguments to their
     Triton type (``"*bf16"``), other non-constexpr arguments are ``i32``. Returns registers, stack bytes and its
-    global accesses by width (:func:`count_accesses`)."""
+    global accesses by width (:func:`count_accesses`). A float argument is typed ``"fp32"`` in ``pointers``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = {a: "constexpr" if a in constexprs else pointers.get(a, "i32") for a in fn.arg_names}
-    divisible = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if signature[a] != "constexpr"}
+    divisible = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                 if signature[a] not in ("constexpr", "fp32")}
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=divisible)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -69,21 +70,33 @@ def compile_for_gpu(fn, pointers: Dict[str, str], constexprs: Dict[str, object],
 
 def conv_cases() -> Iterator[Dict[str, object]]:
     """The short conv's forward and backward pass 1, one output segment against three (q | k | v at GDN-300M's
-    widths, 256 + 256 + 512), bf16, width 4, at channel blocks and warps from their autotuning configurations."""
+    widths, 256 + 256 + 512), bf16, width 4, at channel blocks and warps from their autotuning configurations; and
+    the three with q and k's heads of 64 normalised and repeated twice (``HeadNorm``: the block is the head)."""
     forward, pass1, _ = (k.fn for k in conv._kernels())  # under their autotuners
     bf16 = "*bf16"
-    for nseg, D0, D1 in ((1, 1024, 0), (3, 256, 256)):
-        split = {"D": 1024, "D0": D0, "D1": D1, "NSEG": nseg, "W": 4, "BT": conv.BT, "HAS_BIAS": False, "SILU": True}
-        for bd, warps in ((64, 4), (128, 4), (256, 8)):
-            yield {"kernel": "causal_conv forward", "segments": nseg, "BD": bd, "num_warps": warps,
-                   **compile_for_gpu(forward, dict.fromkeys(("x", "w", "b", "y0", "y1", "y2"), bf16),
+    plain = {"NW": 0, "REPEAT": 1, "HEAD": 0}
+    for nseg, D0, D1, norm in ((1, 1024, 0, plain), (3, 256, 256, plain),
+                               (3, 256, 256, {"NW": 512, "REPEAT": 2, "HEAD": 64})):
+        split = {"D": 1024, "D0": D0, "D1": D1, "NSEG": nseg, "W": 4, "BT": conv.BT, "HAS_BIAS": False, "SILU": True,
+                 **norm}
+        head_norm = norm["NW"] > 0
+        for bd, warps in ((64, 4), (128, 4), (256, 8), (64, 8)):
+            if head_norm and bd != norm["HEAD"]:
+                continue
+            yield {"kernel": "causal_conv forward", "segments": nseg, "head_norm": head_norm, "BD": bd,
+                   "num_warps": warps,
+                   **compile_for_gpu(forward, {**dict.fromkeys(("x", "w", "b", "y0", "y1", "y2"), bf16), "eps": "fp32"},
                                      {**split, "BD": bd}, warps)}
-        pointers = {**dict.fromkeys(("x", "w", "b", "dy0", "dy1", "dy2", "da"), bf16), "dw": "*fp32", "db": "*fp32"}
-        for bd, warps, tiles in ((16, 4, 1), (32, 4, 1), (32, 8, 32), (64, 8, 32)):
+        pointers = {**dict.fromkeys(("x", "w", "b", "dy0", "dy1", "dy2", "da"), bf16), "dw": "*fp32", "db": "*fp32",
+                    "eps": "fp32"}
+        for bd, warps, tiles in ((16, 4, 1), (32, 4, 1), (32, 8, 32), (64, 8, 32), (64, 4, 1)):
+            if head_norm and bd != norm["HEAD"]:
+                continue
             for rows in (16, conv.BT):
                 constexprs = {**split, "BD": bd, "WP": 4, "TILES": tiles, "BR": rows}
-                yield {"kernel": "causal_conv backward pass 1", "segments": nseg, "BD": bd, "num_warps": warps,
-                       "tiles": tiles, "BR": rows, **compile_for_gpu(pass1, pointers, constexprs, warps)}
+                yield {"kernel": "causal_conv backward pass 1", "segments": nseg, "head_norm": head_norm, "BD": bd,
+                       "num_warps": warps, "tiles": tiles, "BR": rows,
+                       **compile_for_gpu(pass1, pointers, constexprs, warps)}
 
 
 def gated_norm_cases() -> Iterator[Dict[str, object]]:

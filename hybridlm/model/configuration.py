@@ -173,6 +173,7 @@ class HybridConfig(PretrainedConfig):
         fuse_projections: bool = True,
         split_conv_outputs: bool = False,
         projection_grads_in_place: bool = False,
+        qk_norm_in_conv: bool = False,
         bos_token_id: Optional[int] = None,
         eos_token_id: Optional[int] = None,
         pad_token_id: Optional[int] = None,
@@ -200,7 +201,11 @@ class HybridConfig(PretrainedConfig):
         # the mixers' projection gradients assembled where their consumers write them, not concatenated; off
         # until measured (hybridlm/ops/gradient_slots.py)
         self.projection_grads_in_place = projection_grads_in_place
-        for name in ("fuse_residual_norm", "fuse_projections", "split_conv_outputs", "projection_grads_in_place"):
+        # GDN / KDA: where the split conv runs, it also L2-normalises q and k and repeats GDN's q / k heads for its
+        # grouped value heads (hybridlm/ops/causal_conv.py ``HeadNorm``); off until measured
+        self.qk_norm_in_conv = qk_norm_in_conv
+        for name in ("fuse_residual_norm", "fuse_projections", "split_conv_outputs", "projection_grads_in_place",
+                     "qk_norm_in_conv"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if backend not in BACKENDS:

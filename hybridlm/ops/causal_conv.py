@@ -27,6 +27,7 @@ segment's width). Its backward can write dx into the input's slot of a split pro
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -79,12 +80,14 @@ def _tap_sum(p, s_t, w, o_t, o_d, m_d, T, W: tl.constexpr, ANTI: tl.constexpr):
     return acc
 
 
-def _segment_rows(i_b, i_d, o_t, o_d, p0, s0b, s0t, p1, s1b, s1t, p2, s2b, s2t,
-                  D0: tl.constexpr, D1: tl.constexpr, BD: tl.constexpr, NSEG: tl.constexpr):
-    """Pointers ``[BT, BD]`` to rows ``o_t``, channels ``o_d`` (block ``i_d``) of a tensor whose channels are split
-    over ``NSEG`` tensors: ``[0, D0)`` in p0, ``[D0, D0 + D1)`` in p1, the rest in p2. The block lies in one of
-    them (the caller's channel blocks divide the widths), so its base is a scalar choice and its rows stay
-    contiguous runs."""
+def _segment_rows(i_b, i_d, o_t, p0, s0b, s0t, p1, s1b, s1t, p2, s2b, s2t,
+                  D0: tl.constexpr, D1: tl.constexpr, BD: tl.constexpr, NSEG: tl.constexpr,
+                  NW: tl.constexpr, REPEAT: tl.constexpr, j: tl.constexpr):
+    """Pointers ``[BT, BD]`` to rows ``o_t`` of channel block ``i_d`` of a tensor whose channels are split over
+    ``NSEG`` tensors: ``[0, D0)`` in p0, ``[D0, D0 + D1)`` in p1, the rest in p2. The block lies in one of them
+    (the caller's channel blocks divide the widths), so its base is a scalar choice and its rows stay contiguous
+    runs. A block of the first ``NW`` channels (one head: the block is the head) is stored ``REPEAT`` times side
+    by side: ``j`` picks the copy (heads repeated in place, as ``repeat_interleave`` over heads)."""
     base = p0 + i_b.to(tl.int64) * s0b
     s_t = s0t
     first = 0
@@ -98,12 +101,24 @@ def _segment_rows(i_b, i_d, o_t, o_d, p0, s0b, s0t, p1, s1b, s1t, p2, s2b, s2t,
         base = tl.where(in2, p2 + i_b.to(tl.int64) * s2b, base)
         s_t = tl.where(in2, s2t, s_t)
         first = tl.where(in2, D0 + D1, first)
-    return base + o_t[:, None] * s_t + (o_d - first)[None, :]
+    start = i_d * BD - first  # the block's first channel in its segment
+    if REPEAT > 1:
+        start = tl.where(i_d * BD < NW, start * REPEAT + j * BD, start)
+    return base + o_t[:, None] * s_t + (start + tl.arange(0, BD))[None, :]
 
 
-def _causal_conv_fwd_kernel(x, w, b, y0, y1, y2, T, s_xb, s_xt, s_y0b, s_y0t, s_y1b, s_y1t, s_y2b, s_y2t,
+def _head_rstd(u, eps):
+    """``1 / sqrt(sum u^2 + eps)`` over each row of a ``[rows, BD]`` block that is one head (fla's l2norm)."""
+    return 1 / tl.sqrt(tl.sum(u * u, 1) + eps)
+
+
+def _causal_conv_fwd_kernel(x, w, b, y0, y1, y2, T, s_xb, s_xt, s_y0b, s_y0t, s_y1b, s_y1t, s_y2b, s_y2t, eps,
                 D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                HAS_BIAS: tl.constexpr, SILU: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, NSEG: tl.constexpr):
+                HAS_BIAS: tl.constexpr, SILU: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, NSEG: tl.constexpr,
+                NW: tl.constexpr, REPEAT: tl.constexpr, HEAD: tl.constexpr):
+    """``silu(conv(x))`` for a ``[BT, BD]`` tile; in the first ``NW`` channels (``BD`` = the head) each row
+    L2-normalised over the head and stored ``REPEAT`` times (:class:`HeadNorm`)."""
+    tl.static_assert(NW == 0 or BD == HEAD, "a normalised head must be one channel block")
     i_d, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_d = i_d * BD + tl.arange(0, BD)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -113,15 +128,25 @@ def _causal_conv_fwd_kernel(x, w, b, y0, y1, y2, T, s_xb, s_xt, s_y0b, s_y0t, s_
         acc += tl.load(b + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    p_y = _segment_rows(i_b, i_d, o_t, o_d, y0, s_y0b, s_y0t, y1, s_y1b, s_y1t, y2, s_y2b, s_y2t, D0, D1, BD, NSEG)
-    tl.store(p_y, acc.to(y0.dtype.element_ty), mask=(o_t < T)[:, None] & m_d[None, :])
+    in_norm = (o_d < NW)[None, :]  # the block's channels are all normalised or none
+    if NW > 0:
+        acc = tl.where(in_norm, acc * _head_rstd(acc, eps)[:, None], acc)
+    m = (o_t < T)[:, None] & m_d[None, :]
+    for j in tl.static_range(REPEAT):
+        p_y = _segment_rows(i_b, i_d, o_t, y0, s_y0b, s_y0t, y1, s_y1b, s_y1t, y2, s_y2b, s_y2t,
+                            D0, D1, BD, NSEG, NW, REPEAT, j)
+        if j == 0:
+            tl.store(p_y, acc.to(y0.dtype.element_ty), mask=m)
+        else:  # the repeats: heads of the normalised channels only
+            tl.store(p_y, acc.to(y0.dtype.element_ty), mask=m & in_norm)
 
 
 def _causal_conv_bwd_weight_kernel(x, w, b, dy0, dy1, dy2, da, dw, db, T, NG, s_xb, s_xt,
-                       s_dy0b, s_dy0t, s_dy1b, s_dy1t, s_dy2b, s_dy2t,
+                       s_dy0b, s_dy0t, s_dy1b, s_dy1t, s_dy2b, s_dy2t, eps,
                        D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                        TILES: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                       D0: tl.constexpr, D1: tl.constexpr, NSEG: tl.constexpr, BR: tl.constexpr):
+                       D0: tl.constexpr, D1: tl.constexpr, NSEG: tl.constexpr, BR: tl.constexpr,
+                       NW: tl.constexpr, REPEAT: tl.constexpr, HEAD: tl.constexpr):
     """Backward, pass 1, over ``TILES`` consecutive ``[BT, BD]`` tiles of time, ``BR`` rows at a time (``BR``
     divides ``BT``): per block of rows ``da = dy * silu'(pre)``
     (``dy`` split over ``NSEG`` tensors as the forward's output; ``da`` stored, with SiLU, in dy's dtype and one
@@ -133,27 +158,44 @@ def _causal_conv_bwd_weight_kernel(x, w, b, dy0, dy1, dy2, da, dw, db, T, NG, s_
     warps): at Mamba2's width the conv went from 3.29 to 2.70 ms forward + backward (BENCHMARKS.md,
     "Session 19"); the pass is still ~3x its memory time. With ``BR = BT`` that tile takes 186 registers a
     thread at 64 channels and 8 warps (one block an SM: few loads in flight for a memory-bound pass); fewer rows
-    at a time take fewer (``python -m hybridlm.bench.kernel_compile``), and the autotuner picks."""
+    at a time take fewer (``python -m hybridlm.bench.kernel_compile``), and the autotuner picks.
+    In the first ``NW`` channels (a head a block) ``dy`` is the sum over the head's ``REPEAT`` copies, taken back
+    through the L2 norm (the normalised row recomputed from x in fp32) before the SiLU."""
+    tl.static_assert(NW == 0 or BD == HEAD, "a normalised head must be one channel block")
     i_d, i_g, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
     p_x = x + i_b.to(tl.int64) * s_xb
     o_w = tl.arange(0, WP)
+    in_norm = (o_d < NW)[None, :]  # the block's channels are all normalised or none
     acc_w = tl.zeros([BR, WP, BD], dtype=tl.float32)  # [:, i, :]: tap i's products
     acc_b = tl.zeros([BR, BD], dtype=tl.float32)
     for j in range(TILES * (BT // BR)):
         o_t = i_g * TILES * BT + j * BR + tl.arange(0, BR)
         m = (o_t < T)[:, None] & m_d[None, :]
-        p_dy = _segment_rows(i_b, i_d, o_t, o_d, dy0, s_dy0b, s_dy0t, dy1, s_dy1b, s_dy1t, dy2, s_dy2b, s_dy2t,
-                             D0, D1, BD, NSEG)
+        p_dy = _segment_rows(i_b, i_d, o_t, dy0, s_dy0b, s_dy0t, dy1, s_dy1b, s_dy1t, dy2, s_dy2b, s_dy2t,
+                             D0, D1, BD, NSEG, NW, REPEAT, 0)
         b_da = tl.load(p_dy, mask=m, other=0.0).to(tl.float32)
-        if SILU:
+        for r in tl.static_range(1, REPEAT):  # a repeated head's gradient: the sum over its copies
+            p_dy = _segment_rows(i_b, i_d, o_t, dy0, s_dy0b, s_dy0t, dy1, s_dy1b, s_dy1t, dy2, s_dy2b, s_dy2t,
+                                 D0, D1, BD, NSEG, NW, REPEAT, r)
+            b_da += tl.load(p_dy, mask=m & in_norm, other=0.0).to(tl.float32)
+        if SILU or NW > 0:
             pre = _tap_sum(p_x, s_xt, w, o_t, o_d, m_d, T, W, False)
             if HAS_BIAS:
                 pre += tl.load(b + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
-            sig = tl.sigmoid(pre)
-            b_da = b_da * sig * (1 + pre * (1 - sig))
-        if SILU or NSEG > 1:  # pass 2 reads one da: dy itself only when it is one tensor and there is no SiLU
+            if SILU:
+                sig = tl.sigmoid(pre)
+            if NW > 0:  # through y = u * rstd: du = rstd * (dy - y * sum(dy * y)), u the conv's output
+                u = pre
+                if SILU:
+                    u = pre * sig
+                rstd = _head_rstd(u, eps)[:, None]
+                y = u * rstd
+                b_da = tl.where(in_norm, (b_da - y * tl.sum(b_da * y, 1)[:, None]) * rstd, b_da)
+            if SILU:
+                b_da = b_da * sig * (1 + pre * (1 - sig))
+        if SILU or NSEG > 1 or NW > 0:  # pass 2 reads one da: dy itself only when it is one tensor, as it came
             p_da = da + i_b.to(tl.int64) * T * D + o_t[:, None] * D + o_d[None, :]
             tl.store(p_da, b_da.to(da.dtype.element_ty), mask=m)
         o_x = o_t[:, None] + (o_w[None, :] - W + 1)  # [BR, WP]: the row tap i multiplies
@@ -184,22 +226,22 @@ def _causal_conv_bwd_input_kernel(da, w, dx, T, s_dab, s_dat, s_dxb, s_dxt,
 def _kernels():
     """``(forward, backward pass 1, backward pass 2)``, jitted on first use; on a GPU autotuned over the channel
     block and warps (pass 1 also over its rows at a time), keeping only channel blocks that fit the segments."""
-    global _KERNELS, tl, _tap_sum, _segment_rows
+    global _KERNELS, tl, _tap_sum, _segment_rows, _head_rstd
     if _KERNELS is None:
         import triton
         import triton.language as tl  # noqa: F811 -- binds the module global the kernels' source names
-        _tap_sum, _segment_rows = triton.jit(_tap_sum), triton.jit(_segment_rows)
+        _tap_sum, _segment_rows, _head_rstd = (triton.jit(f) for f in (_tap_sum, _segment_rows, _head_rstd))
         kernels = [triton.jit(k) for k in (_causal_conv_fwd_kernel, _causal_conv_bwd_weight_kernel,
                                            _causal_conv_bwd_input_kernel)]
         if not interpreting():  # the interpreter runs one configuration
             configs = [triton.Config({"BD": bd}, num_warps=nw) for bd in (32, 64, 128, 256) for nw in (4, 8)]
             # pass 1 holds [BR, WP, BD] fp32 accumulators: wide channel blocks would spill, and many rows at a time
-            # leave few warps an SM
-            pass1_configs = [triton.Config({"BD": bd, "BR": br}, num_warps=nw) for bd in (16, 32, 64)
+            # leave few warps an SM (128 channels only where a head of 128 must be one block)
+            pass1_configs = [triton.Config({"BD": bd, "BR": br}, num_warps=nw) for bd in (16, 32, 64, 128)
                              for br in PASS1_ROWS for nw in (4, 8)]
-            kernels = [autotuned(kernels[0], configs, ["D", "W", "D0", "D1"], prune=_blocks_within_segments),
-                       autotuned(kernels[1], pass1_configs, ["D", "W", "TILES", "D0", "D1"],
-                                 prune=_blocks_within_segments),
+            tiled = ["D", "W", "D0", "D1", "NW", "REPEAT"]
+            kernels = [autotuned(kernels[0], configs, tiled, prune=_blocks_within_segments),
+                       autotuned(kernels[1], pass1_configs, tiled + ["TILES"], prune=_blocks_within_segments),
                        autotuned(kernels[2], configs, ["D", "W"])]
         _KERNELS = tuple(kernels)
     return _KERNELS
@@ -207,8 +249,12 @@ def _kernels():
 
 def _blocks_within_segments(configs, named_args, **kwargs):
     """The autotuner's configurations whose channel block divides every output segment's width (with one segment,
-    all: the kernels mask the last block)."""
+    all: the kernels mask the last block); where heads are normalised (``NW > 0``), those whose block is the head.
+    Pass 1's 128-channel blocks only for heads of 128."""
     args = {**named_args, **kwargs}
+    if args.get("NW", 0) > 0:
+        return [c for c in configs if c.kwargs["BD"] == args["HEAD"]]
+    configs = [c for c in configs if "BR" not in c.kwargs or c.kwargs["BD"] <= 64]
     if args["NSEG"] == 1:
         return configs
     widths = (args["D0"], args["D1"], args["D"] - args["D0"] - args["D1"])[:args["NSEG"]]
@@ -216,14 +262,38 @@ def _blocks_within_segments(configs, named_args, **kwargs):
 
 
 SEGMENT_ALIGN = 32  # the narrowest channel block of the forward's configurations: segments must be multiples of it
+NORM_HEAD_DIMS = (32, 64, 128)  # heads the kernels normalise on a GPU: a channel block of both passes' configurations
 INTERPRETER_BD = 16
 PASS1_ROWS = (16, 32, 64)  # rows per iteration of the backward's pass 1 (each divides BT) the autotuner tries
 INTERPRETER_PASS1_ROWS = 32  # the one the interpreter runs (the CPU tests set it per case)
 
 
-def _launch_args(D: int) -> dict:
-    """The channel block where the autotuner does not choose it (the interpreter)."""
-    return {"BD": INTERPRETER_BD} if interpreting() else {}
+@dataclass(frozen=True)
+class HeadNorm:
+    """What :func:`causal_conv_split` does to its first ``segments`` outputs after the conv + SiLU: each head of
+    ``head_dim`` channels L2-normalised (``u / sqrt(sum u^2 + eps)``, fla's ``l2norm``) and stored ``repeat``
+    times side by side, as ``repeat_interleave`` over heads. GDN / KDA's q and k: normalised as fla's kernels
+    would normalise them, and GDN's q / k heads repeated for its grouped value heads (fla's kernels index a q / k
+    head per value head either way; given them one per value head, its backward sums no gradients over groups)."""
+    segments: int
+    head_dim: int
+    repeat: int = 1
+    eps: float = 1e-6
+
+    def width(self, widths) -> int:
+        """The input channels it normalises."""
+        return sum(widths[:self.segments])
+
+    def output_widths(self, widths) -> tuple:
+        return tuple(w * self.repeat if j < self.segments else w for j, w in enumerate(widths))
+
+
+def _launch_args(D: int, head_norm: Optional[HeadNorm] = None) -> dict:
+    """The channel block where the autotuner does not choose it (the interpreter): the head where heads are
+    normalised."""
+    if not interpreting():
+        return {}
+    return {"BD": head_norm.head_dim if head_norm else INTERPRETER_BD}
 
 
 def _segment_args(tensors) -> list:
@@ -234,20 +304,24 @@ def _segment_args(tensors) -> list:
 
 
 class _CausalConv(torch.autograd.Function):
-    """The conv over ``x``'s channels, its output split into ``widths`` (one or up to three contiguous tensors)."""
+    """The conv over ``x``'s channels, its output split into ``widths`` (one or up to three contiguous tensors),
+    optionally with a :class:`HeadNorm` on the first of them."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, silu, widths, grad_slot):
+    def forward(ctx, x, weight, bias, silu, widths, grad_slot, head_norm):
         Bsz, T, D = x.shape
         W = weight.shape[-1]
         fwd = _kernels()[0]
-        ys = [torch.empty(Bsz, T, w, dtype=x.dtype, device=x.device) for w in widths]
+        out_widths = head_norm.output_widths(widths) if head_norm else widths
+        ys = [torch.empty(Bsz, T, w, dtype=x.dtype, device=x.device) for w in out_widths]
         grid = lambda meta: (-(-D // meta["BD"]), -(-T // BT), Bsz)  # noqa: E731
         seg = _segment_args(ys)
-        fwd[grid](x, weight, bias, *seg[:3], T, x.stride(0), x.stride(1), *seg[3:], **_segment_constants(D, widths),
-                  W=W, BT=BT, HAS_BIAS=bias is not None, SILU=silu, **_launch_args(D))
+        fwd[grid](x, weight, bias, *seg[:3], T, x.stride(0), x.stride(1), *seg[3:], _eps(head_norm),
+                  **_segment_constants(D, widths, head_norm), W=W, BT=BT, HAS_BIAS=bias is not None, SILU=silu,
+                  **_launch_args(D, head_norm))
         ctx.save_for_backward(x, weight, bias)
-        ctx.silu, ctx.widths, ctx.grad_slot = silu, widths, grad_slot
+        ctx.silu, ctx.widths, ctx.grad_slot, ctx.head_norm = silu, widths, grad_slot, head_norm
+        ctx.out_widths = out_widths
         return tuple(ys)
 
     @staticmethod
@@ -258,31 +332,42 @@ class _CausalConv(torch.autograd.Function):
         NT = -(-T // BT)
         tiles = pass1_tiles(D, NT)
         NG = -(-NT // tiles)
+        head_norm = ctx.head_norm
         # an output the loss did not use has no gradient: zeros, so that the kernels read one tensor per segment
         dys = [torch.zeros(Bsz, T, w, dtype=x.dtype, device=x.device) if dy is None
-               else dy if dy.stride(-1) == 1 else dy.contiguous() for dy, w in zip(dys, ctx.widths)]
+               else dy if dy.stride(-1) == 1 else dy.contiguous() for dy, w in zip(dys, ctx.out_widths)]
         _, bwd_weight, bwd_input = _kernels()
-        # without SiLU and with one segment, da is dy itself; else pass 1 writes da (dy's dtype: what fla's reads)
-        da = dys[0] if not ctx.silu and len(dys) == 1 else torch.empty(Bsz, T, D, dtype=dys[0].dtype, device=x.device)
+        # da is dy itself only for one segment as it came (no SiLU, no norm); else pass 1 writes it in dy's dtype
+        # (what fla's reads)
+        da = dys[0] if not ctx.silu and len(dys) == 1 and head_norm is None else \
+            torch.empty(Bsz, T, D, dtype=dys[0].dtype, device=x.device)
         dw = torch.empty(Bsz * NG, D, W, dtype=torch.float32, device=x.device)
         db = torch.empty(Bsz * NG, D, dtype=torch.float32, device=x.device) if bias is not None else None
         seg = _segment_args(dys)
         bwd_weight[lambda meta: (-(-D // meta["BD"]), NG, Bsz)](
-            x, weight, bias, *seg[:3], da, dw, db, T, NG, x.stride(0), x.stride(1), *seg[3:],
-            **_segment_constants(D, ctx.widths), W=W,
+            x, weight, bias, *seg[:3], da, dw, db, T, NG, x.stride(0), x.stride(1), *seg[3:], _eps(head_norm),
+            **_segment_constants(D, ctx.widths, head_norm), W=W,
             WP=next_power_of_2(W), BT=BT, TILES=tiles, HAS_BIAS=bias is not None, SILU=ctx.silu,
-            **_launch_args(D), **({"BR": INTERPRETER_PASS1_ROWS} if interpreting() else {}))
+            **_launch_args(D, head_norm), **({"BR": INTERPRETER_PASS1_ROWS} if interpreting() else {}))
         grid = lambda meta: (-(-D // meta["BD"]), NT, Bsz)  # noqa: E731
         # in place in the split projection's gradient where x is a block of it (gradient_slots.py)
         dx = gradient_into(ctx.grad_slot, x.shape, x.dtype, x.device)
         bwd_input[grid](da, weight, dx, T, da.stride(0), da.stride(1), dx.stride(0), dx.stride(1),
                         D=D, W=W, BT=BT, **_launch_args(D))
-        return (dx, dw.sum(0).to(weight.dtype), None if db is None else db.sum(0).to(bias.dtype), None, None, None)
+        return (dx, dw.sum(0).to(weight.dtype), None if db is None else db.sum(0).to(bias.dtype),
+                None, None, None, None)
 
 
-def _segment_constants(D: int, widths) -> dict:
-    """The kernels' constexprs for the output split ``widths``: the total, the first two widths and their count."""
-    return {"D": D, "D0": widths[0], "D1": widths[1] if len(widths) > 1 else 0, "NSEG": len(widths)}
+def _eps(head_norm: Optional[HeadNorm]) -> float:
+    return head_norm.eps if head_norm else 0.0
+
+
+def _segment_constants(D: int, widths, head_norm: Optional[HeadNorm] = None) -> dict:
+    """The kernels' constexprs for the output split ``widths``: the total, the first two widths and their count;
+    the channels a :class:`HeadNorm` normalises (0: none), its repeat and head."""
+    return {"D": D, "D0": widths[0], "D1": widths[1] if len(widths) > 1 else 0, "NSEG": len(widths),
+            "NW": head_norm.width(widths) if head_norm else 0, "REPEAT": head_norm.repeat if head_norm else 1,
+            "HEAD": head_norm.head_dim if head_norm else 0}
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], name: str) -> None:
@@ -300,32 +385,69 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     _check(x, weight, bias, "causal_conv")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return _CausalConv.apply(x, weight, bias, silu, (x.shape[-1],), None)[0]
+    return _CausalConv.apply(x, weight, bias, silu, (x.shape[-1],), None, None)[0]
 
 
-def can_split(widths) -> bool:
+def can_split(widths, head_norm: Optional[HeadNorm] = None) -> bool:
     """Whether :func:`causal_conv_split` runs ``widths`` as one conv: at most three segments, each a multiple of
-    the narrowest channel block the kernels may take (else it runs one conv per segment)."""
+    the narrowest channel block the kernels may take (else it runs one conv per segment); with a
+    :class:`HeadNorm`, each a multiple of its head, a head the kernels take as a block."""
     align = INTERPRETER_BD if interpreting() else SEGMENT_ALIGN
+    if head_norm is not None:
+        hd = head_norm.head_dim
+        heads = NORM_HEAD_DIMS if not interpreting() else (hd,) if hd >= 2 and hd & (hd - 1) == 0 else ()
+        if hd not in heads or not 1 <= head_norm.segments <= len(widths):
+            return False
+        align = head_norm.head_dim
     return 1 <= len(widths) <= 3 and all(w > 0 and w % align == 0 for w in widths)
 
 
+def head_normalized(y: torch.Tensor, head_norm: HeadNorm) -> torch.Tensor:
+    """:class:`HeadNorm` on one conv output ``[B, T, C]`` in torch (fp32 math, y's dtype): the twin's, and the
+    per-block path's where the kernels cannot take the split."""
+    B, T, C = y.shape
+    u = y.float().view(B, T, C // head_norm.head_dim, head_norm.head_dim)
+    u = u * torch.rsqrt(u.pow(2).sum(-1, keepdim=True) + head_norm.eps)
+    return u.repeat_interleave(head_norm.repeat, dim=2).reshape(B, T, -1).to(y.dtype)
+
+
 def causal_conv_split(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], widths: Sequence[int],
-                      silu: bool = True, grad_slot: Optional[GradientSlot] = None) -> tuple:
+                      silu: bool = True, grad_slot: Optional[GradientSlot] = None,
+                      head_norm: Optional[HeadNorm] = None) -> tuple:
     """The conv of :func:`causal_conv` over ``x``'s channels, its output as one contiguous ``[B, T, w]`` tensor per
     block of ``widths`` (adjacent column blocks: GDN / KDA's q | k | v, Mamba2's x | B | C). One kernel for all
     blocks where :func:`can_split` holds (one forward and two backward kernels where a conv per block would
     launch three each), else one conv per block. ``weight [sum(widths), W]``, ``bias`` the same rows or None.
     ``grad_slot``: where the backward writes x's gradient (hybridlm/ops/gradient_slots.py), if x is a block of a
-    split projection."""
+    split projection. ``head_norm``: the first blocks' heads L2-normalised and repeated (:class:`HeadNorm`;
+    their outputs are ``repeat`` times wider)."""
     widths = tuple(int(w) for w in widths)
     _check(x, weight, bias, "causal_conv_split")
     if sum(widths) != x.shape[-1]:
         raise ValueError(f"causal_conv_split: widths {widths} must add up to x's {x.shape[-1]} channels")
+    if head_norm is not None and any(w % head_norm.head_dim for w in widths[:head_norm.segments]):
+        raise ValueError(f"causal_conv_split: the first {head_norm.segments} widths of {widths} must be multiples "
+                         f"of head_norm's head_dim {head_norm.head_dim}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if not can_split(widths):
+    if not can_split(widths, head_norm):
         starts = [sum(widths[:j]) for j in range(len(widths))]
-        return tuple(causal_conv(x[..., s:s + w], weight[s:s + w], None if bias is None else bias[s:s + w], silu)
-                     for s, w in zip(starts, widths))
-    return _CausalConv.apply(x, weight, bias, silu, widths, grad_slot)
+        ys = [causal_conv(x[..., s:s + w], weight[s:s + w], None if bias is None else bias[s:s + w], silu)
+              for s, w in zip(starts, widths)]
+        return tuple(head_normalized(y, head_norm) if head_norm and j < head_norm.segments else y
+                     for j, y in enumerate(ys))
+    return _CausalConv.apply(x, weight, bias, silu, widths, grad_slot, head_norm)
+
+
+def causal_conv_split_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                                widths: Sequence[int], silu: bool = True,
+                                head_norm: Optional[HeadNorm] = None) -> tuple:
+    """The torch twin of :func:`causal_conv_split`: :func:`causal_conv_reference` over each block, then
+    :func:`head_normalized` on the first ``head_norm.segments`` of them from the fp32 conv output."""
+    starts = [sum(widths[:j]) for j in range(len(widths))]
+    out = []
+    for j, (s, w) in enumerate(zip(starts, widths)):
+        y = causal_conv_reference(x[..., s:s + w].float(), weight[s:s + w].float(),
+                                  None if bias is None else bias[s:s + w].float(), silu)
+        out.append((head_normalized(y, head_norm) if head_norm and j < head_norm.segments else y).to(x.dtype))
+    return tuple(out)

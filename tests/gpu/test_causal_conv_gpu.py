@@ -2,12 +2,15 @@
 gradients against the torch twin (in fp64 on the CPU) and against fla's causal_conv1d, at a Mamba2-300M layer's width
 with x a strided slice of the projection, as the model passes it (needs CUDA; the interpreter's CPU twin of this
 test is tests/test_causal_conv.py). And ``causal_conv_split`` at GDN-300M's q | k | v widths against a conv per block
-(the twin in fp64, and the project's single conv)."""
+(the twin in fp64, and the project's single conv); with q and k L2-normalised per head and repeated for GDN's value
+heads in the kernels, against the twin and against the path they replace (the split conv, then fla's ``l2norm`` and
+``repeat_interleave``)."""
 import pytest
 import torch
 
 from conftest import rel_err
-from hybridlm.ops.causal_conv import causal_conv, causal_conv_reference, causal_conv_split
+from hybridlm.ops.causal_conv import (HeadNorm, causal_conv, causal_conv_reference, causal_conv_split,
+                                      causal_conv_split_reference)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -74,3 +77,41 @@ def test_split_conv_matches_a_conv_per_block(dtype):
         assert o.dtype == dtype and o.shape == t.shape, i
         assert rel_err(o, t) < tol, (i, rel_err(o, t))
         assert rel_err(o, t) <= 1.5 * rel_err(s, t) + 1e-6, (i, rel_err(o, t), rel_err(s, t))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("head_dim,repeat", [(64, 2), (32, 1)], ids=["gdn", "kda"])
+def test_split_conv_with_head_norm_matches_the_twin_and_fla_l2norm(dtype, head_dim, repeat):
+    """GDN-300M's q | k | v (heads of 64, each q / k head shared by 2 value heads) and KDA-300M's (heads of 32):
+    the normalised, repeated q and k and every gradient, no worse than fla's l2norm after the plain split conv."""
+    from fla.modules.l2norm import l2norm
+    torch.manual_seed(0)
+    widths, T = (256, 256, 512), 2048
+    norm = HeadNorm(2, head_dim, repeat)
+    D = sum(widths)
+    x = torch.randn(2, T, D + 528, device="cuda", dtype=dtype)[..., :D]
+    weight = (torch.rand(D, 4, device="cuda") - 0.5).to(dtype)
+    dys = [torch.randn(2, T, w, device="cuda", dtype=dtype) for w in norm.output_widths(widths)]
+
+    def run(fn, x, weight, dys):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, weight)]
+        ys = fn(*leaves)
+        torch.autograd.backward(ys, dys)
+        return [y.detach() for y in ys] + [t.grad for t in leaves], ys
+
+    def fla_norm(x, w):  # what the model ran before: the split conv, fla's l2norm in its kernels, then the repeat
+        q, k, v = causal_conv_split(x, w, None, widths)
+        return [l2norm(t.view(2, T, -1, head_dim)).repeat_interleave(repeat, dim=2).view(2, T, -1)
+                for t in (q, k)] + [v]
+
+    ours, ys = run(lambda x, w: causal_conv_split(x, w, None, widths, head_norm=norm), x, weight, dys)
+    assert all(y.is_contiguous() and y.shape[-1] == w for y, w in zip(ys, norm.output_widths(widths)))
+    cpu64 = lambda t: t.detach().cpu().double()  # noqa: E731
+    twin, _ = run(lambda x, w: causal_conv_split_reference(x, w, None, widths, head_norm=norm), cpu64(x),
+                  cpu64(weight), [cpu64(d) for d in dys])
+    fla, _ = run(fla_norm, x, weight, dys)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for i, (o, t, f) in enumerate(zip(ours, twin, fla)):
+        assert o.dtype == dtype and o.shape == t.shape, i
+        assert rel_err(o, t) < tol, (i, rel_err(o, t))
+        assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-6, (i, rel_err(o, t), rel_err(f, t))

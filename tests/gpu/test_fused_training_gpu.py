@@ -4,9 +4,10 @@
    tensor a GEMM's output: forward and gradient against the torch twin in fp64 on the CPU, and no worse than fla's
    ``swiglu`` of the two halves.
 2. A training step of two blocks of each sublayer kind on fla's kernels (bf16), with ``fuse_projections``,
-   ``fuse_residual_norm``, ``split_conv_outputs`` and ``projection_grads_in_place`` on against all off (same
-   weights): loss and every gradient (fla's fused add + norm, its kernels reading column slices and the
-   recurrences fed by the split conv outputs are what the CPU cannot run).
+   ``fuse_residual_norm``, ``split_conv_outputs``, ``projection_grads_in_place`` and ``qk_norm_in_conv`` on
+   against all off (same weights): loss and every gradient (fla's fused add + norm, its kernels reading column
+   slices and the recurrences fed by the split conv outputs, q and k normalised and repeated there instead of in
+   fla's kernels, are what the CPU cannot run).
 """
 import pytest
 import torch
@@ -57,7 +58,7 @@ def _model(pattern, **keys):
 # two blocks deep so that a residual add goes into a norm between them; bf16, as training runs
 @pytest.mark.parametrize("pattern", ["G-G-", "K-K-", "S-S-", "*-*-"], ids=["gdn", "kda", "mamba2", "mla"])
 def test_fused_training_step_matches_the_unfused_one(pattern):
-    fused = _model(pattern, split_conv_outputs=True, projection_grads_in_place=True)
+    fused = _model(pattern, split_conv_outputs=True, projection_grads_in_place=True, qk_norm_in_conv=True)
     plain = _model(pattern, fuse_projections=False, fuse_residual_norm=False)
     plain.load_state_dict(fused.state_dict())
     ids = torch.randint(1, 1024, (2, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1))

@@ -20,7 +20,7 @@ from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_c
 from hybridlm.model.layers.init import init_A_log, init_dt_bias
 from hybridlm.model.layers.projections import project
 from hybridlm.ops.backend import use_triton, use_triton_elementwise
-from hybridlm.ops.causal_conv import causal_conv_split
+from hybridlm.ops.causal_conv import HeadNorm, can_split, causal_conv_split
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state, l2_normalize
 from hybridlm.ops.elementwise import gated_rms_norm
 from hybridlm.ops.gradient_slots import gradient_slot
@@ -44,6 +44,7 @@ class DeltaRuleMixer(nn.Module):
         self.fuse_projections = config.fuse_projections
         self.split_conv_outputs = config.split_conv_outputs
         self.projection_grads_in_place = config.projection_grads_in_place
+        self.qk_norm_in_conv = config.qk_norm_in_conv
         self.q_proj = nn.Linear(d, self.key_dim, bias=False)
         self.k_proj = nn.Linear(d, self.key_dim, bias=False)
         self.v_proj = nn.Linear(d, self.value_dim, bias=False)
@@ -83,9 +84,10 @@ class DeltaRuleMixer(nn.Module):
         """The output gate's pre-activation from the first output-gate linear's output."""
         raise NotImplementedError
 
-    def triton_delta_rule(self, q, k, v, a, b, initial_state=None, output_final_state=False):
-        """fla's kernel with the gate, L2 norms and sigmoid fused in; returns ``(o, final state or None)``.
-        One token continuing a state goes through the fused recurrent kernel."""
+    def triton_delta_rule(self, q, k, v, a, b, initial_state=None, output_final_state=False, qk_normalized=False):
+        """fla's kernel with the gate, L2 norms (unless ``qk_normalized``: done in the conv) and sigmoid fused in;
+        returns ``(o, final state or None)``. One token continuing a state goes through the fused recurrent
+        kernel."""
         raise NotImplementedError
 
     # -------------------------------------------------------------------------------------------
@@ -100,16 +102,31 @@ class DeltaRuleMixer(nn.Module):
         g = -self.A_log.float().exp().view(-1, 1) * F.softplus(a)
         return g if self.gate_per_key_channel else g.squeeze(-1)
 
+    def conv_plan(self, triton: bool, cache=None) -> tuple:
+        """``(join, normalise)``: whether q | k | v go through one split conv, and whether that conv also
+        L2-normalises q and k and repeats their heads for the value heads (``qk_norm_in_conv``: the recurrence
+        then takes them as they are)."""
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        join = split_conv_applies(self.split_conv_outputs, triton, cache) and len({c.bias is None for c in convs}) == 1
+        head_norm = self.qk_head_norm()
+        normalise = join and self.qk_norm_in_conv and can_split((self.key_dim, self.key_dim, self.value_dim), head_norm)
+        return join, normalise
+
+    def qk_head_norm(self) -> HeadNorm:
+        """q and k's heads normalised as fla normalises them, each repeated for the value heads that share it."""
+        return HeadNorm(segments=2, head_dim=self.head_k_dim, repeat=self.num_v_heads // self.num_heads)
+
     def projected_inputs(self, x: torch.Tensor, triton: bool, cache=None) -> tuple:
         """``(q, k, v, b, a, z)``: the six projections, q / k / v through their short convs (continuing from the
         cache's conv states in generation). In training one GEMM for the six (hybridlm/model/layers/projections.py),
         and with ``split_conv_outputs`` one conv kernel over q | k | v where they lie side by side in its output,
-        writing each as its own contiguous tensor (hybridlm/ops/causal_conv.py ``causal_conv_split``). With
+        writing each as its own contiguous tensor (hybridlm/ops/causal_conv.py ``causal_conv_split``); with
+        ``qk_norm_in_conv`` too, q and k come L2-normalised, one head per value head (:meth:`conv_plan`). With
         ``projection_grads_in_place`` the GEMM's output gradient is assembled where the conv and the output norm
         write theirs (hybridlm/ops/gradient_slots.py)."""
         linears = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.gate_projections())
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        join = split_conv_applies(self.split_conv_outputs, triton, cache) and len({c.bias is None for c in convs}) == 1
+        join, normalise = self.conv_plan(triton, cache)
         in_place = self.projection_grads_in_place and triton and cache is None
         outputs = project(x, linears, fuse=self.fuse_projections, join_first=3 if join else 1, grads_in_place=in_place)
         if len(outputs) == len(linears) - 2:  # q | k | v as one view
@@ -117,7 +134,8 @@ class DeltaRuleMixer(nn.Module):
             bias = None if convs[0].bias is None else torch.cat([c.bias for c in convs])
             widths = [c.weight.shape[0] for c in convs]
             return (*causal_conv_split(qkv, torch.cat([c.weight for c in convs]), bias, widths,
-                                       grad_slot=gradient_slot(qkv)), *rest)
+                                       grad_slot=gradient_slot(qkv),
+                                       head_norm=self.qk_head_norm() if normalise else None), *rest)
         q, k, v, *rest = outputs
         return (*(run_short_conv(c, t, triton, cache, name) for c, t, name in zip(convs, (q, k, v), "qkv")), *rest)
 
@@ -126,14 +144,17 @@ class DeltaRuleMixer(nn.Module):
         triton = use_triton(self.backend, x)
         cache, x = recurrent_context(ctx, self.layer_idx, x)
         q, k, v, b, a, z = self.projected_inputs(x, triton, cache)
-        q = q.view(B, T, self.num_heads, self.head_k_dim)
-        k = k.view(B, T, self.num_heads, self.head_k_dim)
+        qk_normalized = self.conv_plan(triton, cache)[1]  # then one q / k head per value head
+        qk_heads = self.num_v_heads if qk_normalized else self.num_heads
+        q = q.view(B, T, qk_heads, self.head_k_dim)
+        k = k.view(B, T, qk_heads, self.head_k_dim)
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)
         # fused, a and b are column slices of one tensor; fla's kernels index them as contiguous [B, T, HV(, K)]
         a, b = self.gate_input(a).contiguous(), b.contiguous()
         state = None if cache is None else cache.state
         if triton:
-            o, state = self.triton_delta_rule(q, k, v, a, b, initial_state=state, output_final_state=cache is not None)
+            o, state = self.triton_delta_rule(q, k, v, a, b, initial_state=state, output_final_state=cache is not None,
+                                              qk_normalized=qk_normalized)
         else:
             groups = self.num_v_heads // self.num_heads
             q, k = (l2_normalize(t.float()) for t in (q, k))

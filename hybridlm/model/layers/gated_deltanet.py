@@ -24,10 +24,10 @@ class GatedDeltaNet(DeltaRuleMixer):
     def output_gate(self, h):
         return h
 
-    def triton_delta_rule(self, q, k, v, a, b, initial_state=None, output_final_state=False):
+    def triton_delta_rule(self, q, k, v, a, b, initial_state=None, output_final_state=False, qk_normalized=False):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
         op = fused_recurrent_gated_delta_rule if initial_state is not None and q.shape[1] == 1 else chunk_gated_delta_rule
         return op(q=q, k=k, v=v, g=a, beta=b, scale=self.head_k_dim ** -0.5,
                   initial_state=initial_state, output_final_state=output_final_state,
-                  use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                  use_qk_l2norm_in_kernel=not qk_normalized, use_beta_sigmoid_in_kernel=True,
                   use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias)

@@ -27,11 +27,11 @@ class KimiDeltaAttention(DeltaRuleMixer):
     def output_gate(self, h):
         return self.g_proj[1](h)
 
-    def triton_delta_rule(self, q, k, v, a, b, initial_state=None, output_final_state=False):
+    def triton_delta_rule(self, q, k, v, a, b, initial_state=None, output_final_state=False, qk_normalized=False):
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
         B, T = a.shape[:2]
         op = fused_recurrent_kda if initial_state is not None and T == 1 else chunk_kda
         return op(q=q, k=k, v=v, g=a.view(B, T, self.num_v_heads, self.head_k_dim), beta=b,
                   scale=self.head_k_dim ** -0.5, initial_state=initial_state, output_final_state=output_final_state,
-                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                  use_qk_l2norm_in_kernel=not qk_normalized, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                   A_log=self.A_log, dt_bias=self.dt_bias)
