@@ -7,7 +7,9 @@ and the time that takes at the H200's ~4.8 TB/s (the memory floor).
 conv: the short conv + SiLU (hybridlm/ops/causal_conv.py against fla's causal_conv1d), x a strided slice of the
 projection as the mixers pass it, for each ``--conv-tiles`` of the backward's pass 1 (with the autotuner's pick of
 channel block, rows at a time and warps). conv_split: GDN-300M's q | k | v, three convs (the project's kernel, one per
-block) against one ``causal_conv_split`` over the joined columns (``split_conv_outputs``). norm: the residual-add
+block) against one ``causal_conv_split`` over the joined columns (``split_conv_outputs``). conv_head_norm: the same
+with q and k normalised and repeated per value head in the kernels (``qk_norm_in_conv``) against the split conv, fla's
+l2norm and ``repeat_interleave``. norm: the residual-add
 RMSNorm (hybridlm/ops/rms_norm.py against fla's rms_norm with ``residual=``), and Mamba2's output stage
 (hybridlm/ops/gated_norm.py against ``addcmul`` + fla's grouped gated norm). ce: the cross-entropy of one chunk of LM-head logits with its gradient
 (hybridlm/ops/cross_entropy.py, one launch, against fla's fused cross-entropy forward + backward), also for
@@ -120,6 +122,39 @@ def bench_conv_split(args) -> list:
     return [_floor(row, 5 * args.micro_batch * args.seq * D * 2, "split", "three")]
 
 
+def bench_conv_head_norm(args) -> list:
+    """GDN-300M's q | k | v with q and k normalised and repeated for the value heads: in the split conv
+    (``qk_norm_in_conv``) against the split conv, fla's l2norm and ``repeat_interleave`` (whose backward is the
+    sum over the repeats that fla's grouped backward does itself)."""
+    from fla.modules.l2norm import l2norm
+
+    from hybridlm.ops.causal_conv import HeadNorm, causal_conv_split
+    widths, proj, head_dim, repeat = (256, 256, 512), 1552, 64, 2
+    norm = HeadNorm(2, head_dim, repeat)
+    D = sum(widths)
+    B, T = args.micro_batch, args.seq
+    torch.manual_seed(0)
+    base = torch.randn(B, T, proj, device="cuda", dtype=torch.bfloat16)
+    weight = (torch.rand(D, 4, device="cuda") - 0.5).to(torch.bfloat16).requires_grad_(True)
+    dys = [torch.randn(B, T, w, device="cuda", dtype=torch.bfloat16) for w in norm.output_widths(widths)]
+
+    def unfused(x):
+        q, k, v = causal_conv_split(x[..., :D], weight, None, widths)
+        return [l2norm(t.view(B, T, -1, head_dim)).repeat_interleave(repeat, dim=2).view(B, T, -1)
+                for t in (q, k)] + [v]
+
+    kernels = {"in_conv": lambda x: causal_conv_split(x[..., :D], weight, None, widths, head_norm=norm),
+               "unfused": unfused}
+    row = {"op": "conv_head_norm", "shape": "gdn_300m q | k | v, q / k heads x2", "B": B, "T": T, "D": D}
+    for kname, fn in kernels.items():
+        fwd, fwd_bwd = _fwd_and_fwd_bwd(fn, base, dys, [weight])
+        row[f"{kname}_fwd_ms"] = timed(fwd, args.iters)
+        row[f"{kname}_fwd_bwd_ms"] = timed(fwd_bwd, args.iters)
+    # forward reads x (D) and writes q and k twice and v; backward reads x, the outputs' gradients, writes dx
+    moved = B * T * 2 * (D + sum(norm.output_widths(widths)) + D + sum(norm.output_widths(widths)) + D)
+    return [_floor(row, moved, "in_conv", "unfused")]
+
+
 def bench_norm(args) -> list:
     from fla.modules.layernorm import rms_norm as fla_rms_norm
 
@@ -218,8 +253,8 @@ def bench_ce(args) -> list:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ops", nargs="+", choices=("conv", "conv_split", "norm", "ce"),
-                   default=["conv", "conv_split", "norm", "ce"])
+    p.add_argument("--ops", nargs="+", choices=("conv", "conv_split", "conv_head_norm", "norm", "ce"),
+                   default=["conv", "conv_split", "conv_head_norm", "norm", "ce"])
     p.add_argument("--micro-batch", type=int, default=64)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--iters", type=int, default=20)
@@ -232,7 +267,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="append the JSON lines here too")
     args = p.parse_args()
     for op in args.ops:
-        for row in {"conv": bench_conv, "conv_split": bench_conv_split, "norm": bench_norm, "ce": bench_ce}[op](args):
+        for row in {"conv": bench_conv, "conv_split": bench_conv_split, "conv_head_norm": bench_conv_head_norm,
+                    "norm": bench_norm, "ce": bench_ce}[op](args):
             line = json.dumps(row)
             print(line, flush=True)
             if args.out:
