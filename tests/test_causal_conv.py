@@ -305,6 +305,9 @@ def test_mixer_inputs_with_split_conv_outputs_equal_the_plain_ones(interpreter_r
 def test_split_needs_aligned_blocks_and_at_most_three():
     assert can_split((256, 256, 512)) and can_split((1024,))
     assert not can_split((256, 8)) and not can_split((32,) * 4) and not can_split(())
+    # with q / k heads normalised: every block whole heads, and a head the GPU kernels take as one block
+    assert can_split((256, 256, 512), HeadNorm(2, 64, 2)) and can_split((256, 256, 512), HeadNorm(2, 128))
+    assert not can_split((256, 256, 544), HeadNorm(2, 64)) and not can_split((240, 240, 480), HeadNorm(2, 48))
 
 
 def test_split_rejects_mismatched_weights_and_widths():
@@ -313,6 +316,9 @@ def test_split_rejects_mismatched_weights_and_widths():
         causal_conv_split(torch.randn(1, 4, 48), torch.randn(32, 4), None, (16, 16))
     with pytest.raises(ValueError, match=r"causal_conv_split: widths \(16, 16\) must add up to x's 48 channels"):
         causal_conv_split(torch.randn(1, 4, 48), torch.randn(48, 4), None, (16, 16))
+    with pytest.raises(ValueError, match=r"the first 2 widths of \(16, 8, 24\) must be multiples of head_norm's "
+                                         r"head_dim 16"):
+        causal_conv_split(torch.randn(1, 4, 48), torch.randn(48, 4), None, (16, 8, 24), head_norm=HeadNorm(2, 16))
 
 
 def test_split_kernels_compile_for_an_h200_as_the_single_output_ones():

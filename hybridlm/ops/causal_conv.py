@@ -23,7 +23,9 @@ tensor per block (GDN / KDA's q, k and v, which the fused projection leaves side
 Mamba2's x, B and C): what fla's recurrence kernels take without a copy. The kernels take up to three output
 segments; a channel block never straddles two (the autotuner keeps only channel blocks that divide every
 segment's width). Its backward can write dx into the input's slot of a split projection's gradient
-(hybridlm/ops/gradient_slots.py).
+(hybridlm/ops/gradient_slots.py). With a :class:`HeadNorm` it also L2-normalises the first blocks' heads (GDN /
+KDA's q and k, one head a channel block) and stores each head once per value head that shares it; pass 1 of the
+backward sums the copies' gradients and goes back through the norm from the row it recomputes.
 """
 from __future__ import annotations
 
@@ -395,7 +397,7 @@ def can_split(widths, head_norm: Optional[HeadNorm] = None) -> bool:
     align = INTERPRETER_BD if interpreting() else SEGMENT_ALIGN
     if head_norm is not None:
         hd = head_norm.head_dim
-        heads = NORM_HEAD_DIMS if not interpreting() else (hd,) if hd >= 2 and hd & (hd - 1) == 0 else ()
+        heads = NORM_HEAD_DIMS if not interpreting() else (hd,) if hd & (hd - 1) == 0 else ()  # a power of 2
         if hd not in heads or not 1 <= head_norm.segments <= len(widths):
             return False
         align = head_norm.head_dim
