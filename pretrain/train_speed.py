@@ -31,7 +31,8 @@ autotuning), tokens/s = global tokens per step / that, MFU by :mod:`hybridlm.ben
 ``--batch-candidates`` from the largest, each in a fresh model / engine, and measures the largest that
 does not run out of memory. Writes ``DIR/train_speed.json`` and ``DIR/train_speed.png`` after every
 entry; ``--merge A.json B.json --out DIR`` joins reports of separate runs and redraws the chart. ``--profile N``
-adds each entry's kernel time by category over N more steps; ``--trace`` also writes those steps as a Chrome trace
+adds each entry's kernel time by category over N more steps, and its GEMMs' time by operand shapes with the
+TFLOP/s each shape ran at (hybridlm/bench/profile_step.py); ``--trace`` also writes those steps as a Chrome trace
 with Python stacks (``DIR/trace_<entry>.json.gz``), whose idle gaps ``python -m hybridlm.bench.trace_gaps`` traces
 to the code that ran then.
 On a machine without CUDA everything runs in fp32 on the CPU (fla peers are skipped: Triton).

@@ -175,6 +175,9 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
         assert prof["profiled_steps"] == 2 and prof["ms_per_step"] > 0
         gemm = [c for c in prof["categories"] if c["category"] == "matmul (GEMM)"]
         assert len(gemm) == 1 and gemm[0]["ms_per_step"] > 0 and 0 < gemm[0]["share"] < 1
+        # the GEMMs by shape: the LM head's (a vocabulary-wide operand) among them, each with its rate
+        assert any(128256 in sum(g["shapes"], []) for g in prof["gemms"]), prof["gemms"]
+        assert all(g["tflops"] > 0 and g["gflop_per_call"] > 0 and g["calls_per_step"] > 0 for g in prof["gemms"])
         assert e["mfu"] == pytest.approx(e["flops_per_token"] * e["tokens_per_s"] / (989.5e12))
     assert llama["params"] == llama["non_embedding_params"] + 128256 * 128  # tied, hidden 128
     assert "DeepSpeed ZeRO-1" in ours["recipe"] and "plain PyTorch" in llama["recipe"]
@@ -209,6 +212,38 @@ def test_profile_categories():
     assert categorize("multi_tensor_apply_kernel<FusedAdam>") == "optimizer"
     assert categorize("aten::addmm") == "matmul (GEMM)"
     assert categorize("something_unheard_of") == "other"
+
+
+def test_gemm_flops_from_the_profilers_shapes():
+    from hybridlm.bench.profile_step import gemm_flops
+    assert gemm_flops("aten::mm", [[16, 8], [8, 4]]) == 2 * 16 * 8 * 4
+    assert gemm_flops("aten::addmm", [[4], [16, 8], [8, 4]]) == 2 * 16 * 8 * 4  # the added term is not a factor
+    assert gemm_flops("aten::bmm", [[3, 16, 8], [3, 8, 4]]) == 3 * 2 * 16 * 8 * 4
+    assert gemm_flops("aten::mm", [[16, 8], [7, 4]]) is None  # not a product of matrices
+    assert gemm_flops("aten::linear", [[16, 8], [4, 8]]) is None  # calls mm / addmm: counted there, not twice
+
+
+def test_gemm_table_groups_the_step_gemms_by_shape():
+    """Two profiled steps of a forward + backward through a linear and a GEMM accumulating in place: one row a
+    GEMM op and shapes (the backward's weight-gradient mm included, the ``linear`` that called the forward's
+    not), once a step, with the FLOPs of its shapes."""
+    from hybridlm.bench.profile_step import StepProfiler
+    prof = StepProfiler(skip=1, active=2, device=torch.device("cpu"))
+    a, w, acc = torch.randn(96, 32), torch.randn(48, 32, requires_grad=True), torch.zeros(48, 32)
+    for _ in range(3):
+        torch.nn.functional.linear(a, w).square().sum().backward()
+        acc.addmm_(w.detach(), a.T @ a)
+        prof()
+    rows = {(g["op"], tuple(tuple(s) for s in g["shapes"])): g for g in prof.summary()["gemms"]}
+    assert set(rows) == {("aten::mm", ((96, 32), (32, 48))),           # the forward
+                         ("aten::mm", ((48, 96), (96, 32))),           # the weight gradient
+                         ("aten::mm", ((32, 96), (96, 32))),           # a.T @ a
+                         ("aten::addmm_", ((48, 32), (48, 32), (32, 32)))}
+    for (op, shapes), g in rows.items():
+        assert g["calls_per_step"] == 1 and g["ms_per_step"] > 0
+        flops = 2 * shapes[-2][0] * shapes[-2][1] * shapes[-1][1]
+        assert g["gflop_per_call"] == pytest.approx(flops / 1e9)
+        assert g["tflops"] == pytest.approx(flops / (g["ms_per_step"] * 1e-3) / 1e12)
 
 
 def test_profile_counts_kernels_only():

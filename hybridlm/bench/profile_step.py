@@ -4,6 +4,11 @@ Used by ``python -m pretrain.train_speed --profile N``: after the timed steps, N
 the profiler (its overhead stays out of the timing); each entry of ``train_speed.json`` then has a
 ``profile`` with the device time per category and the top kernels. Categories are matched on kernel names,
 first match wins.
+
+GEMMs are most of a step (~70 % of GDN-300M's on an H200), and a kernel's name does not say which matrix it
+multiplied. The profile's ``gemms`` table groups the time of the aten GEMM ops (the ones that launch the kernels:
+``mm``, ``addmm``, ``bmm``, ...) by their operands' shapes, with the FLOPs those shapes imply and the rate they ran
+at: which projection, which LM-head chunk, which gradient runs below the GEMM rate the others reach.
 """
 from __future__ import annotations
 
@@ -36,6 +41,47 @@ def categorize(name: str) -> str:
     return "other"
 
 
+# aten ops that launch a GEMM themselves (not ``linear`` / ``matmul``, which call them: counting both would count
+# their kernels twice), and which operands are the two matrices (``addmm``'s first is the added term)
+GEMM_OPERANDS = {"aten::mm": (0, 1), "aten::bmm": (0, 1), "aten::_scaled_mm": (0, 1), "aten::addmm": (1, 2),
+                 "aten::addmm_": (1, 2), "aten::baddbmm": (1, 2), "aten::baddbmm_": (1, 2), "aten::addbmm": (1, 2)}
+
+
+def gemm_flops(op: str, shapes) -> Optional[float]:
+    """FLOPs of one call of the GEMM op ``op`` with input ``shapes`` (the profiler's ``input_shapes``): ``2 * M *
+    K * N`` (times the batch), or None when ``op`` is no GEMM op or the shapes are not a product of matrices."""
+    which = GEMM_OPERANDS.get(op)
+    if which is None or len(shapes) <= max(which):
+        return None
+    a, b = shapes[which[0]], shapes[which[1]]
+    if len(a) < 2 or len(b) < 2 or a[-1] != b[-2]:
+        return None
+    m = 1
+    for n in a[:-1]:
+        m *= n
+    return 2.0 * m * a[-1] * b[-1]
+
+
+def gemm_table(events, steps: int, cuda: bool, top: int = 15) -> List[Dict[str, Any]]:
+    """The GEMM ops of ``events`` (``key_averages(group_by_input_shape=True)``) by op and shapes: calls and
+    milliseconds per step (the device time of the kernels each launched on a GPU, its CPU time on a CPU), FLOPs
+    per call and the TFLOP/s they ran at, largest time first."""
+    rows = []
+    for evt in events:
+        flops = gemm_flops(evt.key, getattr(evt, "input_shapes", None) or [])
+        if flops is None:
+            continue
+        us = (getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)) if cuda \
+            else evt.cpu_time_total
+        if not us or us <= 0:
+            continue
+        rows.append({"op": evt.key, "shapes": [list(s) for s in evt.input_shapes if s], "calls_per_step":
+                     evt.count / steps, "ms_per_step": us / 1e3 / steps, "gflop_per_call": flops / 1e9,
+                     "tflops": flops * evt.count / (us * 1e-6) / 1e12})
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    return rows[:top]
+
+
 def is_kernel_row(name: str, device_type, is_user_annotation: bool = False) -> bool:
     """Whether a profiler row is a GPU kernel. The profiler also puts its ``ProfilerStep#N`` ranges (and any
     ``record_function`` range) on the GPU timeline: such a row spans the whole step and is no kernel."""
@@ -56,7 +102,7 @@ class StepProfiler:
         self.device, self.active, self.trace_path, self.sync = device, active, trace_path, sync
         # a trace keeps the Python stacks, so that each wait of the GPU can be traced to the code that ran then
         self.prof = profile(activities=activities, schedule=schedule(wait=skip, warmup=0, active=active, repeat=1),
-                            record_shapes=False, with_stack=trace_path is not None)
+                            record_shapes=True, with_stack=trace_path is not None)
         self.prof.__enter__()
         self.steps = 0
         self.closed = False
@@ -95,6 +141,7 @@ class StepProfiler:
             if us and us > 0:
                 rows.append({"name": evt.key, "self_us": float(us), "calls": int(evt.count)})
         rows.sort(key=lambda r: -r["self_us"])
+        gemms = gemm_table(self.prof.key_averages(group_by_input_shape=True), max(self.active, 1), cuda)
         total = sum(r["self_us"] for r in rows) or 1.0
         per_cat: Dict[str, float] = {}
         for r in rows:
@@ -110,6 +157,7 @@ class StepProfiler:
                            for c, us in sorted(per_cat.items(), key=lambda kv: -kv[1])],
             "top": [{**r, "ms_per_step": r["self_us"] / 1e3 / steps, "share": r["self_us"] / total}
                     for r in rows[:top]],
+            "gemms": gemms,
         }
 
 
@@ -120,4 +168,10 @@ def format_profile(summary: Dict[str, Any], limit: Optional[int] = 10) -> str:
         lines.append(f"    {100 * c['share']:5.1f}%  {c['ms_per_step']:8.2f} ms  {c['category']}")
     for r in summary["top"][:limit]:
         lines.append(f"      {100 * r['share']:5.1f}%  {r['name'][:90]}")
+    if summary.get("gemms"):
+        lines.append("    GEMMs by shape: ms per step, calls per step, TFLOP/s")
+    for g in summary.get("gemms", [])[:limit]:
+        shapes = " x ".join("[" + ", ".join(str(n) for n in s) + "]" for s in g["shapes"])
+        lines.append(f"      {g['ms_per_step']:8.2f} ms {g['calls_per_step']:5.1f}  {g['tflops']:7.1f}  "
+                     f"{g['op']} {shapes}")
     return "\n".join(lines)
