@@ -139,7 +139,7 @@ def _split_kernel(x, weights, biases, silu, head_norm=None):
 
 
 def _gdn_inputs(mixer, x):
-    return mixer.projected_inputs(x, triton=True)
+    return mixer.projected_inputs(x, triton=True)[0]
 
 
 def _mamba2_inputs(mixer, x):
@@ -215,6 +215,22 @@ def _mixer_rows(kind: str) -> list:
     return rows
 
 
+def _qk_normalized_flags() -> dict:
+    """Whether GDN's projected inputs came normalised by the conv (``qk_normalized``) with ``qk_norm_in_conv`` on:
+    in training, and under ``no_grad`` (evaluation), where the projections run apart and so do the convs; and the
+    widths of q that the forward then views as heads."""
+    from hybridlm.model import HybridForCausalLM
+    torch.manual_seed(0)
+    model = HybridForCausalLM(tiny_config("G-", split_conv_outputs=True, qk_norm_in_conv=True))
+    mixer = model.model.layers[0].mixer
+    x = torch.randn(2, 70, 64)
+    (q, *_), trained = mixer.projected_inputs(x, triton=True)
+    with torch.no_grad():
+        (q_eval, *_), evaluated = mixer.projected_inputs(x, triton=True)
+    return {"kind": "qk_flags", "training": [trained, q.shape[-1]], "no_grad": [evaluated, q_eval.shape[-1]],
+            "heads": [mixer.num_heads, mixer.num_v_heads, mixer.head_k_dim]}
+
+
 def run_kernel_cases() -> list:
     import hybridlm.ops.causal_conv as conv
     interpreter_rounds_like_gpu()
@@ -232,6 +248,7 @@ def run_kernel_cases() -> list:
         rows.append(kernel_case_row(got, want, kind="head_norm", case=repr(case), bf16=case[4] == BF16,
                                     contiguous=contiguous, joined=can_split(case[0], case[7])))
     rows += [row for kind in MIXER_CASES for row in _mixer_rows(kind)]
+    rows.append(_qk_normalized_flags())
     for tiles, rows_at_a_time in TILES:
         conv.TILES_PER_PROGRAM, conv.INTERPRETER_PASS1_ROWS = tiles, rows_at_a_time
         for seed, case in enumerate(CASES):
@@ -300,6 +317,15 @@ def test_mixer_inputs_with_split_conv_outputs_equal_the_plain_ones(interpreter_r
         # the fp32 conv output, in torch from its rounding to bf16
         bound = 1e-5 if r["switch"] == "qk_norm" else 1e-6
         assert max(r["errors"]) < (bound if not r["bf16"] else 2e-2), r
+
+
+def test_the_forward_is_told_whether_q_and_k_came_normalised(interpreter_run):
+    """With ``qk_norm_in_conv``: normalised and one head per value head in training; under ``no_grad`` the
+    projections and convs run apart, and q comes as it is (the forward views it by the flag, not by the switch)."""
+    (r,) = _rows(interpreter_run, "qk_flags")
+    heads, v_heads, head_dim = r["heads"]
+    assert v_heads > heads  # grouped value heads: the two cases differ in width
+    assert r["training"] == [True, v_heads * head_dim] and r["no_grad"] == [False, heads * head_dim], r
 
 
 def test_split_needs_aligned_blocks_and_at_most_three():

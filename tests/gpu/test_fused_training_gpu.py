@@ -7,7 +7,7 @@
    ``fuse_residual_norm``, ``split_conv_outputs``, ``projection_grads_in_place`` and ``qk_norm_in_conv`` on
    against all off (same weights): loss and every gradient (fla's fused add + norm, its kernels reading column
    slices and the recurrences fed by the split conv outputs, q and k normalised and repeated there instead of in
-   fla's kernels, are what the CPU cannot run).
+   fla's kernels, are what the CPU cannot run); then a forward under ``no_grad``, where the fusions step aside.
 """
 import pytest
 import torch
@@ -73,3 +73,6 @@ def test_fused_training_step_matches_the_unfused_one(pattern):
     # rounding; fla's norm adds the residual in fp32): differences of a few bf16 roundings, not of a wrong split
     worst = max((rel_err(grads_f[n], grads_p[n]), n) for n in grads_p if grads_p[n].norm() > 0)
     assert worst[0] < 3e-2, worst
+    with torch.no_grad():  # evaluation: the projections and convs run apart, q and k normalised in fla's kernels
+        logits_f, logits_p = (m(input_ids=ids).logits.float() for m in (fused, plain))
+    assert rel_err(logits_f, logits_p) < 2e-2

@@ -102,50 +102,43 @@ class DeltaRuleMixer(nn.Module):
         g = -self.A_log.float().exp().view(-1, 1) * F.softplus(a)
         return g if self.gate_per_key_channel else g.squeeze(-1)
 
-    def conv_plan(self, triton: bool, cache=None) -> tuple:
-        """``(join, normalise)``: whether q | k | v go through one split conv, and whether that conv also
-        L2-normalises q and k and repeats their heads for the value heads (``qk_norm_in_conv``: the recurrence
-        then takes them as they are)."""
-        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        join = split_conv_applies(self.split_conv_outputs, triton, cache) and len({c.bias is None for c in convs}) == 1
-        head_norm = self.qk_head_norm()
-        normalise = join and self.qk_norm_in_conv and can_split((self.key_dim, self.key_dim, self.value_dim), head_norm)
-        return join, normalise
-
     def qk_head_norm(self) -> HeadNorm:
         """q and k's heads normalised as fla normalises them, each repeated for the value heads that share it."""
         return HeadNorm(segments=2, head_dim=self.head_k_dim, repeat=self.num_v_heads // self.num_heads)
 
     def projected_inputs(self, x: torch.Tensor, triton: bool, cache=None) -> tuple:
-        """``(q, k, v, b, a, z)``: the six projections, q / k / v through their short convs (continuing from the
-        cache's conv states in generation). In training one GEMM for the six (hybridlm/model/layers/projections.py),
-        and with ``split_conv_outputs`` one conv kernel over q | k | v where they lie side by side in its output,
-        writing each as its own contiguous tensor (hybridlm/ops/causal_conv.py ``causal_conv_split``); with
-        ``qk_norm_in_conv`` too, q and k come L2-normalised, one head per value head (:meth:`conv_plan`). With
-        ``projection_grads_in_place`` the GEMM's output gradient is assembled where the conv and the output norm
-        write theirs (hybridlm/ops/gradient_slots.py)."""
+        """``((q, k, v, b, a, z), qk_normalized)``: the six projections, q / k / v through their short convs
+        (continuing from the cache's conv states in generation). In training one GEMM for the six
+        (hybridlm/model/layers/projections.py), and with ``split_conv_outputs`` one conv kernel over q | k | v where
+        they lie side by side in its output, writing each as its own contiguous tensor (hybridlm/ops/causal_conv.py
+        ``causal_conv_split``); with ``qk_norm_in_conv`` too, that conv L2-normalises q and k and writes each head
+        once per value head that shares it (``qk_normalized`` then True: the recurrence takes them as they are).
+        With ``projection_grads_in_place`` the GEMM's output gradient is assembled where the conv and the output
+        norm write theirs (hybridlm/ops/gradient_slots.py)."""
         linears = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.gate_projections())
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        join, normalise = self.conv_plan(triton, cache)
+        join = split_conv_applies(self.split_conv_outputs, triton, cache) and len({c.bias is None for c in convs}) == 1
         in_place = self.projection_grads_in_place and triton and cache is None
         outputs = project(x, linears, fuse=self.fuse_projections, join_first=3 if join else 1, grads_in_place=in_place)
-        if len(outputs) == len(linears) - 2:  # q | k | v as one view
+        if len(outputs) == len(linears) - 2:  # q | k | v as one view (the fused GEMM ran: training)
             qkv, *rest = outputs
             bias = None if convs[0].bias is None else torch.cat([c.bias for c in convs])
             widths = [c.weight.shape[0] for c in convs]
+            head_norm = self.qk_head_norm()
+            normalise = self.qk_norm_in_conv and can_split(widths, head_norm)
             return (*causal_conv_split(qkv, torch.cat([c.weight for c in convs]), bias, widths,
-                                       grad_slot=gradient_slot(qkv),
-                                       head_norm=self.qk_head_norm() if normalise else None), *rest)
+                                       grad_slot=gradient_slot(qkv), head_norm=head_norm if normalise else None),
+                    *rest), normalise
         q, k, v, *rest = outputs
-        return (*(run_short_conv(c, t, triton, cache, name) for c, t, name in zip(convs, (q, k, v), "qkv")), *rest)
+        return (*(run_short_conv(c, t, triton, cache, name) for c, t, name in zip(convs, (q, k, v), "qkv")),
+                *rest), False
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         B, T, _ = x.shape
         triton = use_triton(self.backend, x)
         cache, x = recurrent_context(ctx, self.layer_idx, x)
-        q, k, v, b, a, z = self.projected_inputs(x, triton, cache)
-        qk_normalized = self.conv_plan(triton, cache)[1]  # then one q / k head per value head
-        qk_heads = self.num_v_heads if qk_normalized else self.num_heads
+        (q, k, v, b, a, z), qk_normalized = self.projected_inputs(x, triton, cache)
+        qk_heads = self.num_v_heads if qk_normalized else self.num_heads  # normalised: one per value head
         q = q.view(B, T, qk_heads, self.head_k_dim)
         k = k.view(B, T, qk_heads, self.head_k_dim)
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)
