@@ -79,9 +79,9 @@ def test_twin_equals_the_torch_path_and_an_explicit_loop(case):
         torch.testing.assert_close(a, l, rtol=1e-5, atol=1e-5)
 
 
-# (time tiles per program, rows per iteration) of the backward's pass 1: 2 tiles leave a partial group at 70 and 130
-# rows; 16 rows take a 64-row tile in four blocks
-TILES = ((1, 64), (2, 16))
+# (time tiles per program, rows per iteration, the pre-activation from the products' x tile) of the backward's pass
+# 1: 2 tiles leave a partial group at 70 and 130 rows; 16 rows take a 64-row tile in four blocks
+TILES = ((1, 64, False), (2, 16, True), (1, 32, True))
 
 
 # (widths, time, bias, silu, dtype, which outputs the loss uses, strided output gradients)
@@ -249,14 +249,15 @@ def run_kernel_cases() -> list:
                                     contiguous=contiguous, joined=can_split(case[0], case[7])))
     rows += [row for kind in MIXER_CASES for row in _mixer_rows(kind)]
     rows.append(_qk_normalized_flags())
-    for tiles, rows_at_a_time in TILES:
+    for tiles, rows_at_a_time, x_once in TILES:
         conv.TILES_PER_PROGRAM, conv.INTERPRETER_PASS1_ROWS = tiles, rows_at_a_time
+        conv.INTERPRETER_PASS1_X_ONCE = x_once
         for seed, case in enumerate(CASES):
             x, weight, b, silu, dy = _inputs(case, seed)
             want = _grads(causal_conv_reference, x, weight, b, silu, dy)
             got = _grads(conv.causal_conv, x, weight, b, silu, dy)
             rows.append(kernel_case_row(got, want, kind="conv", case=repr(case), tiles=tiles, bf16=case[6] == BF16,
-                                        bias=case[4], rows_at_a_time=rows_at_a_time))
+                                        bias=case[4], rows_at_a_time=rows_at_a_time, x_once=x_once))
     return rows
 
 
@@ -352,15 +353,31 @@ def test_split_kernels_compile_for_an_h200_as_the_single_output_ones():
     block keeps the rows' vector stores and loads, no spills, and about the registers of one output."""
     from hybridlm.bench.kernel_compile import conv_cases
     rows = list(conv_cases())
-    key = lambda r: (r["kernel"], r["BD"], r["num_warps"], r.get("tiles"), r.get("BR"))  # noqa: E731
+    key = lambda r: (r["kernel"], r["BD"], r["num_warps"], r.get("tiles"), r.get("BR"), r.get("X_ONCE"))  # noqa: E731
     single = {key(r): r for r in rows if r["segments"] == 1}
     split = [r for r in rows if r["segments"] == 3 and not r["head_norm"]]
-    assert len(split) == len(single) == 4 + 10  # forward: 4 configurations; pass 1: 5 x 2 row counts
+    assert len(split) == len(single) == 4 + 10 + 7  # forward: 4; pass 1: 5 x 2 row counts, 7 of them with X_ONCE
     for r in split:
         one = single[key(r)]
         assert r["stack_bytes"] == 0 and r["st_b16"] == 0, r  # no spills, no 2-byte stores
         assert (r["st_v4"], r["ld_v4"], r["ld_b16"]) == (one["st_v4"], one["ld_v4"], one["ld_b16"]), (r, one)
         assert r["registers"] <= one["registers"] + 16, (r, one)
+
+
+def test_pass1_with_x_once_loads_the_taps_rows_once_and_does_not_spill():
+    """``X_ONCE`` (the pre-activation from the products' x tile) compiled for sm_90: where the autotuner may pick
+    it, no spills, and fewer global loads than the same configuration loading each tap's rows again (at 32 or
+    more channels those were 2-byte scalar loads, 16-32 a thread)."""
+    from hybridlm.bench.kernel_compile import conv_cases
+    rows = [r for r in conv_cases() if r["kernel"] == "causal_conv backward pass 1"]
+    key = lambda r: (r["segments"], r["head_norm"], r["BD"], r["num_warps"], r["tiles"], r["BR"])  # noqa: E731
+    per_tap = {key(r): r for r in rows if not r["X_ONCE"]}
+    once = [r for r in rows if r["X_ONCE"]]
+    assert len(once) == 7 + 7 + 2
+    for r in once:
+        other = per_tap[key(r)]
+        loads = lambda r: sum(r[f"ld_{w}"] for w in ("v4", "v2", "b32", "b16"))  # noqa: E731
+        assert r["stack_bytes"] == 0 and r["ld_b16"] <= other["ld_b16"] and loads(r) < loads(other), (r, other)
 
 
 def test_head_norm_kernels_compile_for_an_h200_without_spills():
@@ -369,18 +386,19 @@ def test_head_norm_kernels_compile_for_an_h200_without_spills():
     pass 1 loads the copies' gradients as vectors too, in about the plain split's registers."""
     from hybridlm.bench.kernel_compile import conv_cases
     rows = list(conv_cases())
-    key = lambda r: (r["kernel"], r["BD"], r["num_warps"], r.get("tiles"), r.get("BR"))  # noqa: E731
+    key = lambda r: (r["kernel"], r["BD"], r["num_warps"], r.get("tiles"), r.get("BR"), r.get("X_ONCE"))  # noqa: E731
     plain = {key(r): r for r in rows if r["segments"] == 3 and not r["head_norm"]}
     normed = [r for r in rows if r["head_norm"]]
-    assert len(normed) == 2 + 2 * 2  # the 64-channel block (the head): 2 forward, 2 pass-1 configurations x 2 rows
+    assert len(normed) == 2 + 2 * 2 + 2  # the 64-channel block (the head): 2 forward, 2 pass-1 configs x 2 rows,
+    #                                      2 of those with X_ONCE
     for r in normed:
         one = plain[key(r)]
-        assert r["stack_bytes"] == 0 and r["st_b16"] == 0 and r["ld_b32"] == 0, r
+        assert r["stack_bytes"] == 0 and r["st_b16"] == 0 and r["ld_b32"] <= one["ld_b32"], (r, one)
         if r["kernel"] == "causal_conv forward":
             assert r["st_v4"] == 2 * one["st_v4"] and r["ld_v4"] == one["ld_v4"], (r, one)
         else:
             assert r["ld_v4"] + r["ld_v2"] > one["ld_v4"] + one["ld_v2"], (r, one)  # the second copy's dy
-        assert r["registers"] <= one["registers"] + 32, (r, one)
+        assert r["registers"] <= one["registers"] + (48 if r.get("X_ONCE") else 32), (r, one)  # the row sums
 
 
 def test_pass1_takes_many_time_tiles_only_where_the_grid_stays_full():

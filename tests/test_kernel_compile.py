@@ -30,5 +30,5 @@ def test_a_copy_kernel_compiles_with_vector_accesses_and_the_cli_prints_json_lin
     assert row["stack_bytes"] == 0 and 0 < row["registers"] < 64
     assert row["ld_v4"] > 0 and row["st_v4"] > 0 and row["ld_b16"] == row["st_b16"] == 0  # 8 elements a thread
     rows = main(["--kernels", "conv"])
-    # one, three and three normalised outputs: (4 + 5 x 2) + (4 + 5 x 2) + (2 + 2 x 2) configurations
-    assert len(rows) == len(capsys.readouterr().out.splitlines()) == 34
+    # one, three and three normalised outputs: (4 + 5 x 2 + 7 with X_ONCE) x 2 + (2 + 2 x 2 + 2) configurations
+    assert len(rows) == len(capsys.readouterr().out.splitlines()) == 50

@@ -11,7 +11,8 @@ by 16). One JSON line per compiled configuration.
 
 Cases (``--kernels``): ``conv``, the short conv's forward and backward pass 1 (hybridlm/ops/causal_conv.py) with one
 output and with three (``causal_conv_split``'s q | k | v at GDN-300M's widths), and with q and k's heads normalised
-and repeated in them, at channel blocks (and, for pass 1, rows per iteration) the autotuner may pick. ``gated_norm``: the gated output norm's backward at both mixers' shapes.
+and repeated in them, at channel blocks (and, for pass 1, rows per iteration and whether the pre-activation comes
+from the products' x tile) the autotuner may pick. ``gated_norm``: the gated output norm's backward at both mixers' shapes.
 """
 from __future__ import annotations
 
@@ -93,10 +94,13 @@ def conv_cases() -> Iterator[Dict[str, object]]:
             if head_norm and bd != norm["HEAD"]:
                 continue
             for rows in (16, conv.BT):
-                constexprs = {**split, "BD": bd, "WP": 4, "TILES": tiles, "BR": rows}
-                yield {"kernel": "causal_conv backward pass 1", "segments": nseg, "head_norm": head_norm, "BD": bd,
-                       "num_warps": warps, "tiles": tiles, "BR": rows,
-                       **compile_for_gpu(pass1, pointers, constexprs, warps)}
+                for once in (False, True):
+                    if once and not conv.x_once_fits(rows, bd, warps):  # the autotuner never runs these
+                        continue
+                    constexprs = {**split, "BD": bd, "WP": 4, "TILES": tiles, "BR": rows, "X_ONCE": once}
+                    yield {"kernel": "causal_conv backward pass 1", "segments": nseg, "head_norm": head_norm,
+                           "BD": bd, "num_warps": warps, "tiles": tiles, "BR": rows, "X_ONCE": once,
+                           **compile_for_gpu(pass1, pointers, constexprs, warps)}
 
 
 def gated_norm_cases() -> Iterator[Dict[str, object]]:

@@ -109,6 +109,14 @@ def _segment_rows(i_b, i_d, o_t, p0, s0b, s0t, p1, s1b, s1t, p2, s2b, s2t,
     return base + o_t[:, None] * s_t + (start + tl.arange(0, BD))[None, :]
 
 
+def _tap_rows(p, s_t, o_t, o_w, o_d, m_d, T, W: tl.constexpr):
+    """``[rows, WP, BD]`` fp32: for each row ``t`` of ``o_t``, the rows ``t - W + 1 + i`` that tap ``i``
+    multiplies (0 outside ``[0, T)`` and for ``i >= W``)."""
+    o_x = o_t[:, None] + (o_w[None, :] - W + 1)
+    m_x = (((o_x >= 0) & (o_x < T) & (o_w < W)[None, :]))[:, :, None] & m_d[None, None, :]
+    return tl.load(p + o_x[:, :, None] * s_t + o_d[None, None, :], mask=m_x, other=0.0).to(tl.float32)
+
+
 def _head_rstd(u, eps):
     """``1 / sqrt(sum u^2 + eps)`` over each row of a ``[rows, BD]`` block that is one head (fla's l2norm)."""
     return 1 / tl.sqrt(tl.sum(u * u, 1) + eps)
@@ -148,7 +156,7 @@ def _causal_conv_bwd_weight_kernel(x, w, b, dy0, dy1, dy2, da, dw, db, T, NG, s_
                        D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                        TILES: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                        D0: tl.constexpr, D1: tl.constexpr, NSEG: tl.constexpr, BR: tl.constexpr,
-                       NW: tl.constexpr, REPEAT: tl.constexpr, HEAD: tl.constexpr):
+                       NW: tl.constexpr, REPEAT: tl.constexpr, HEAD: tl.constexpr, X_ONCE: tl.constexpr):
     """Backward, pass 1, over ``TILES`` consecutive ``[BT, BD]`` tiles of time, ``BR`` rows at a time (``BR``
     divides ``BT``): per block of rows ``da = dy * silu'(pre)``
     (``dy`` split over ``NSEG`` tensors as the forward's output; ``da`` stored, with SiLU, in dy's dtype and one
@@ -162,7 +170,9 @@ def _causal_conv_bwd_weight_kernel(x, w, b, dy0, dy1, dy2, da, dw, db, T, NG, s_
     thread at 64 channels and 8 warps (one block an SM: few loads in flight for a memory-bound pass); fewer rows
     at a time take fewer (``python -m hybridlm.bench.kernel_compile``), and the autotuner picks.
     In the first ``NW`` channels (a head a block) ``dy`` is the sum over the head's ``REPEAT`` copies, taken back
-    through the L2 norm (the normalised row recomputed from x in fp32) before the SiLU."""
+    through the L2 norm (the normalised row recomputed from x in fp32) before the SiLU.
+    ``X_ONCE``: the pre-activation from the same ``[BR, WP, BD]`` x tile the products use (one load of the taps'
+    rows, a sum over taps in registers) instead of a load per tap first; the autotuner tries both."""
     tl.static_assert(NW == 0 or BD == HEAD, "a normalised head must be one channel block")
     i_d, i_g, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -172,6 +182,9 @@ def _causal_conv_bwd_weight_kernel(x, w, b, dy0, dy1, dy2, da, dw, db, T, NG, s_
     in_norm = (o_d < NW)[None, :]  # the block's channels are all normalised or none
     acc_w = tl.zeros([BR, WP, BD], dtype=tl.float32)  # [:, i, :]: tap i's products
     acc_b = tl.zeros([BR, BD], dtype=tl.float32)
+    if X_ONCE:  # the taps' weights as a [WP, BD] tile, for the pre-activation from the x tile
+        w3 = tl.load(w + o_d[None, :] * W + o_w[:, None], mask=(o_w < W)[:, None] & m_d[None, :],
+                     other=0.0).to(tl.float32)
     for j in range(TILES * (BT // BR)):
         o_t = i_g * TILES * BT + j * BR + tl.arange(0, BR)
         m = (o_t < T)[:, None] & m_d[None, :]
@@ -182,8 +195,13 @@ def _causal_conv_bwd_weight_kernel(x, w, b, dy0, dy1, dy2, da, dw, db, T, NG, s_
             p_dy = _segment_rows(i_b, i_d, o_t, dy0, s_dy0b, s_dy0t, dy1, s_dy1b, s_dy1t, dy2, s_dy2b, s_dy2t,
                                  D0, D1, BD, NSEG, NW, REPEAT, r)
             b_da += tl.load(p_dy, mask=m & in_norm, other=0.0).to(tl.float32)
+        if X_ONCE:
+            x3 = _tap_rows(p_x, s_xt, o_t, o_w, o_d, m_d, T, W)
         if SILU or NW > 0:
-            pre = _tap_sum(p_x, s_xt, w, o_t, o_d, m_d, T, W, False)
+            if X_ONCE:
+                pre = tl.sum(x3 * w3[None, :, :], 1)
+            else:
+                pre = _tap_sum(p_x, s_xt, w, o_t, o_d, m_d, T, W, False)
             if HAS_BIAS:
                 pre += tl.load(b + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
             if SILU:
@@ -200,9 +218,8 @@ def _causal_conv_bwd_weight_kernel(x, w, b, dy0, dy1, dy2, da, dw, db, T, NG, s_
         if SILU or NSEG > 1 or NW > 0:  # pass 2 reads one da: dy itself only when it is one tensor, as it came
             p_da = da + i_b.to(tl.int64) * T * D + o_t[:, None] * D + o_d[None, :]
             tl.store(p_da, b_da.to(da.dtype.element_ty), mask=m)
-        o_x = o_t[:, None] + (o_w[None, :] - W + 1)  # [BR, WP]: the row tap i multiplies
-        m_x = (((o_x >= 0) & (o_x < T) & (o_w < W)[None, :]))[:, :, None] & m_d[None, None, :]
-        x3 = tl.load(p_x + o_x[:, :, None] * s_xt + o_d[None, None, :], mask=m_x, other=0.0).to(tl.float32)
+        if not X_ONCE:  # loaded only now: the tile is not live while the pre-activation is computed
+            x3 = _tap_rows(p_x, s_xt, o_t, o_w, o_d, m_d, T, W)
         acc_w += x3 * b_da[:, None, :]
         if HAS_BIAS:
             acc_b += b_da
@@ -228,19 +245,20 @@ def _causal_conv_bwd_input_kernel(da, w, dx, T, s_dab, s_dat, s_dxb, s_dxt,
 def _kernels():
     """``(forward, backward pass 1, backward pass 2)``, jitted on first use; on a GPU autotuned over the channel
     block and warps (pass 1 also over its rows at a time), keeping only channel blocks that fit the segments."""
-    global _KERNELS, tl, _tap_sum, _segment_rows, _head_rstd
+    global _KERNELS, tl, _tap_sum, _tap_rows, _segment_rows, _head_rstd
     if _KERNELS is None:
         import triton
         import triton.language as tl  # noqa: F811 -- binds the module global the kernels' source names
-        _tap_sum, _segment_rows, _head_rstd = (triton.jit(f) for f in (_tap_sum, _segment_rows, _head_rstd))
+        _tap_sum, _tap_rows, _segment_rows, _head_rstd = (triton.jit(f) for f in (_tap_sum, _tap_rows, _segment_rows,
+                                                                                   _head_rstd))
         kernels = [triton.jit(k) for k in (_causal_conv_fwd_kernel, _causal_conv_bwd_weight_kernel,
                                            _causal_conv_bwd_input_kernel)]
         if not interpreting():  # the interpreter runs one configuration
             configs = [triton.Config({"BD": bd}, num_warps=nw) for bd in (32, 64, 128, 256) for nw in (4, 8)]
             # pass 1 holds [BR, WP, BD] fp32 accumulators: wide channel blocks would spill, and many rows at a time
             # leave few warps an SM (128 channels only where a head of 128 must be one block)
-            pass1_configs = [triton.Config({"BD": bd, "BR": br}, num_warps=nw) for bd in (16, 32, 64, 128)
-                             for br in PASS1_ROWS for nw in (4, 8)]
+            pass1_configs = [triton.Config({"BD": bd, "BR": br, "X_ONCE": once}, num_warps=nw)
+                             for bd in (16, 32, 64, 128) for br in PASS1_ROWS for nw in (4, 8) for once in (False, True)]
             tiled = ["D", "W", "D0", "D1", "NW", "REPEAT"]
             kernels = [autotuned(kernels[0], configs, tiled, prune=_blocks_within_segments),
                        autotuned(kernels[1], pass1_configs, tiled + ["TILES"], prune=_blocks_within_segments),
@@ -252,8 +270,12 @@ def _kernels():
 def _blocks_within_segments(configs, named_args, **kwargs):
     """The autotuner's configurations whose channel block divides every output segment's width (with one segment,
     all: the kernels mask the last block); where heads are normalised (``NW > 0``), those whose block is the head.
-    Pass 1's 128-channel blocks only for heads of 128."""
+    Pass 1's 128-channel blocks only for heads of 128, and its ``X_ONCE`` only where the x tile and the
+    accumulator fit a thread's registers (at most 32 fp32 elements each; more spilled when compiled for sm_90:
+    ``python -m hybridlm.bench.kernel_compile``)."""
     args = {**named_args, **kwargs}
+    configs = [c for c in configs if not c.kwargs.get("X_ONCE") or x_once_fits(c.kwargs["BR"], c.kwargs["BD"],
+                                                                                   c.num_warps)]
     if args.get("NW", 0) > 0:
         return [c for c in configs if c.kwargs["BD"] == args["HEAD"]]
     configs = [c for c in configs if "BR" not in c.kwargs or c.kwargs["BD"] <= 64]
@@ -263,11 +285,18 @@ def _blocks_within_segments(configs, named_args, **kwargs):
     return [c for c in configs if all(w % c.kwargs["BD"] == 0 for w in widths)]
 
 
+def x_once_fits(rows: int, channels: int, num_warps: int, taps: int = 4) -> bool:
+    """Whether pass 1's ``X_ONCE`` keeps its ``[rows, taps, channels]`` fp32 x tile and accumulator within 32
+    elements a thread each (beyond, they spilled when compiled for sm_90)."""
+    return rows * taps * channels <= 32 * 32 * num_warps
+
+
 SEGMENT_ALIGN = 32  # the narrowest channel block of the forward's configurations: segments must be multiples of it
 NORM_HEAD_DIMS = (32, 64, 128)  # heads the kernels normalise on a GPU: a channel block of both passes' configurations
 INTERPRETER_BD = 16
 PASS1_ROWS = (16, 32, 64)  # rows per iteration of the backward's pass 1 (each divides BT) the autotuner tries
 INTERPRETER_PASS1_ROWS = 32  # the one the interpreter runs (the CPU tests set it per case)
+INTERPRETER_PASS1_X_ONCE = False  # the same for pass 1's X_ONCE
 
 
 @dataclass(frozen=True)
@@ -350,7 +379,8 @@ class _CausalConv(torch.autograd.Function):
             x, weight, bias, *seg[:3], da, dw, db, T, NG, x.stride(0), x.stride(1), *seg[3:], _eps(head_norm),
             **_segment_constants(D, ctx.widths, head_norm), W=W,
             WP=next_power_of_2(W), BT=BT, TILES=tiles, HAS_BIAS=bias is not None, SILU=ctx.silu,
-            **_launch_args(D, head_norm), **({"BR": INTERPRETER_PASS1_ROWS} if interpreting() else {}))
+            **_launch_args(D, head_norm),
+            **({"BR": INTERPRETER_PASS1_ROWS, "X_ONCE": INTERPRETER_PASS1_X_ONCE} if interpreting() else {}))
         grid = lambda meta: (-(-D // meta["BD"]), NT, Bsz)  # noqa: E731
         # in place in the split projection's gradient where x is a block of it (gradient_slots.py)
         dx = gradient_into(ctx.grad_slot, x.shape, x.dtype, x.device)
