@@ -4,7 +4,8 @@ with x a strided slice of the projection, as the model passes it (needs CUDA; th
 test is tests/test_causal_conv.py). And ``causal_conv_split`` at GDN-300M's q | k | v widths against a conv per block
 (the twin in fp64, and the project's single conv); with q and k L2-normalised per head and repeated for GDN's value
 heads in the kernels, against the twin and against the path they replace (the split conv, then fla's ``l2norm`` and
-``repeat_interleave``)."""
+``repeat_interleave``). And the backward's pass 1 at fixed configurations with the pre-activation from the
+products' x tile (``X_ONCE``) against the per-tap path."""
 import pytest
 import torch
 
@@ -115,3 +116,36 @@ def test_split_conv_with_head_norm_matches_the_twin_and_fla_l2norm(dtype, head_d
         assert o.dtype == dtype and o.shape == t.shape, i
         assert rel_err(o, t) < tol, (i, rel_err(o, t))
         assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-6, (i, rel_err(o, t), rel_err(f, t))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("block,rows,warps", [(32, 16, 4), (64, 16, 8), (32, 64, 8)])
+def test_pass1_x_once_matches_the_per_tap_pre_activation(dtype, block, rows, warps):
+    """The backward's pass 1 launched directly (not through its autotuner) at one configuration, with the
+    pre-activation from the products' x tile (``X_ONCE``) and from a load per tap: the same da and weight and
+    bias partials, up to the order of an fp32 sum over four taps. Mamba2-300M's width, x strided, 300 rows."""
+    import hybridlm.ops.causal_conv as conv
+    torch.manual_seed(0)
+    B, T, D, W = 2, 300, 3072, 4
+    x = torch.randn(B, T, 1024 + D, device="cuda", dtype=dtype)[..., 1024:]
+    weight = (torch.rand(D, W, device="cuda") - 0.5).to(dtype)
+    bias = (torch.randn(D, device="cuda") * 0.1).to(dtype)
+    dy = torch.randn(B, T, D, device="cuda", dtype=dtype)
+    pass1 = conv._kernels()[1]
+    pass1 = pass1.fn if hasattr(pass1, "configs") else pass1  # the jitted kernel under its autotuner
+    tiles = 2
+    NG = -(-(-(-T // conv.BT)) // tiles)
+    out = {}
+    for once in (False, True):
+        da = torch.empty(B, T, D, dtype=dtype, device="cuda")
+        dw = torch.empty(B * NG, D, W, dtype=torch.float32, device="cuda")
+        db = torch.empty(B * NG, D, dtype=torch.float32, device="cuda")
+        seg = conv._segment_args([dy])
+        pass1[(-(-D // block), NG, B)](x, weight, bias, *seg[:3], da, dw, db, T, NG, x.stride(0), x.stride(1),
+                                      *seg[3:], 0.0, **conv._segment_constants(D, (D,)), W=W, WP=4, BT=conv.BT,
+                                      TILES=tiles, HAS_BIAS=True, SILU=True, BD=block, BR=rows, X_ONCE=once,
+                                      num_warps=warps)
+        out[once] = (da, dw.sum(0), db.sum(0))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for name, a, b in zip(("da", "dw", "db"), out[False], out[True]):
+        assert rel_err(b, a) < tol, (name, rel_err(b, a))
