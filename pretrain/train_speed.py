@@ -68,6 +68,7 @@ from hybridlm.model.configuration import resolve_model_config
 from hybridlm.model.layers.mamba2 import Mamba2
 from hybridlm.model.summary import build_on_meta, model_summary
 from hybridlm.ops.backend import KERNEL_SOURCES, set_kernel_source
+from hybridlm.ops.causal_conv import offer_pass1_x_once
 from hybridlm.training import train_loop
 from hybridlm.utils.atomic import save_figure
 from hybridlm.utils.readback import Readback
@@ -440,6 +441,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ours: Mamba2's SSD inputs (dt softplus, decay, the scaled and head-broadcast B and C) "
                         "through torch.compile on the Triton path (hybridlm/ops/mamba2_inputs.py; off, the default, "
                         "is the eager ops)")
+    p.add_argument("--conv-x-once", choices=("on", "off"), default="off",
+                   help="ours: offer the project conv backward's autotuner the pre-activation from the products' x "
+                        "tile (hybridlm/ops/causal_conv.py offer_pass1_x_once; off until measured)")
     for op, (what, ours, theirs) in KERNEL_SWITCHES.items():
         p.add_argument(f"--{op}-kernel", choices=KERNEL_SOURCES, default="project",
                        help=f"ours: the Triton kernel of {what} (project: {ours}, fla: {theirs})")
@@ -468,6 +472,7 @@ def main(argv=None) -> Dict[str, Any]:
     Mamba2.compile_ssd_inputs = args.mamba2_compile_inputs == "on"  # process-wide switches: this run's settings
     for op in KERNEL_SWITCHES:
         set_kernel_source(op, getattr(args, f"{op}_kernel"))
+    offer_pass1_x_once(args.conv_x_once == "on")
     dist = init_distributed()
     world, main_rank, device = dist.world_size, dist.rank == 0, dist.device
     cuda = device.type == "cuda"
@@ -491,7 +496,7 @@ def main(argv=None) -> Dict[str, Any]:
         **versions(), "seq_len": args.seq, "micro_batch": None if args.find_max_batch else args.micro_batch,
         "find_max_batch": args.find_max_batch, "steps": args.steps, "warmup": args.warmup,
         "precision": args.precision, "peak_tflops_per_gpu": args.peak_tflops, "flop_formula": F.FORMULA,
-        "mamba2_compile_inputs": args.mamba2_compile_inputs,
+        "mamba2_compile_inputs": args.mamba2_compile_inputs, "conv_x_once": args.conv_x_once,
         **{f"{op}_kernel": getattr(args, f"{op}_kernel") for op in KERNEL_SWITCHES},
         "model_override": args.model_override, "data": str(data_dir), "command": " ".join(sys.argv),
         "started": datetime.now(timezone.utc).isoformat(),

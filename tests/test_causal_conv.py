@@ -380,6 +380,24 @@ def test_pass1_with_x_once_loads_the_taps_rows_once_and_does_not_spill():
         assert r["stack_bytes"] == 0 and r["ld_b16"] <= other["ld_b16"] and loads(r) < loads(other), (r, other)
 
 
+def test_x_once_is_offered_to_pass1s_autotuner_only_when_asked():
+    """Off until a GPU has measured it: pass 1's autotuner gets ``X_ONCE`` configurations only after
+    ``offer_pass1_x_once(True)``, which rebuilds the autotuner over the same jitted kernel (a kernel jitted twice
+    broke the interpreter), and loses them again after ``offer_pass1_x_once(False)``."""
+    import hybridlm.ops.causal_conv as conv
+    assert conv.PASS1_X_ONCE == (False,)
+    before = conv._kernels()[1]
+    assert before.configs and not any(c.kwargs["X_ONCE"] for c in before.configs)
+    conv.offer_pass1_x_once(True)
+    try:
+        offered = conv._kernels()[1]
+        assert offered is not before and offered.fn is before.fn
+        assert {c.kwargs["X_ONCE"] for c in offered.configs} == {False, True}
+    finally:
+        conv.offer_pass1_x_once(False)
+    assert not any(c.kwargs["X_ONCE"] for c in conv._kernels()[1].configs)
+
+
 def test_head_norm_kernels_compile_for_an_h200_without_spills():
     """q and k's heads normalised and repeated in the split conv, compiled for sm_90 here: no spills; the forward
     stores the repeated heads with the same 16-byte vectors (twice the stores of the plain split at its block), and

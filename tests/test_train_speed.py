@@ -143,7 +143,7 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "train_speed.json").read_text())
     assert report["world_size"] == 1 and report["precision"] == "fp32" and report["seq_len"] == 32
-    assert report["mamba2_compile_inputs"] == "off"
+    assert report["mamba2_compile_inputs"] == "off" and report["conv_x_once"] == "off"
     entries = {e["name"]: e for e in report["entries"]}
     assert list(entries) == ["tiny_hybrid", f"tiny_hybrid:{VARIANT}", "llama:tiny_hybrid", "fla_gdn",
                              "llama:tiny_hybrid+late"]

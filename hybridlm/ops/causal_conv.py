@@ -55,6 +55,7 @@ def pass1_tiles(D: int, NT: int) -> int:
 
 # bound on first use (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
 tl = None
+_JITTED = None
 _KERNELS = None
 
 
@@ -172,7 +173,8 @@ def _causal_conv_bwd_weight_kernel(x, w, b, dy0, dy1, dy2, da, dw, db, T, NG, s_
     In the first ``NW`` channels (a head a block) ``dy`` is the sum over the head's ``REPEAT`` copies, taken back
     through the L2 norm (the normalised row recomputed from x in fp32) before the SiLU.
     ``X_ONCE``: the pre-activation from the same ``[BR, WP, BD]`` x tile the products use (one load of the taps'
-    rows, a sum over taps in registers) instead of a load per tap first; the autotuner tries both."""
+    rows, a sum over taps in registers, the taps' weights loaded once) instead of a load per tap first; offered
+    to the autotuner by :func:`offer_pass1_x_once`."""
     tl.static_assert(NW == 0 or BD == HEAD, "a normalised head must be one channel block")
     i_d, i_g, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -242,23 +244,35 @@ def _causal_conv_bwd_input_kernel(da, w, dx, T, s_dab, s_dat, s_dxb, s_dxt,
     tl.store(p_dx, acc.to(dx.dtype.element_ty), mask=(o_t < T)[:, None] & m_d[None, :])
 
 
-def _kernels():
-    """``(forward, backward pass 1, backward pass 2)``, jitted on first use; on a GPU autotuned over the channel
-    block and warps (pass 1 also over its rows at a time), keeping only channel blocks that fit the segments."""
-    global _KERNELS, tl, _tap_sum, _tap_rows, _segment_rows, _head_rstd
-    if _KERNELS is None:
+def _jitted():
+    """``(forward, backward pass 1, backward pass 2)`` as ``triton.jit`` functions, jitted once (with the helpers
+    they call); the autotuners over them are rebuilt when the configurations offered change."""
+    global _JITTED, tl, _tap_sum, _tap_rows, _segment_rows, _head_rstd
+    if _JITTED is None:
         import triton
         import triton.language as tl  # noqa: F811 -- binds the module global the kernels' source names
         _tap_sum, _tap_rows, _segment_rows, _head_rstd = (triton.jit(f) for f in (_tap_sum, _tap_rows, _segment_rows,
                                                                                    _head_rstd))
-        kernels = [triton.jit(k) for k in (_causal_conv_fwd_kernel, _causal_conv_bwd_weight_kernel,
-                                           _causal_conv_bwd_input_kernel)]
+        _JITTED = tuple(triton.jit(k) for k in (_causal_conv_fwd_kernel, _causal_conv_bwd_weight_kernel,
+                                                _causal_conv_bwd_input_kernel))
+    return _JITTED
+
+
+def _kernels():
+    """``(forward, backward pass 1, backward pass 2)``; on a GPU autotuned over the channel block and warps (pass 1
+    also over its rows at a time, and ``X_ONCE`` where offered), keeping only channel blocks that fit the
+    segments."""
+    global _KERNELS
+    if _KERNELS is None:
+        kernels = list(_jitted())
         if not interpreting():  # the interpreter runs one configuration
+            import triton
             configs = [triton.Config({"BD": bd}, num_warps=nw) for bd in (32, 64, 128, 256) for nw in (4, 8)]
             # pass 1 holds [BR, WP, BD] fp32 accumulators: wide channel blocks would spill, and many rows at a time
             # leave few warps an SM (128 channels only where a head of 128 must be one block)
             pass1_configs = [triton.Config({"BD": bd, "BR": br, "X_ONCE": once}, num_warps=nw)
-                             for bd in (16, 32, 64, 128) for br in PASS1_ROWS for nw in (4, 8) for once in (False, True)]
+                             for bd in (16, 32, 64, 128) for br in PASS1_ROWS for nw in (4, 8)
+                             for once in PASS1_X_ONCE]
             tiled = ["D", "W", "D0", "D1", "NW", "REPEAT"]
             kernels = [autotuned(kernels[0], configs, tiled, prune=_blocks_within_segments),
                        autotuned(kernels[1], pass1_configs, tiled + ["TILES"], prune=_blocks_within_segments),
@@ -297,6 +311,18 @@ INTERPRETER_BD = 16
 PASS1_ROWS = (16, 32, 64)  # rows per iteration of the backward's pass 1 (each divides BT) the autotuner tries
 INTERPRETER_PASS1_ROWS = 32  # the one the interpreter runs (the CPU tests set it per case)
 INTERPRETER_PASS1_X_ONCE = False  # the same for pass 1's X_ONCE
+# pass 1's X_ONCE choices for its autotuner: not offered until a GPU has measured it (offer_pass1_x_once)
+PASS1_X_ONCE = (False,)
+
+
+def offer_pass1_x_once(on: bool) -> None:
+    """Offer pass 1's autotuner ``X_ONCE`` (the pre-activation from the products' x tile) beside the per-tap
+    path, or stop offering it; process-wide, the kernels rebuilt on next use (``pretrain.train_speed
+    --conv-x-once``, ``scripts/device/kernel_bench.py``)."""
+    global PASS1_X_ONCE, _KERNELS
+    choices = (False, True) if on else (False,)
+    if choices != PASS1_X_ONCE:
+        PASS1_X_ONCE, _KERNELS = choices, None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ and the time that takes at the H200's ~4.8 TB/s (the memory floor).
 
 conv: the short conv + SiLU (hybridlm/ops/causal_conv.py against fla's causal_conv1d), x a strided slice of the
 projection as the mixers pass it, for each ``--conv-tiles`` of the backward's pass 1 (with the autotuner's pick of
-channel block, rows at a time and warps). conv_split: GDN-300M's q | k | v, three convs (the project's kernel, one per
+channel block, rows at a time and warps), then at the best of them with ``X_ONCE`` offered to pass 1's autotuner
+(``project_x_once_offered_*``: its pick says whether it won). conv_split: GDN-300M's q | k | v, three convs (the project's kernel, one per
 block) against one ``causal_conv_split`` over the joined columns (``split_conv_outputs``). conv_head_norm: the same
 with q and k normalised and repeated per value head in the kernels (``qk_norm_in_conv``) against the split conv, fla's
 l2norm and ``repeat_interleave``. norm: the residual-add
@@ -92,12 +93,18 @@ def bench_conv(args) -> list:
                 for n in args.conv_tiles:
                     conv.TILES_PER_PROGRAM = n
                     tiles[n] = timed(fwd_bwd, args.iters)
-                conv.TILES_PER_PROGRAM = default_tiles
                 best = min(tiles, key=tiles.get)
                 row.update({"project_tiles_ms": tiles, "project_best_tiles": best, "project_fwd_bwd_ms": tiles[best]})
+                row["project_pass1_config"] = str(conv._kernels()[1].best_config)  # the winner at the last count
+                # pass 1's autotuner also offered X_ONCE, at the best tiles count (the kernels rebuilt, re-tuned)
+                conv.TILES_PER_PROGRAM = best
+                conv.offer_pass1_x_once(True)
+                row["project_x_once_offered_fwd_bwd_ms"] = timed(fwd_bwd, args.iters)
+                row["project_x_once_offered_pass1_config"] = str(conv._kernels()[1].best_config)
+                conv.offer_pass1_x_once(False)
+                conv.TILES_PER_PROGRAM = default_tiles
             else:
                 row[f"{kname}_fwd_bwd_ms"] = timed(fwd_bwd, args.iters)
-        row["project_pass1_config"] = str(conv._kernels()[1].best_config)  # the winner at the last tiles count
         # forward reads x and writes y; backward reads x and dy and writes dx
         rows.append(_floor(row, 5 * args.micro_batch * args.seq * D * 2, "project", "fla"))
     return rows

@@ -8,6 +8,7 @@
 #   MAMBA2_COMPILE=on             Mamba2's SSD inputs through torch.compile (--mamba2-compile-inputs); reports get _compiled
 #   CONV_KERNEL=fla               ours' short convs through fla's causal_conv1d (--conv-kernel; default the project's);
 #                                 reports get _flaconv
+#   CONV_X_ONCE=on                the conv backward's autotuner also offered X_ONCE (--conv-x-once); reports get _xonce
 #   NORM_KERNEL=fla               ours' RMSNorms through fla's rms_norm (--norm-kernel; default the project's);
 #                                 reports get _flanorm
 #   LOSS_KERNEL=fla               ours' LM-head cross-entropy through fla's kernel (--loss-kernel); reports get _flaloss
@@ -35,11 +36,11 @@ for fam in ${FAMILIES:-gdn mamba2 kda mb16 1b}; do
   left=$(( ${DEADLINE_AT:-$((EPOCHSECONDS + 540))} - EPOCHSECONDS ))
   [ "$left" -lt 30 ] && { echo "train_speed: no time left for $fam"; break; }
   echo "[$(date +%T)] train_speed $fam (${left}s left)"
-  tag=$fam${PRECISION:+_$PRECISION}$([ "${MAMBA2_COMPILE:-off}" = on ] && echo _compiled)$([ "${CONV_KERNEL:-project}" = fla ] && echo _flaconv)$([ "${NORM_KERNEL:-project}" = fla ] && echo _flanorm)$([ "${LOSS_KERNEL:-project}" = fla ] && echo _flaloss)${TAG:-}
+  tag=$fam${PRECISION:+_$PRECISION}$([ "${MAMBA2_COMPILE:-off}" = on ] && echo _compiled)$([ "${CONV_KERNEL:-project}" = fla ] && echo _flaconv)$([ "${CONV_X_ONCE:-off}" = on ] && echo _xonce)$([ "${NORM_KERNEL:-project}" = fla ] && echo _flanorm)$([ "${LOSS_KERNEL:-project}" = fla ] && echo _flaloss)${TAG:-}
   CUDA_VISIBLE_DEVICES=${GPU:-1} timeout "$left" python3 -m pretrain.train_speed --out "$LOGS/speed_$tag" \
     --keep-going --data data_cache/janeausten-llama3.2 --seq 2048 --steps ${STEPS:-10} --warmup 3 --profile ${PROFILE:-3} \
     --precision "${PRECISION:-bf16}" --mamba2-compile-inputs "${MAMBA2_COMPILE:-off}" \
-    --conv-kernel "${CONV_KERNEL:-project}" --norm-kernel "${NORM_KERNEL:-project}" \
+    --conv-kernel "${CONV_KERNEL:-project}" --conv-x-once "${CONV_X_ONCE:-off}" --norm-kernel "${NORM_KERNEL:-project}" \
     --loss-kernel "${LOSS_KERNEL:-project}" ${OVERRIDES:+--model-override $OVERRIDES} \
     ${OPTIM_OVERRIDES:+--optim-override $OPTIM_OVERRIDES} $([ "${TRACE:-0}" = 1 ] && echo --trace) \
     ${FAMILY[$fam]} ${CONFIGS:+--configs $CONFIGS} ${PEERS+--peers $PEERS} > "$LOGS/speed_$tag.log" 2>&1
