@@ -16,6 +16,17 @@ from hybridlm.ops.causal_conv import (HeadNorm, causal_conv, causal_conv_referen
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+def _assert_near_twin_and_no_worse(ours, twin, peer, dtype, names=None):
+    """Each of ``ours`` (outputs, then gradients) within fp32 / bf16 tolerance of the fp64 ``twin``, and no
+    further from it than ``peer``, the path it replaces, computed in the same dtype."""
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for i, (o, t, p) in enumerate(zip(ours, twin, peer)):
+        name = names[i] if names else i
+        assert o.dtype == dtype and o.shape == t.shape, name
+        assert rel_err(o, t) < tol, (name, rel_err(o, t))
+        assert rel_err(o, t) <= 1.5 * rel_err(p, t) + 1e-6, (name, rel_err(o, t), rel_err(p, t))
+
+
 def _grads(fn, x, weight, bias, dy):
     leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (x, weight, bias)]
     y = fn(*leaves)
@@ -43,11 +54,7 @@ def test_kernels_match_the_twin_and_fla(dtype, bias, T, tiles, monkeypatch):
     cpu64 = lambda t: None if t is None else t.detach().cpu().double()  # noqa: E731 (no TF32 convs on the CPU)
     twin = _grads(causal_conv_reference, cpu64(x), cpu64(weight), cpu64(b), cpu64(dy))
     fla = _grads(lambda x, w, b: causal_conv1d(x=x, weight=w, bias=b, activation="silu")[0], x, weight, b, dy)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for name, o, t, f in zip(("y", "dx", "dw", "db"), ours, twin, fla):
-        assert o.dtype == dtype and o.shape == t.shape, name
-        assert rel_err(o, t) < tol, (name, rel_err(o, t))
-        assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-6, (name, rel_err(o, t), rel_err(f, t))  # no worse than fla's
+    _assert_near_twin_and_no_worse(ours, twin, fla, dtype, ("y", "dx", "dw", "db"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -73,11 +80,7 @@ def test_split_conv_matches_a_conv_per_block(dtype):
     cpu64 = lambda t: t.detach().cpu().double()  # noqa: E731
     twin, _ = run(per_block(causal_conv_reference), cpu64(x), [cpu64(w) for w in weights], [cpu64(d) for d in dys])
     single, _ = run(per_block(causal_conv), x, weights, dys)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for i, (o, t, s) in enumerate(zip(ours, twin, single)):
-        assert o.dtype == dtype and o.shape == t.shape, i
-        assert rel_err(o, t) < tol, (i, rel_err(o, t))
-        assert rel_err(o, t) <= 1.5 * rel_err(s, t) + 1e-6, (i, rel_err(o, t), rel_err(s, t))
+    _assert_near_twin_and_no_worse(ours, twin, single, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -111,11 +114,7 @@ def test_split_conv_with_head_norm_matches_the_twin_and_fla_l2norm(dtype, head_d
     twin, _ = run(lambda x, w: causal_conv_split_reference(x, w, None, widths, head_norm=norm), cpu64(x),
                   cpu64(weight), [cpu64(d) for d in dys])
     fla, _ = run(fla_norm, x, weight, dys)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for i, (o, t, f) in enumerate(zip(ours, twin, fla)):
-        assert o.dtype == dtype and o.shape == t.shape, i
-        assert rel_err(o, t) < tol, (i, rel_err(o, t))
-        assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-6, (i, rel_err(o, t), rel_err(f, t))
+    _assert_near_twin_and_no_worse(ours, twin, fla, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
