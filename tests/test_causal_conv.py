@@ -162,8 +162,9 @@ MIXER_CASES = {"gdn": ("G-", "hybridlm.model.layers.delta_rule", _gdn_inputs, 6)
 
 # what the "on" side of a mixer case turns on: the split conv outputs alone, with the projection's gradient
 # assembled in place, and (delta-rule mixers) with q and k normalised in the conv
-SWITCHES = {"split": dict(split_conv_outputs=True), "in_place": dict(split_conv_outputs=True,
-                                                                     projection_grads_in_place=True),
+ALL_OFF = dict(split_conv_outputs=False, projection_grads_in_place=False, qk_norm_in_conv=False)
+SWITCHES = {"split": dict(ALL_OFF, split_conv_outputs=True),
+            "in_place": dict(ALL_OFF, split_conv_outputs=True, projection_grads_in_place=True),
             "qk_norm": dict(split_conv_outputs=True, projection_grads_in_place=True, qk_norm_in_conv=True)}
 
 
@@ -190,7 +191,7 @@ def _mixer_rows(kind: str) -> list:
         mixers = []
         for on in (True, False):
             torch.manual_seed(0)
-            model = HybridForCausalLM(tiny_config(pattern, **(SWITCHES[switch] if on else {}))).to(dtype)
+            model = HybridForCausalLM(tiny_config(pattern, **(SWITCHES[switch] if on else ALL_OFF))).to(dtype)
             mixers.append(model.model.layers[0].mixer)
         got_want, calls = [], []
         for mixer in mixers:

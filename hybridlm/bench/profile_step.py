@@ -63,21 +63,31 @@ def gemm_flops(op: str, shapes) -> Optional[float]:
 
 
 def gemm_table(events, steps: int, cuda: bool, top: int = 15) -> List[Dict[str, Any]]:
-    """The GEMM ops of ``events`` (``key_averages(group_by_input_shape=True)``) by op and shapes: calls and
-    milliseconds per step (the device time of the kernels each launched on a GPU, its CPU time on a CPU), FLOPs
-    per call and the TFLOP/s they ran at, largest time first."""
-    rows = []
+    """The GEMM ops of ``events`` (the profiler's ``events()``, one per call) by op and shapes: calls and
+    milliseconds per step, FLOPs per call and the TFLOP/s they ran at, largest time first. On a GPU a call's time is
+    that of the GEMM kernels it launched itself (an op's ``device_time_total`` also held kernels that were not its
+    own: session 23's table gave the LM head's GEMMs ~2.5-3 ms a call more than their kernels took, the
+    cross-entropy kernel's size); on a CPU its CPU time."""
+    groups: Dict[Any, List[float]] = {}
     for evt in events:
-        flops = gemm_flops(evt.key, getattr(evt, "input_shapes", None) or [])
+        shapes = getattr(evt, "input_shapes", None) or []
+        flops = gemm_flops(evt.name, shapes)
         if flops is None:
             continue
-        us = (getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)) if cuda \
-            else evt.cpu_time_total
-        if not us or us <= 0:
+        if cuda:
+            us = sum(k.duration for k in evt.kernels if categorize(k.name) == "matmul (GEMM)")
+        else:
+            us = evt.cpu_time_total
+        if us <= 0:
             continue
-        rows.append({"op": evt.key, "shapes": [list(s) for s in evt.input_shapes if s], "calls_per_step":
-                     evt.count / steps, "ms_per_step": us / 1e3 / steps, "gflop_per_call": flops / 1e9,
-                     "tflops": flops * evt.count / (us * 1e-6) / 1e12})
+        key = (evt.name, tuple(tuple(s) for s in shapes if s))
+        calls_us_flops = groups.setdefault(key, [0, 0.0, flops])
+        calls_us_flops[0] += 1
+        calls_us_flops[1] += us
+    rows = [{"op": op, "shapes": [list(s) for s in shapes], "calls_per_step": calls / steps,
+             "ms_per_step": us / 1e3 / steps, "gflop_per_call": flops / 1e9,
+             "tflops": flops * calls / (us * 1e-6) / 1e12}
+            for (op, shapes), (calls, us, flops) in groups.items()]
     rows.sort(key=lambda r: -r["ms_per_step"])
     return rows[:top]
 
@@ -141,7 +151,7 @@ class StepProfiler:
             if us and us > 0:
                 rows.append({"name": evt.key, "self_us": float(us), "calls": int(evt.count)})
         rows.sort(key=lambda r: -r["self_us"])
-        gemms = gemm_table(self.prof.key_averages(group_by_input_shape=True), max(self.active, 1), cuda)
+        gemms = gemm_table(self.prof.events(), max(self.active, 1), cuda)
         total = sum(r["self_us"] for r in rows) or 1.0
         per_cat: Dict[str, float] = {}
         for r in rows:

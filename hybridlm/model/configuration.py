@@ -171,9 +171,9 @@ class HybridConfig(PretrainedConfig):
         loss_chunks: int = 8,
         fuse_residual_norm: bool = True,
         fuse_projections: bool = True,
-        split_conv_outputs: bool = False,
-        projection_grads_in_place: bool = False,
-        qk_norm_in_conv: bool = False,
+        split_conv_outputs: bool = True,
+        projection_grads_in_place: bool = True,
+        qk_norm_in_conv: bool = True,
         bos_token_id: Optional[int] = None,
         eos_token_id: Optional[int] = None,
         pad_token_id: Optional[int] = None,
@@ -195,14 +195,13 @@ class HybridConfig(PretrainedConfig):
         # training-time fusions, same function (docs/design.md, "Fused training paths")
         self.fuse_residual_norm = fuse_residual_norm
         self.fuse_projections = fuse_projections
-        # the short conv writes each block the scan takes as its own tensor; off until measured on a GPU
-        # (docs/design.md, "Fused training paths")
+        # the short conv writes each block the scan takes as its own tensor (docs/design.md, "Fused training paths")
         self.split_conv_outputs = split_conv_outputs
-        # the mixers' projection gradients assembled where their consumers write them, not concatenated; off
-        # until measured (hybridlm/ops/gradient_slots.py)
+        # the mixers' projection gradients assembled where their consumers write them, not concatenated
+        # (hybridlm/ops/gradient_slots.py)
         self.projection_grads_in_place = projection_grads_in_place
         # GDN / KDA: where the split conv runs, it also L2-normalises q and k and repeats GDN's q / k heads for its
-        # grouped value heads (hybridlm/ops/causal_conv.py ``HeadNorm``); off until measured
+        # grouped value heads (hybridlm/ops/causal_conv.py ``HeadNorm``)
         self.qk_norm_in_conv = qk_norm_in_conv
         for name in ("fuse_residual_norm", "fuse_projections", "split_conv_outputs", "projection_grads_in_place",
                      "qk_norm_in_conv"):

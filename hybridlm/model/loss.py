@@ -7,8 +7,9 @@ during the forward pass, so at most one chunk of logits exists at a time. Per ch
 * the loss and d loss / d logits = (softmax - onehot) / n_valid: one Triton kernel on GPU that writes the
   gradient over the chunk's logits (hybridlm/ops/cross_entropy.py; fla's fused cross-entropy with
   ``--loss-kernel fla``), torch ops on CPU;
-* grad_hidden = dlogits @ weight and grad_weight += dlogits.T @ hidden: GEMMs in the activations' dtype,
-  the weight gradient summed over chunks in fp32.
+* grad_hidden = dlogits @ weight (through a transposed copy of the weight, so that both operands run along
+  the vocabulary) and grad_weight += dlogits.T @ hidden: GEMMs in the activations' dtype, the weight gradient
+  summed over chunks in fp32.
 
 Why not fla's own ``FusedLinearCrossEntropyLoss``: it accumulates the weight gradient through ``addmm`` on
 fp32 copies of the logits and the hidden states, which cuBLAS runs as an fp32 SIMT GEMM (no TF32 by
@@ -53,6 +54,10 @@ class ChunkedLinearHead(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
         total = hidden.new_zeros((), dtype=torch.float32)
         w = weight.to(hidden.dtype)
+        # the input gradient's GEMM sums over the vocabulary: with the weight transposed once, both of its operands
+        # are contiguous along that sum (K-major), which cuBLAS ran 19 % faster than the [vocab, hidden] layout at
+        # the 300M models' head on an H200 (BENCHMARKS.md, "Session 24"); costs one weight-sized copy meanwhile
+        w_k_major = w.t().contiguous() if need_grad else None
         size = max(1, int(chunk_rows))
         for start in range(0, hidden.shape[0], size):
             h = hidden[start:start + size]
@@ -60,7 +65,7 @@ class ChunkedLinearHead(torch.autograd.Function):
             total = total + loss
             if need_grad:
                 dlogits = dlogits.to(h.dtype)
-                grad_hidden[start:start + size] = dlogits @ w
+                torch.mm(dlogits, w_k_major.t(), out=grad_hidden[start:start + size])
                 add_product_fp32(grad_weight, dlogits.t(), h)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype

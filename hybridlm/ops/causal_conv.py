@@ -274,15 +274,15 @@ def _kernels():
                              for bd in (16, 32, 64, 128) for br in PASS1_ROWS for nw in (4, 8)
                              for once in PASS1_X_ONCE]
             tiled = ["D", "W", "D0", "D1", "NW", "REPEAT"]
-            kernels = [autotuned(kernels[0], configs, tiled, prune=_blocks_within_segments),
-                       autotuned(kernels[1], pass1_configs, tiled + ["TILES"], prune=_blocks_within_segments),
+            kernels = [autotuned(kernels[0], configs, tiled, prune=_prune_configs),
+                       autotuned(kernels[1], pass1_configs, tiled + ["TILES"], prune=_prune_configs),
                        autotuned(kernels[2], configs, ["D", "W"])]
         _KERNELS = tuple(kernels)
     return _KERNELS
 
 
-def _blocks_within_segments(configs, named_args, **kwargs):
-    """The autotuner's configurations whose channel block divides every output segment's width (with one segment,
+def _prune_configs(configs, named_args, **kwargs):
+    """The autotuner's configurations that fit the launch: those whose channel block divides every output segment's width (with one segment,
     all: the kernels mask the last block); where heads are normalised (``NW > 0``), those whose block is the head.
     Pass 1's 128-channel blocks only for heads of 128, and its ``X_ONCE`` only where the x tile and the
     accumulator fit a thread's registers (at most 32 fp32 elements each; more spilled when compiled for sm_90:
@@ -345,7 +345,7 @@ class HeadNorm:
         return tuple(w * self.repeat if j < self.segments else w for j, w in enumerate(widths))
 
 
-def _launch_args(D: int, head_norm: Optional[HeadNorm] = None) -> dict:
+def _launch_args(head_norm: Optional[HeadNorm] = None) -> dict:
     """The channel block where the autotuner does not choose it (the interpreter): the head where heads are
     normalised."""
     if not interpreting():
@@ -375,7 +375,7 @@ class _CausalConv(torch.autograd.Function):
         seg = _segment_args(ys)
         fwd[grid](x, weight, bias, *seg[:3], T, x.stride(0), x.stride(1), *seg[3:], _eps(head_norm),
                   **_segment_constants(D, widths, head_norm), W=W, BT=BT, HAS_BIAS=bias is not None, SILU=silu,
-                  **_launch_args(D, head_norm))
+                  **_launch_args(head_norm))
         ctx.save_for_backward(x, weight, bias)
         ctx.silu, ctx.widths, ctx.grad_slot, ctx.head_norm = silu, widths, grad_slot, head_norm
         ctx.out_widths = out_widths
@@ -405,13 +405,13 @@ class _CausalConv(torch.autograd.Function):
             x, weight, bias, *seg[:3], da, dw, db, T, NG, x.stride(0), x.stride(1), *seg[3:], _eps(head_norm),
             **_segment_constants(D, ctx.widths, head_norm), W=W,
             WP=next_power_of_2(W), BT=BT, TILES=tiles, HAS_BIAS=bias is not None, SILU=ctx.silu,
-            **_launch_args(D, head_norm),
+            **_launch_args(head_norm),
             **({"BR": INTERPRETER_PASS1_ROWS, "X_ONCE": INTERPRETER_PASS1_X_ONCE} if interpreting() else {}))
         grid = lambda meta: (-(-D // meta["BD"]), NT, Bsz)  # noqa: E731
         # in place in the split projection's gradient where x is a block of it (gradient_slots.py)
         dx = gradient_into(ctx.grad_slot, x.shape, x.dtype, x.device)
         bwd_input[grid](da, weight, dx, T, da.stride(0), da.stride(1), dx.stride(0), dx.stride(1),
-                        D=D, W=W, BT=BT, **_launch_args(D))
+                        D=D, W=W, BT=BT, **_launch_args())
         return (dx, dw.sum(0).to(weight.dtype), None if db is None else db.sum(0).to(bias.dtype),
                 None, None, None, None)
 

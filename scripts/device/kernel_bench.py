@@ -2,7 +2,7 @@
 models' training shapes: one JSON line per (op, shape) with the milliseconds of each, the bytes the work must move
 and the time that takes at the H200's ~4.8 TB/s (the memory floor).
 
-    python scripts/device/kernel_bench.py [--ops conv norm ce] [--micro-batch 64] [--out kernel_bench.jsonl]
+    python scripts/device/kernel_bench.py [--ops conv norm ce head_gemm] [--micro-batch 64] [--out kernel_bench.jsonl]
 
 conv: the short conv + SiLU (hybridlm/ops/causal_conv.py against fla's causal_conv1d), x a strided slice of the
 projection as the mixers pass it, for each ``--conv-tiles`` of the backward's pass 1 (with the autotuner's pick of
@@ -14,7 +14,9 @@ l2norm and ``repeat_interleave``. norm: the residual-add
 RMSNorm (hybridlm/ops/rms_norm.py against fla's rms_norm with ``residual=``), and Mamba2's output stage
 (hybridlm/ops/gated_norm.py against ``addcmul`` + fla's grouped gated norm). ce: the cross-entropy of one chunk of LM-head logits with its gradient
 (hybridlm/ops/cross_entropy.py, one launch, against fla's fused cross-entropy forward + backward), also for
-each sweep block and warp count of the project's kernel (``--ce-configs``).
+each sweep block and warp count of the project's kernel (``--ce-configs``). head_gemm: the chunked LM head's three
+GEMMs (hybridlm/model/loss.py) as they run and in other formulations (operand layouts, vocabulary blocks,
+cuBLASLt), with TFLOP/s.
 (Until session 17 this script was scripts/device/conv_bench.py, which ran the conv part.)
 """
 from __future__ import annotations
@@ -258,9 +260,85 @@ def bench_ce(args) -> list:
     return [_floor(row, 2 * R * V * 2, "project", "fla")]
 
 
+def bench_head_gemm(args) -> list:
+    """The chunked LM head's three GEMMs (hybridlm/model/loss.py) at the 300M models' shapes (vocabulary 128,256,
+    hidden 1,024), one chunk of rows at a time, as the head runs them now and in other formulations: the weight
+    stored transposed, and the vocabulary split into blocks small enough for L2 (each block's GEMM writes its
+    columns of the logits, or adds its share of the input gradient in fp32). One row per (GEMM, chunk rows), the
+    milliseconds and TFLOP/s of each formulation; every formulation's result is checked against the current one."""
+    V, K = 128256, 1024
+    torch.manual_seed(0)
+    w = (torch.randn(V, K, device="cuda") * 0.02).to(torch.bfloat16)
+    w_t = w.t().contiguous()
+    rows = []
+    for R in args.head_chunk_rows:
+        h = torch.randn(R, K, device="cuda", dtype=torch.bfloat16)
+        dl = (torch.randn(R, V, device="cuda") * 1e-4).to(torch.bfloat16)
+        logits = torch.empty(R, V, device="cuda", dtype=torch.bfloat16)
+        gh = torch.empty(R, K, device="cuda", dtype=torch.bfloat16)
+        gh32 = torch.empty(R, K, device="cuda", dtype=torch.float32)
+        gw = torch.zeros(V, K, device="cuda", dtype=torch.float32)
+        gw_t = torch.zeros(K, V, device="cuda", dtype=torch.float32)
+
+        def vocab_blocks(nb):
+            return [(a, min(a + nb, V)) for a in range(0, V, nb)]
+
+        def logits_blocked(nb):
+            for a, b in vocab_blocks(nb):
+                torch.mm(h, w[a:b].t(), out=logits[:, a:b])
+            return logits
+
+        def dh_blocked(nb):
+            gh32.zero_()
+            for a, b in vocab_blocks(nb):
+                torch.addmm(gh32, dl[:, a:b], w[a:b], out_dtype=torch.float32, out=gh32)
+            return gh32
+
+        def dw_blocked(nb):
+            for a, b in vocab_blocks(nb):
+                torch.addmm(gw[a:b], dl[:, a:b].t(), h, out_dtype=torch.float32, out=gw[a:b])
+
+        # each formulation returns its result (the weight gradient's accumulate, so they are timed, not compared)
+        gemms = {
+            "logits": {"now": lambda: torch.mm(h, w.t(), out=logits),
+                       "weight_transposed": lambda: torch.mm(h, w_t, out=logits),
+                       **{f"vocab_blocks_{nb}": (lambda nb=nb: logits_blocked(nb)) for nb in args.head_blocks}},
+            "input_grad": {"now": lambda: torch.mm(dl, w, out=gh),
+                           "weight_transposed": lambda: torch.mm(dl, w_t.t(), out=gh),
+                           **{f"vocab_blocks_{nb}_fp32": (lambda nb=nb: dh_blocked(nb)) for nb in args.head_blocks}},
+            "weight_grad": {"now": lambda: torch.addmm(gw, dl.t(), h, out_dtype=torch.float32, out=gw),
+                            "transposed": lambda: torch.addmm(gw_t, h.t(), dl, out_dtype=torch.float32, out=gw_t),
+                            **{f"vocab_blocks_{nb}": (lambda nb=nb: dw_blocked(nb)) for nb in args.head_blocks}},
+        }
+        for gemm, forms in gemms.items():
+            row = {"op": "head_gemm", "gemm": gemm, "rows": R, "V": V, "K": K, "ms": {}, "tflops": {}, "rel_err": {}}
+            forms = dict(forms)
+            # cuBLASLt instead of cuBLAS for the current form (torch.backends.cuda.preferred_blas_library)
+            forms["now_cublaslt"] = forms["now"]
+            reference = None
+            for name, fn in forms.items():
+                torch.backends.cuda.preferred_blas_library("cublaslt" if name == "now_cublaslt" else "cublas")
+                try:
+                    ms = timed(fn, args.iters)
+                    out = fn()
+                except RuntimeError as e:  # a formulation this torch / cuBLAS refuses: say so, time the rest
+                    row["ms"][name] = f"error: {str(e).splitlines()[0][:120]}"
+                    continue
+                row["ms"][name], row["tflops"][name] = ms, 2 * R * K * V / ms / 1e9
+                if gemm != "weight_grad":
+                    out = out.float()
+                    reference = out.clone() if reference is None else reference
+                    row["rel_err"][name] = ((out - reference).norm() / reference.norm()).item()
+            torch.backends.cuda.preferred_blas_library("cublas")
+            rows.append(row)
+        del h, dl, logits, gh, gh32, gw, gw_t
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ops", nargs="+", choices=("conv", "conv_split", "conv_head_norm", "norm", "ce"),
+    p.add_argument("--ops", nargs="+", choices=("conv", "conv_split", "conv_head_norm", "norm", "ce", "head_gemm"),
                    default=["conv", "conv_split", "conv_head_norm", "norm", "ce"])
     p.add_argument("--micro-batch", type=int, default=64)
     p.add_argument("--seq", type=int, default=2048)
@@ -271,11 +349,15 @@ def main() -> None:
                    help="BLOCK_VxNUM_WARPS of the ce kernel (hybridlm/ops/cross_entropy.py)")
     p.add_argument("--conv-tiles", nargs="+", type=int, default=[1, 32],
                    help="time tiles per program of the conv backward's pass 1 (hybridlm/ops/causal_conv.py; 0: its rule by width)")
+    p.add_argument("--head-chunk-rows", nargs="+", type=int, default=[16384, 32768],
+                   help="rows of one LM-head chunk (64 x 2048 tokens in 8 chunks: 16384)")
+    p.add_argument("--head-blocks", nargs="+", type=int, default=[8192, 16384, 32768],
+                   help="vocabulary columns a GEMM at a time in the blocked formulations")
     p.add_argument("--out", default=None, help="append the JSON lines here too")
     args = p.parse_args()
     for op in args.ops:
         for row in {"conv": bench_conv, "conv_split": bench_conv_split, "conv_head_norm": bench_conv_head_norm,
-                    "norm": bench_norm, "ce": bench_ce}[op](args):
+                    "norm": bench_norm, "ce": bench_ce, "head_gemm": bench_head_gemm}[op](args):
             line = json.dumps(row)
             print(line, flush=True)
             if args.out:
