@@ -246,6 +246,25 @@ def test_gemm_table_groups_the_step_gemms_by_shape():
         assert g["tflops"] == pytest.approx(flops / (g["ms_per_step"] * 1e-3) / 1e12)
 
 
+def test_gemm_table_on_a_gpu_counts_each_calls_own_gemm_kernels():
+    """On a GPU a GEMM call's time is the GEMM kernels it launched, not its ``device_time_total``, which held other
+    time at the LM head (BENCHMARKS.md, "Session 24"): a kernel of another kind attached to the call is not
+    counted. Profiler events as torch builds them from a CUDA trace."""
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from hybridlm.bench.profile_step import gemm_table
+    events = []
+    for i in range(4):  # two profiled steps, two calls a step
+        evt = FunctionEvent(id=i, name="aten::mm", thread=0, start_us=0, end_us=10,
+                            input_shapes=[[16384, 1024], [1024, 128256]])
+        evt.append_kernel("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT", 0, 6500)
+        evt.append_kernel("_cross_entropy_kernel", 0, 3000)
+        events.append(evt)
+    (row,) = gemm_table(events, steps=2, cuda=True)
+    assert row["calls_per_step"] == 2 and row["ms_per_step"] == pytest.approx(13.0)
+    assert row["tflops"] == pytest.approx(2 * 16384 * 1024 * 128256 / 6.5e-3 / 1e12)
+
+
 def test_profile_counts_kernels_only():
     """The GPU-side ``ProfilerStep#N`` range spans a whole step; counted as a kernel it doubled the total."""
     from hybridlm.bench.profile_step import is_kernel_row

@@ -282,8 +282,9 @@ def _kernels():
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """The autotuner's configurations that fit the launch: those whose channel block divides every output segment's width (with one segment,
-    all: the kernels mask the last block); where heads are normalised (``NW > 0``), those whose block is the head.
+    """The autotuner's configurations that fit the launch: those whose channel block divides every output
+    segment's width (with one segment, all: the kernels mask the last block); where heads are normalised
+    (``NW > 0``), those whose block is the head.
     Pass 1's 128-channel blocks only for heads of 128, and its ``X_ONCE`` only where the x tile and the
     accumulator fit a thread's registers (at most 32 fp32 elements each; more spilled when compiled for sm_90:
     ``python -m hybridlm.bench.kernel_compile``)."""
