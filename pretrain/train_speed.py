@@ -443,7 +443,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "is the eager ops)")
     p.add_argument("--conv-x-once", choices=("on", "off"), default="off",
                    help="ours: offer the project conv backward's autotuner the pre-activation from the products' x "
-                        "tile (hybridlm/ops/causal_conv.py offer_pass1_x_once; off until measured)")
+                        "tile (hybridlm/ops/causal_conv.py offer_pass1_x_once; off by default: not picked at the "
+                        "300M shapes)")
     for op, (what, ours, theirs) in KERNEL_SWITCHES.items():
         p.add_argument(f"--{op}-kernel", choices=KERNEL_SOURCES, default="project",
                        help=f"ours: the Triton kernel of {what} (project: {ours}, fla: {theirs})")

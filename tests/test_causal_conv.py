@@ -382,7 +382,7 @@ def test_pass1_with_x_once_loads_the_taps_rows_once_and_does_not_spill():
 
 
 def test_x_once_is_offered_to_pass1s_autotuner_only_when_asked():
-    """Off until a GPU has measured it: pass 1's autotuner gets ``X_ONCE`` configurations only after
+    """Off by default (not picked at the 300M shapes on an H200): pass 1's autotuner gets ``X_ONCE`` configurations only after
     ``offer_pass1_x_once(True)``, which rebuilds the autotuner over the same jitted kernel (a kernel jitted twice
     broke the interpreter), and loses them again after ``offer_pass1_x_once(False)``."""
     import hybridlm.ops.causal_conv as conv

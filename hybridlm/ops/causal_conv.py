@@ -312,7 +312,8 @@ INTERPRETER_BD = 16
 PASS1_ROWS = (16, 32, 64)  # rows per iteration of the backward's pass 1 (each divides BT) the autotuner tries
 INTERPRETER_PASS1_ROWS = 32  # the one the interpreter runs (the CPU tests set it per case)
 INTERPRETER_PASS1_X_ONCE = False  # the same for pass 1's X_ONCE
-# pass 1's X_ONCE choices for its autotuner: not offered until a GPU has measured it (offer_pass1_x_once)
+# pass 1's X_ONCE choices for its autotuner: not offered by default (offered at the 300M models' conv shapes on an
+# H200, the autotuner never picked it: BENCHMARKS.md, "Session 24"); offer_pass1_x_once offers it
 PASS1_X_ONCE = (False,)
 
 
