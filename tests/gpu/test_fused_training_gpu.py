@@ -43,7 +43,7 @@ def test_packed_swiglu_matches_the_twin_and_fla(dtype):
         assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-7, (name, rel_err(o, t), rel_err(f, t))
 
 
-def _model(pattern, backend="triton", **keys):
+def _model(pattern, backend="triton", device="cuda", **keys):
     torch.manual_seed(0)
     cfg = HybridConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, backend=backend,
                        hybrid_override_pattern=pattern, initializer_range=0.05,
@@ -52,7 +52,7 @@ def _model(pattern, backend="triton", **keys):
                        gdn=dict(num_heads=2, head_dim=64, num_v_heads=4, head_v_dim=64),
                        kda=dict(num_heads=2, head_dim=64, num_v_heads=2, head_v_dim=64),
                        mamba2=dict(d_state=64, head_dim=64, n_groups=1, expand=2), **keys)
-    return HybridForCausalLM(cfg).cuda().train()
+    return HybridForCausalLM(cfg).to(device).train()
 
 
 def _loss_and_grads(model, ids):
