@@ -26,6 +26,7 @@ from typing import Any, Dict, List, NamedTuple, Sequence, Union
 import torch
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.data.assets import resolve_source
 from hybridlm.data.chat import (RecordError, chat_messages, closing_ids, common_prefix_len, render_chat, render_prompt,
                                 sharegpt_turn, token_ids)
 
@@ -106,8 +107,9 @@ def _normalize(rec: Any) -> PreferencePair:
 
 
 def load_preference_data(path: Union[str, Path]) -> List[PreferencePair]:
-    """All pairs of a ``.json`` (a list of records) or ``.jsonl`` (one record per line) file."""
-    p = Path(path).expanduser()
+    """All pairs of a ``.json`` (a list of records) or ``.jsonl`` (one record per line) file, or of
+    ``asset:<record set>`` (``asset:dpo_en_demo``)."""
+    p = Path(resolve_source(str(path))).expanduser()
     if not p.is_file():
         raise ConfigError(f"{p}: preference data file not found (expected a .json or .jsonl file)")
     try:

@@ -82,7 +82,7 @@ PRECISION_RECIPE = {"bf16": "bf16 weights, fp32 master + grad accumulation",
                     "bf16-mixed": "fp32 weights, bf16 autocast", "fp32": "fp32"}
 
 
-# ----------------------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------------------- utilities
 
 class StepTimer:
     """``on_step`` hook: wall time at the end of every step, peak memory from the end of the warm-up on; step
@@ -147,7 +147,7 @@ def make_profiler(args, device: torch.device, name: str, sync: bool = True):
 
 
 def file_stem(name: str) -> str:
-    """An entry's name as a file name the device's hand-back takes (letters, digits, ``_ . -``)."""
+    """An entry's name as a portable file name (letters, digits, ``_ . -``)."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", Path(name).stem if name.endswith((".yaml", ".yml")) else name)
 
 

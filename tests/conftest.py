@@ -18,17 +18,21 @@ if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
 
 
-def shared_file(name: str) -> Path:
-    """A file of the shared data folder beside the checkout (the real SFT and preference demo data), or a
-    test failure naming it: a test that needs it must not pass by being skipped."""
-    path = SHARED_DATA / name
-    if not path.is_file():
-        pytest.fail(f"{path} is missing: the tests need the shared data folder beside the checkout "
-                    f"(../shared/data, with {name})", pytrace=False)
-    return path
+def demo_file(name: str) -> Path:
+    """A real record file (``alpaca_en_demo.json``, ``dpo_en_demo.json``, ``c4_demo.jsonl``: the asset of the same
+    stem, from the pinned PyPI sdist of llamafactory, fetched into the cache on first use), or a test failure
+    naming it: a test that needs it must not pass by being skipped."""
+    from hybridlm.data.cache import AssetError
+    from hybridlm.data.record_sets import RECORD_SETS, record_file
+    stem = Path(name).stem
+    if stem not in RECORD_SETS:
+        pytest.fail(f"{name}: no such record asset (known: {', '.join(RECORD_SETS)})", pytrace=False)
+    try:
+        return record_file(stem)
+    except AssetError as e:
+        pytest.fail(f"{name}: {e}", pytrace=False)
 
 
 RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
@@ -87,7 +91,7 @@ def interpreter_rounds_like_gpu():
 
 @pytest.fixture(scope="session")
 def austen_data(tmp_path_factory):
-    """The real embedded-default corpus (Jane Austen, Llama-3.2 tokenizer), prepared once per session."""
+    """The real embedded-default corpus (Jane Austen, Llama-3.2 tokenizer), prepared once per test run."""
     from hybridlm.data import DataConfig, ensure_prepared
     out = tmp_path_factory.mktemp("data") / "austen"
     ensure_prepared(DataConfig(path=str(out), sources=["asset:janeausten"], tokenizer="asset:llama3.2",

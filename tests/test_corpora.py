@@ -256,6 +256,6 @@ def test_h200_route_trains_on_the_mix():
     mix = yaml.safe_load(MIX.read_text(encoding="utf-8"))
     route = yaml.safe_load((REPO / "configs" / "upcycle" / "smollm2_route_h200.yaml").read_text(encoding="utf-8"))
     sources = route["ild"]["data"]["sources"]
-    assert sources[:-1] == mix["sources"] and sources[-1].endswith("alpaca_en_demo.json")
+    assert sources[:-1] == mix["sources"] and sources[-1] == "asset:alpaca_en_demo"
     assert route["kd"]["data"]["path"] == route["ild"]["data"]["path"]
     assert "asset:sotu" in route["report"]["heldout_sources"]

@@ -16,11 +16,11 @@ from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import build_dataclass
 from hybridlm.data import (DataConfig, PackedBatches, PackedTokens, corpus_path, ensure_prepared, iter_documents,
                            load_tokenizer, open_splits, prepare, token_dtype, tokenizer_path, validation_batches)
-from conftest import SHARED_DATA, shared_file
+from conftest import demo_file
 
 prepare_mod = importlib.import_module("hybridlm.data.prepare")  # the module; the package exports the function
 
-ALPACA = SHARED_DATA / "alpaca_en_demo.json"
+ALPACA = "asset:alpaca_en_demo"  # a prepare source by its asset name; demo_file() gives its path
 T = 64  # window length used by most tests: small so there are many windows
 
 
@@ -61,9 +61,8 @@ def austen(tmp_path_factory, corpus, tok_dir):
 
 @pytest.fixture(scope="session")
 def alpaca(tmp_path_factory, tok_dir):
-    shared_file("alpaca_en_demo.json")
     out = tmp_path_factory.mktemp("alpaca") / "packed"
-    prepare([str(ALPACA)], str(tok_dir), out, num_proc=2, shard_tokens=40_000, progress=False)
+    prepare([ALPACA], str(tok_dir), out, num_proc=2, shard_tokens=40_000, progress=False)
     return out
 
 
@@ -128,7 +127,7 @@ def test_documents_round_trip_and_split_disjoint(austen, book_ids):
 
 
 def test_alpaca_records_round_trip(alpaca, tok):
-    records = json.loads(ALPACA.read_text())
+    records = json.loads(demo_file("alpaca_en_demo.json").read_text())
     enc = tok([_alpaca_text(r) for r in records], add_special_tokens=False)["input_ids"]
     got = Counter()
     for split in ("train", "val"):
@@ -141,11 +140,10 @@ def test_alpaca_records_round_trip(alpaca, tok):
 
 
 def test_other_formats_give_same_documents(tmp_path):
-    shared_file("alpaca_en_demo.json")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    records = json.loads(ALPACA.read_text())[:50]
+    records = json.loads(demo_file("alpaca_en_demo.json").read_text())[:50]
     texts = [_alpaca_text(r) for r in records]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     pq.write_table(pa.table({"instruction": [r["instruction"] for r in records],
@@ -161,11 +159,11 @@ def test_other_formats_give_same_documents(tmp_path):
 
 def test_prepare_refuses_existing_and_missing(austen, tmp_path, tok_dir):
     with pytest.raises(ConfigError, match="already exists"):
-        prepare([str(ALPACA)], str(tok_dir), austen, progress=False)
+        prepare([ALPACA], str(tok_dir), austen, progress=False)
     with pytest.raises(ConfigError, match="missing.txt"):
         prepare([str(tmp_path / "missing.txt")], str(tok_dir), tmp_path / "out", progress=False)
     with pytest.raises(ConfigError, match="val_fraction"):
-        prepare([str(ALPACA)], str(tok_dir), tmp_path / "out", val_fraction=1.0, progress=False)
+        prepare([ALPACA], str(tok_dir), tmp_path / "out", val_fraction=1.0, progress=False)
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"not a parquet file")
     with pytest.raises(ConfigError, match=r"bad\.parquet: not a readable Parquet file"):

@@ -22,7 +22,7 @@ import torch
 from distill import (METRIC_KEYS, PreferencePair, collate_pairs, dpo_loss, load_preference_data, normalize_record,
                      render_texts, sequence_logps, tokenize_pair)
 from hybridlm.config.errors import ConfigError
-from conftest import shared_file
+from conftest import demo_file
 
 TOL = 1e-6
 
@@ -270,7 +270,7 @@ def test_malformed_records_name_file_and_index(tmp_path):
 
 
 def test_real_dpo_demo_loads_and_tokenizes(tok):
-    demo = shared_file("dpo_en_demo.json")
+    demo = demo_file("dpo_en_demo.json")
     pairs = load_preference_data(demo)
     assert len(pairs) == 300
     raw = json.loads(demo.read_text(encoding="utf-8"))

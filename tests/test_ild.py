@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO, assert_chart, save_tiny_llama, shared_file, subprocess_env
+from conftest import REPO, assert_chart, save_tiny_llama, demo_file, subprocess_env
 from distill.ild import ild_loss, teacher_trace
 from hybridlm.model import HybridForCausalLM
 from upcycle.init_mamba import init_student_from_teacher
@@ -89,7 +89,7 @@ def teacher_dir(tmp_path_factory):
 
 
 def test_ild_stage_trains_exports_and_skips_when_done(tmp_path, teacher_dir):
-    alpaca = shared_file("alpaca_en_demo.json")
+    alpaca = demo_file("alpaca_en_demo.json")
     env = subprocess_env()
     init = subprocess.run([sys.executable, "-m", "upcycle.cli", "init", "--teacher", str(teacher_dir), "--out",
                            str(tmp_path / "init"), "--kv-rank", "32", "--rope-dim", "8", "--calib-tokens", "0"],

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO, SHARED_DATA, shared_file, tiny_config, subprocess_env
+from conftest import REPO, demo_file, tiny_config, subprocess_env
 from distill.kd import KDConfig
 from distill.kd_loss import kd_loss
 from distill.preference_data import PreferencePair, tokenize_pair
@@ -19,8 +19,8 @@ from hybridlm.data.sft import (SFTBatches, SFTDataConfig, collate_sft, load_sft_
                                sft_validation_batches, tokenize_conversation)
 from hybridlm.model import HybridForCausalLM
 
-ALPACA = SHARED_DATA / "alpaca_en_demo.json"
-DPO_DEMO = SHARED_DATA / "dpo_en_demo.json"
+ALPACA = "asset:alpaca_en_demo"  # the configs name the record files by asset
+DPO_DEMO = "asset:dpo_en_demo"
 
 
 def tiny_llama(seed, hidden=48, vocab=512, **kw):
@@ -169,7 +169,7 @@ def test_sft_record_layouts_and_errors(tmp_path):
     f.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"oops": 1}) + "\n")
     with pytest.raises(ConfigError, match="record 1"):
         load_sft_data(f)
-    assert len(load_sft_data(shared_file("alpaca_en_demo.json"))) == 999
+    assert len(load_sft_data(demo_file("alpaca_en_demo.json"))) == 999
     with pytest.raises(ConfigError, match="data.max_length"):
         SFTDataConfig(path="x.json", max_length=1).validate("data")
 
@@ -236,7 +236,7 @@ def stages(tmp_path_factory):
     """One tiny random Llama teacher -> `upcycle init` -> kd -> dpo (from the KD output) -> kd again (skipped:
     finished). Resuming is the shared loop's; the data iterator's part is test_sft_batches_*."""
     for name in ("alpaca_en_demo.json", "dpo_en_demo.json"):
-        shared_file(name)
+        demo_file(name)
     from hybridlm.data import load_tokenizer
     tmp = tmp_path_factory.mktemp("kd_dpo")
     tok = load_tokenizer("asset:llama3.2")

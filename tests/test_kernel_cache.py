@@ -36,7 +36,7 @@ def test_export_then_import_round_trip(tmp_path, monkeypatch):
 
 
 def test_an_archive_made_with_tar_dot_imports(tmp_path):
-    """`tar -C cache -cJf x.tar.xz .` names members ./<folder>/<kernel>.autotune.json (session 8's archive)."""
+    """`tar -C cache -cJf x.tar.xz .` names members ./<folder>/<kernel>.autotune.json."""
     archive = tmp_path / "dot.tar.xz"
     with tarfile.open(archive, "w:xz") as tar:
         root = tarfile.TarInfo(".")

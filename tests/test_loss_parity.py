@@ -214,7 +214,7 @@ def test_two_architectures_of_ours_on_the_same_batches(tmp_path, austen_data):
 
 
 def test_resume_keeps_finished_runs_and_refuses_other_settings(tmp_path, austen_data):
-    """--resume: a call cut off by the device's time limit continues with the runs it had not finished."""
+    """--resume: a command cut off by a time limit continues with the runs it had not finished."""
     from hybridlm.bench import loss_parity as LP
 
     out = tmp_path / "parity"

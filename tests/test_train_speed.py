@@ -248,8 +248,8 @@ def test_gemm_table_groups_the_step_gemms_by_shape():
 
 def test_gemm_table_on_a_gpu_counts_each_calls_own_gemm_kernels():
     """On a GPU a GEMM call's time is the GEMM kernels it launched, not its ``device_time_total``, which held other
-    time at the LM head (BENCHMARKS.md, "Session 24"): a kernel of another kind attached to the call is not
-    counted. Profiler events as torch builds them from a CUDA trace."""
+    time at the LM head (BENCHMARKS.md, "Training step breakdown"): a kernel of another kind attached to the call is
+    not counted. Profiler events as torch builds them from a CUDA trace."""
     from torch.autograd.profiler_util import FunctionEvent
 
     from hybridlm.bench.profile_step import gemm_table

@@ -1,5 +1,5 @@
 """The ``upcycle`` command as a user runs it (tiny random Llama directories; the real SmolLM2 route is
-exercised in test_upcycle_init_mamba.py and on the device)."""
+exercised in test_upcycle_init_mamba.py and on a GPU)."""
 import json
 import subprocess
 import sys

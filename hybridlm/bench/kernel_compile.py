@@ -5,9 +5,9 @@
 Triton compiles ahead of time for a named target without a driver (``triton.compile`` of an ``ASTSource`` with a
 ``GPUTarget``; its bundled ptxas and cuobjdump). For each kernel and launch configuration this reports the
 registers a thread uses, its stack (spills), and how many global loads and stores are 16-byte vectors against
-8-byte vectors, words and scalar 2-byte ones: the static facts that decide a memory-bound kernel's speed, visible before a device session.
-It times nothing. Arguments are specialised as the JIT specialises real tensors (pointers and integers divisible
-by 16). One JSON line per compiled configuration.
+8-byte vectors, words and scalar 2-byte ones: the static facts that decide a memory-bound kernel's speed,
+visible without a GPU. It times nothing. Arguments are specialised as the JIT specialises real tensors (pointers
+and integers divisible by 16). One JSON line per compiled configuration.
 
 Cases (``--kernels``): ``conv``, the short conv's forward and backward pass 1 (hybridlm/ops/causal_conv.py) with one
 output and with three (``causal_conv_split``'s q | k | v at GDN-300M's widths), and with q and k's heads normalised

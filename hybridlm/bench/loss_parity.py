@@ -769,7 +769,7 @@ def main(argv=None) -> Dict[str, Any]:
     if args.peer_config:
         report.update(peer_config_name=args.peer_config, peer_model_override=args.peer_model_override,
                       peer_pattern=peer_config.hybrid_override_pattern)
-    # the headline (ours, first variant) and the peer's first seed first: a run cut off by the device's time
+    # the headline (ours, first variant) and the peer's first seed first: a run cut off by a time
     # limit then still has the comparison; then the engine runs, the other variants, the other peer seeds
     first = args.ours_init[0]
     plan = ([("ours", first, s, None) for s in args.ours_seeds] + [("peer", None, args.seeds[0], None)]

@@ -2,7 +2,7 @@
 
     python -m hybridlm.bench.mixers --out mixers.json [--batch 8 --seq 2048 --hidden 1024]
 
-Each sublayer uses the seed's 300M shapes (hidden 1024). Parity: relative L2 error of output and
+Each sublayer uses the Primus recipe's 300M shapes (hidden 1024). Parity: relative L2 error of output and
 gradients, fp32 and bf16, on a short input. Timing: median of forward+backward (bf16 autocast) at
 the given batch / sequence, next to flash-linear-attention's own layer of the same shape in the same run.
 """

@@ -1,8 +1,8 @@
 """transformers' Mamba2 peer with a chunked SSD kernel in place of its reference torch SSD.
 
 Without ``mamba_ssm`` transformers' ``Mamba2Mixer`` runs ``mamba2_chunk_scan``, a reference SSD whose
-transient products make a 300M model take ~5 s a step on an H200 at 8 x 2048 tokens (too slow to train a
-peer for 300 steps in a device session). :func:`chunk_scan_via` writes the same function over a chunked
+transient products make a 300M model take ~5 s a step on an H200 at 8 x 2048 tokens (25 minutes for a
+300-step peer run). :func:`chunk_scan_via` writes the same function over a chunked
 simple-GLA operator (the SSD with a scalar decay per head is simple gated linear attention with q = C, k = B,
 v = dt * x, log-decay A * dt, scale 1): fla's ``chunk_simple_gla`` on CUDA, the project's torch recurrence
 on a CPU. Everything else of the peer (its parameters and their initialisation, in_proj, conv, gated norm,

@@ -66,8 +66,8 @@ def gemm_table(events, steps: int, cuda: bool, top: int = 15) -> List[Dict[str, 
     """The GEMM ops of ``events`` (the profiler's ``events()``, one per call) by op and shapes: calls and
     milliseconds per step, FLOPs per call and the TFLOP/s they ran at, largest time first. On a GPU a call's time is
     that of the GEMM kernels it launched itself: an op's ``device_time_total`` also held time that was not its
-    GEMMs' (~2.5-3 ms a call for the LM head's at the 300M shapes on an H200; BENCHMARKS.md, "Session 24"). On a
-    CPU, its CPU time."""
+    GEMMs' (~2.5-3 ms a call for the LM head's at the 300M shapes on an H200; BENCHMARKS.md, "Training step
+    breakdown"). On a CPU, its CPU time."""
     groups: Dict[Any, List[float]] = {}
     for evt in events:
         shapes = getattr(evt, "input_shapes", None) or []

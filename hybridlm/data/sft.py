@@ -40,6 +40,7 @@ from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import Section, setting
 from hybridlm.data.chat import (RecordError, chat_messages, closing_ids, common_prefix_len, render_chat, render_prompt,
                                 sharegpt_turn, token_ids)
+from hybridlm.data.assets import resolve_source
 from hybridlm.data.prepare import _json_records, _split_docs
 from hybridlm.data.sampler import ShuffledBatches, validation_indices
 
@@ -115,8 +116,9 @@ def normalize_conversation(rec: Any) -> Messages:
 
 
 def load_sft_data(path) -> List[Messages]:
-    """Every conversation of a ``.json`` / ``.jsonl`` SFT file (ConfigError naming the file and record)."""
-    p = Path(path).expanduser()
+    """Every conversation of a ``.json`` / ``.jsonl`` SFT file or ``asset:<record set>`` (ConfigError naming the
+    file and record)."""
+    p = Path(resolve_source(str(path))).expanduser()
     if not p.is_file():
         raise ConfigError(f"{p}: SFT data file not found (expected a .json or .jsonl file)")
     out = []

@@ -3,8 +3,8 @@
 DeepSpeed's bf16 optimizer (``BF16_Optimizer``: ZeRO-1 with bf16 weights and fp32 gradient accumulation, the
 engine's default) clips in a Python loop over every parameter's fp32 gradient, after reading the clip coefficient
 on the host: a device sync and then ~250 tiny kernels that the GPU waits for one launch at a time (4-5 ms a step
-of GDN-300M on an H200, BENCHMARKS.md, "Session 20"). That optimizer hands the optimizer it wraps this rank's
-partition of the reduced fp32 gradients as one flat tensor per parameter group, and steps it once with all
+of GDN-300M on an H200, BENCHMARKS.md, "Training step breakdown"). That optimizer hands the optimizer it wraps
+this rank's partition of the reduced fp32 gradients as one flat tensor per parameter group, and steps it once with all
 groups. So for it the engine turns DeepSpeed's clipping off and clips those here: one norm per tensor, one
 all-reduce of the sum of squares over the ranks (their partitions are disjoint), one multiply by
 ``min(1, max_norm / (norm + 1e-6))`` kept on the device. That is DeepSpeed's formula

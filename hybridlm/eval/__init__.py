@@ -1,1 +1,1 @@
-"""Evaluation helpers shared by the stages."""
+"""Evaluation code shared by the stages."""

@@ -43,10 +43,10 @@ class GraphedDecoder:
 
     # the captured step's norms and SwiGLU through fla's fused Triton kernels instead of the torch ops an eager
     # decode step uses (fewer graph nodes; hybridlm/ops/backend.py). On: 1.24-1.33x faster per step on an H200
-    # (BENCHMARKS.md, "Session 14: the captured step's small kernels"); --graph-small-kernels off is the before
+    # (BENCHMARKS.md, "Generation throughput"); --graph-small-kernels off is the before
     small_kernels: bool = True
     # each block's residual add done by the next norm's kernel inside the captured step (hybridlm/ops/backend.py).
-    # On: 60 fewer kernels and 0.08-0.12 ms less per step on an H200 (BENCHMARKS.md, "Session 15");
+    # On: 60 fewer kernels and 0.08-0.12 ms less per step on an H200 (BENCHMARKS.md, "Generation throughput");
     # --graph-fuse-residual off is the before
     fuse_residual: bool = True
 

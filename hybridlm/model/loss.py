@@ -30,7 +30,7 @@ IGNORE_INDEX = -100
 def add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` for an fp32 ``acc``. bf16 ``a``, ``b`` on CUDA: one GEMM that accumulates into ``acc`` in its
     epilogue. The bf16 product, its fp32 copy and the add cost two passes over the [vocab, hidden] weight gradient
-    per chunk: 6 ms a GDN-300M step on an H200 (BENCHMARKS.md, "Session 20")."""
+    per chunk: 6 ms a GDN-300M step on an H200 (BENCHMARKS.md, "Training step breakdown")."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
     elif acc.is_cuda:
@@ -56,7 +56,8 @@ class ChunkedLinearHead(torch.autograd.Function):
         w = weight.to(hidden.dtype)
         # the input gradient's GEMM sums over the vocabulary: with the weight transposed once, both of its operands
         # are contiguous along that sum (K-major), which cuBLAS ran 19 % faster than the [vocab, hidden] layout at
-        # the 300M models' head on an H200 (BENCHMARKS.md, "Session 24"); costs one weight-sized copy meanwhile
+        # the 300M models' head on an H200 (BENCHMARKS.md, "Training step breakdown"); costs one weight-sized copy
+        # meanwhile
         w_k_major = w.t().contiguous() if need_grad else None
         size = max(1, int(chunk_rows))
         for start in range(0, hidden.shape[0], size):

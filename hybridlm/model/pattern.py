@@ -30,7 +30,7 @@ SEQUENCE_MIXERS = ("mla", "gdn", "kda", "mamba2")
 def attention_positions(num_mixer_blocks: int, ratio: float) -> List[int]:
     """Mixer-block indices that become MLA for a given attention ratio, spread evenly from block 0.
 
-    ratio 0.25 over 12 blocks gives [0, 4, 8], the seed's ``*-M-M-M-*-M-M-M-*-M-M-M-``.
+    ratio 0.25 over 12 blocks gives [0, 4, 8], the Primus recipe's 75 % hybrid ``*-M-M-M-*-M-M-M-*-M-M-M-``.
     """
     n_attn = round(ratio * num_mixer_blocks)
     if n_attn == 0:

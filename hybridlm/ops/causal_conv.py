@@ -12,7 +12,7 @@ pre-activation from ``x`` (its shifted tiles come from cache), ``da = dy * silu'
 fp32 partials of ``dw`` and ``db`` from the same x tiles, accumulated element-wise and summed over time once per
 program (one row per program, summed after); pass 2: ``dx``, the transposed conv of ``da``. A first version did
 it in one pass, recomputing the pre-activation of the ``W - 1`` following rows for every tap instead of storing
-``da``: at the Mamba2 shape it was slower than fla's (BENCHMARKS.md, "Session 17").
+``da``: at the Mamba2 shape it was slower than fla's (BENCHMARKS.md, "Training step breakdown").
 
 :func:`causal_conv_reference` is the torch twin the tests hold the kernels to (through Triton's interpreter on
 CPU, compiled on GPU). No cached state: generation's conv continues from a state through
@@ -41,7 +41,8 @@ from hybridlm.ops.triton_launch import autotuned, interpreting, next_power_of_2
 BT = 64  # rows of time per tile (fixed: the partial-gradient buffers are sized by it)
 # time tiles per program of the backward's pass 1, whose fp32 weight-gradient partials (one row per program) are
 # summed after: more tiles, fewer partials to write and fewer sums over time, but fewer programs. 0 picks by width:
-# measured on an H200 at [64, 2048, D] (BENCHMARKS.md, "Session 19"), 32 tiles were fastest at D = 512 and 3,072,
+# measured on an H200 at [64, 2048, D] (BENCHMARKS.md, "Training step breakdown"), 32 tiles were fastest at
+# D = 512 and 3,072,
 # one tile at D = 256 (its grid too small otherwise). scripts/device/kernel_bench.py --conv-tiles sweeps it.
 TILES_PER_PROGRAM = 0
 WIDE_TILES, WIDE_FROM = 32, 512
@@ -167,7 +168,7 @@ def _causal_conv_bwd_weight_kernel(x, w, b, dy0, dy1, dy2, da, dw, db, T, NG, s_
     ``[BR, WP, BD]`` tile (all taps' shifted x rows in one load, from cache: the pre-activation just read them)
     and are summed over time once per program, not once per tap and tile (a sum over a tile's rows crosses
     warps): at Mamba2's width the conv went from 3.29 to 2.70 ms forward + backward (BENCHMARKS.md,
-    "Session 19"); the pass is still ~3x its memory time. With ``BR = BT`` that tile takes 186 registers a
+    "Training step breakdown"); the pass is still ~3x its memory time. With ``BR = BT`` that tile takes 186 registers a
     thread at 64 channels and 8 warps (one block an SM: few loads in flight for a memory-bound pass); fewer rows
     at a time take fewer (``python -m hybridlm.bench.kernel_compile``), and the autotuner picks.
     In the first ``NW`` channels (a head a block) ``dy`` is the sum over the head's ``REPEAT`` copies, taken back
@@ -245,7 +246,7 @@ def _causal_conv_bwd_input_kernel(da, w, dx, T, s_dab, s_dat, s_dxb, s_dxt,
 
 
 def _jitted():
-    """``(forward, backward pass 1, backward pass 2)`` as ``triton.jit`` functions, jitted once (with the helpers
+    """``(forward, backward pass 1, backward pass 2)`` as ``triton.jit`` functions, jitted once (with the functions
     they call); the autotuners over them are rebuilt when the configurations offered change."""
     global _JITTED, tl, _tap_sum, _tap_rows, _segment_rows, _head_rstd
     if _JITTED is None:
@@ -313,7 +314,7 @@ PASS1_ROWS = (16, 32, 64)  # rows per iteration of the backward's pass 1 (each d
 INTERPRETER_PASS1_ROWS = 32  # the one the interpreter runs (the CPU tests set it per case)
 INTERPRETER_PASS1_X_ONCE = False  # the same for pass 1's X_ONCE
 # pass 1's X_ONCE choices for its autotuner: not offered by default (offered at the 300M models' conv shapes on an
-# H200, the autotuner never picked it: BENCHMARKS.md, "Session 24"); offer_pass1_x_once offers it
+# H200, the autotuner never picked it: BENCHMARKS.md, "Training step breakdown"); offer_pass1_x_once offers it
 PASS1_X_ONCE = (False,)
 
 

@@ -4,10 +4,11 @@
   ``out = rms_norm_per_group((y + D_h x) * silu(z)) * w``. On the Triton training path these were an ``addcmul``
   for the skip (its backward a multiply for x's gradient and a reduction for D's) and fla's grouped gated norm
   (fla/modules/layernorm_gated.py), whose backward alone took 21.8 ms of Mamba2-300M's ~740 ms step on an H200
-  (1.8 ms a layer where its reads and writes are ~0.6 ms of memory traffic; BENCHMARKS.md, "Session 18").
+  (1.8 ms a layer where its reads and writes are ~0.6 ms of memory traffic; BENCHMARKS.md,
+  "Training step breakdown").
 - GDN (:func:`norm_then_gate`): the per-head RMSNorm, then the gate, ``out = rms_norm_per_head(y) * w * silu(z)``,
   the heads sharing ``w``. fla's kernel for it (fla/modules/fused_norm_gate.py) first copies z, which the fused
-  projection hands over as a column slice: 2.0 ms a GDN-300M step (BENCHMARKS.md, "Session 20").
+  projection hands over as a column slice: 2.0 ms a GDN-300M step (BENCHMARKS.md, "Training step breakdown").
 
 The forward reads y, (x,) and z once and writes ``out`` and one fp32 ``rstd`` per row and group; the backward
 recomputes the rest from those inputs and writes dy, (the skip's gradient of x,) dz, and fp32 partials of dw

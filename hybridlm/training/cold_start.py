@@ -1,9 +1,9 @@
 """What a fresh GPU machine does during the first training step, said while it happens.
 
 On CUDA the first step of each new shape compiles fla's Triton kernels and autotunes them: minutes on a
-fresh machine (4 to 6 for the 300M GDN / KDA models, 150 s for the upcycled Mamba2 student; BENCHMARKS.md),
-with nothing on screen. Triton keeps compiled kernels and autotune results in its cache directory, so a later
-run on the same machine starts in seconds, and a fresh machine handed the autotune results
+fresh machine (4 to 6 for the 300M GDN / KDA models, 150 s for the upcycled Mamba2 student; BENCHMARKS.md,
+"Cold start"), with nothing on screen. Triton keeps compiled kernels and autotune results in its cache directory,
+so a later run on the same machine starts in seconds, and a fresh machine handed the autotune results
 (:mod:`hybridlm.training.kernel_cache`) in about 17 s instead of 147 (GDN-300M on an H200).
 """
 from __future__ import annotations

@@ -38,8 +38,8 @@ def test_readback_waits_for_the_work_before_it_only():
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) / 100
     values = torch.zeros(4, dtype=torch.float64, device="cuda")
     # a dry run first, so that every kernel of the case has been loaded: CUDA loads a kernel at its first launch
-    # (lazy loading), and the load may wait for the work running then, which the case must not (the earlier forms
-    # of this test launched values.mul_ for the first time behind the GEMMs: BENCHMARKS.md, "Session 24")
+    # (lazy loading), and the load may wait for the work running then, which the case must not (a case that
+    # launched values.mul_ for the first time behind the GEMMs waited for them: BENCHMARKS.md, "Test suites")
     _read_behind_later_work(a, values)
     values.copy_(torch.arange(4, dtype=torch.float64))
     torch.cuda.synchronize()

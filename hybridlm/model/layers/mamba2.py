@@ -121,7 +121,8 @@ class Mamba2(nn.Module):
         """x, B and C after the conv + SiLU over ``xbc = [x | B | C]``. In training with ``split_conv_outputs``,
         each written as its own contiguous tensor (hybridlm/ops/causal_conv.py ``causal_conv_split``): fla's scan
         (its ``input_guard``) copies a non-contiguous input first, and x as a column block of one output is one.
-        Session 21's Mamba2-300M profile has a copy kernel a layer, 8.0 ms a step (BENCHMARKS.md, "Session 22")."""
+        A Mamba2-300M profile on an H200 has that copy kernel in every layer, 8.0 ms a step (BENCHMARKS.md,
+        "Training step breakdown")."""
         widths = (self.d_xb, self.d_b, self.n_groups * self.d_state)
         if split_conv_applies(self.split_conv_outputs, triton, cache):
             return causal_conv_split(xbc, self.conv1d.weight, self.conv1d.bias, widths, grad_slot=gradient_slot(xbc))
