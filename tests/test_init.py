@@ -194,7 +194,7 @@ def test_every_parameter_group_matches_fla(family, seeded):
 def test_mamba2_ssd_is_not_starved_at_init(seeded, monkeypatch):
     """The statistic that was off: with fla's small conv the SSD's output started at ~1e-5 of the D skip's at this
     shape (B, C and x all small, the SSD cubic in them), so the recurrence barely took part at first; with the
-    Conv1d default it is ~0.03 (scripts/probes/mamba2_ssd_share.py at the 300M shape: 1e-4 against 0.07)."""
+    Conv1d default it is ~0.03 (benchmarks/mamba2_ssd_share.py at the 300M shape: 1e-4 against 0.07)."""
     import hybridlm.model.layers.mamba2 as m2
     cfg = tiny_config("M-", "mamba2", hidden_size=256, mamba2=dict(d_state=32, head_dim=32, n_groups=2, expand=2))
     seen = {}

@@ -40,7 +40,7 @@ def use_triton(backend: str, x: torch.Tensor) -> bool:
 # A decode step's norms and activations cover a few rows; through fla's Triton wrappers each costs ~0.2 ms of
 # host time (autograd Function, contiguity checks, the autotuner's lookup, the launch), several times the few
 # torch ops that do the same work. Measured on an H200: 61 RMSNorms were 12 of the 49 ms of an eager decode
-# step of the route's hybrid (scripts/device/decode_probe.py).
+# step of the route's hybrid (benchmarks/decode_probe.py).
 SMALL_CALL_ROWS = 256
 
 

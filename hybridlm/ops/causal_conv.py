@@ -43,7 +43,7 @@ BT = 64  # rows of time per tile (fixed: the partial-gradient buffers are sized 
 # summed after: more tiles, fewer partials to write and fewer sums over time, but fewer programs. 0 picks by width:
 # measured on an H200 at [64, 2048, D] (BENCHMARKS.md, "Training step breakdown"), 32 tiles were fastest at
 # D = 512 and 3,072,
-# one tile at D = 256 (its grid too small otherwise). scripts/device/kernel_bench.py --conv-tiles sweeps it.
+# one tile at D = 256 (its grid too small otherwise). benchmarks/kernel_bench.py --conv-tiles sweeps it.
 TILES_PER_PROGRAM = 0
 WIDE_TILES, WIDE_FROM = 32, 512
 
@@ -321,7 +321,7 @@ PASS1_X_ONCE = (False,)
 def offer_pass1_x_once(on: bool) -> None:
     """Offer pass 1's autotuner ``X_ONCE`` (the pre-activation from the products' x tile) beside the per-tap
     path, or stop offering it; process-wide, the kernels rebuilt on next use (``pretrain.train_speed
-    --conv-x-once``, ``scripts/device/kernel_bench.py``)."""
+    --conv-x-once``, ``benchmarks/kernel_bench.py``)."""
     global PASS1_X_ONCE, _KERNELS
     choices = (False, True) if on else (False,)
     if choices != PASS1_X_ONCE:

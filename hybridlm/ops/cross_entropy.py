@@ -26,7 +26,7 @@ from hybridlm.ops.triton_launch import interpreting
 tl = None  # bound on first use (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
 _KERNEL = None
 # columns per sweep step and warps (not autotuned: the kernel writes over its input, so the autotuner's repeated
-# runs would need a copy of the chunk, GiBs at the training shapes); scripts/device/kernel_bench.py sweeps them.
+# runs would need a copy of the chunk, GiBs at the training shapes); benchmarks/kernel_bench.py sweeps them.
 # On an H200 2048 x 4 beat 4096 x 8 alone (3.16 against 3.26 ms a chunk) and in GDN-300M's step (29.4 against
 # 32.9 ms of loss kernels, measured with the row loop dropped since): BENCHMARKS.md, "Training step breakdown".
 BLOCK_V, NUM_WARPS = 2048, 4

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 TOL = {torch.float32: 1e-2, torch.bfloat16: 3e-2}
 # The decay parameters' gradients go through fla's dg, a reverse cumulative sum of q.dq - k.dk whose terms
 # nearly cancel. Measured on an H200 in fp32 against the strict-fp32 torch path
-# (scripts/device/mamba2_probe.py): Mamba2 dt_bias 1.1e-2 and A_log 5.7e-3, while every other Mamba2 gradient
+# (benchmarks/mamba2_probe.py): Mamba2 dt_bias 1.1e-2 and A_log 5.7e-3, while every other Mamba2 gradient
 # is within 8e-5 and TF32 dots alone move dt_bias by 1.0e-3. So these two get their own fp32 bound.
 DECAY_PARAMS = ("A_log", "dt_bias")
 DECAY_TOL = {torch.float32: 2e-2, torch.bfloat16: 3e-2}

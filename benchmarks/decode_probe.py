@@ -1,9 +1,12 @@
-"""Where the eager decode step's time goes: the upcycling route's architecture (random weights, bf16), one
-prompt prefilled into the dynamic cache, then single-token steps timed, profiled with cProfile (Python
-functions) and with torch.profiler (ops per step). Eager decoding of a small model is bound by the host:
-the figures say which Python functions and how many ops a step costs.
+"""Where the eager decode step's time goes (BENCHMARKS.md, "Generation throughput"): the upcycling route's
+architecture (random weights, bf16), one prompt prefilled into the dynamic cache, then single-token steps timed,
+profiled with cProfile (Python functions) and with torch.profiler (ops per step). Eager decoding of a small model
+is bound by the host: the figures say which Python functions and how many ops a step costs.
 
-    python3 scripts/device/decode_probe.py TEACHER_CONFIG_JSON [--batch 1 --prompt 1024 --steps 30 --device cuda]
+    python benchmarks/decode_probe.py [TEACHER_CONFIG_JSON] [--batch 1 --prompt 1024 --steps 30 --device cuda]
+
+Without a config the teacher's shapes are SmolLM2-135M-Instruct's (benchmarks/route_twin.py).
+DECODE_PROBE=1 bash benchmarks/generation.sh runs it at batch 1 / prompt 1024 and batch 48 / prompt 8192.
 """
 import argparse
 import cProfile
@@ -12,25 +15,29 @@ import pstats
 import time
 
 import torch
-from pretune_route import route_config  # this folder is on sys.path when run as a script
+from route_twin import route_config  # this folder is on sys.path when run as a script
 
 from hybridlm.model import HybridForCausalLM
 from hybridlm.utils.atomic import json_text
 
 
-def route_twin(config_path: str, device: str) -> HybridForCausalLM:
+def route_twin(config_path, device: str) -> HybridForCausalLM:
     return HybridForCausalLM(route_config(config_path)[1]).to(device, torch.bfloat16).eval()
 
 
 @torch.no_grad()
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("config")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("config", nargs="?", default=None, help="the teacher's config.json (default: SmolLM2-135M's)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--device", default="cuda", help="cpu: a rehearsal (and the torch path's op count)")
     args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: decode_probe.py needs a CUDA GPU: torch.cuda.is_available() is False "
+                         "(--device cpu for a rehearsal on the CPU)")
     torch.manual_seed(0)
     model = route_twin(args.config, args.device)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt), device=args.device)

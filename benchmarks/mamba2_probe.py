@@ -1,4 +1,5 @@
-"""Two questions about the Mamba2 sublayer on a GPU, one JSON line per answer.
+"""Two questions about the Mamba2 sublayer on a GPU, one JSON line per answer (BENCHMARKS.md, "Numerics"; the
+fp32 bound of tests/gpu/test_triton_paths.py rests on the first).
 
 1. tf32: is the fp32 Triton-vs-torch gap of a decay parameter's gradient (Mamba2 dt_bias ~1e-2) the noise of
    TF32 dots? fla's kernels use TF32 even for fp32 inputs. The torch path run with TF32 matmuls, against the
@@ -7,7 +8,7 @@
 2. conv: does fla's causal_conv1d (forward + backward) run slower on the strided [x | B | C] view of in_proj's
    output than on a contiguous copy of it (copy included)?
 
-    python scripts/device/mamba2_probe.py [--micro-batch 16]
+    python benchmarks/mamba2_probe.py [--micro-batch 16]
 """
 from __future__ import annotations
 
@@ -78,9 +79,12 @@ def conv_answer(micro_batch: int, seq: int = 2048, iters: int = 20) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--micro-batch", type=int, default=16)
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("error: mamba2_probe.py needs a CUDA GPU: torch.cuda.is_available() is False")
     for kind in ("mamba2", "gdn"):
         print(json_text(tf32_answer(kind)), flush=True)
     print(json_text(conv_answer(args.micro_batch)), flush=True)

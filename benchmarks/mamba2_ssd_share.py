@@ -4,16 +4,19 @@ fla's normal(0, 0.02) with bias 0 (our Mamba2's before; ``legacy:mamba2_conv_fla
 U(+-1/sqrt(width)) with bias 0, and PyTorch's Conv1d default for weight and bias (mamba_ssm's, transformers' and now
 ours). in_proj is normal(0, 0.02) in all three.
 
-    python scripts/probes/mamba2_ssd_share.py
+    python benchmarks/mamba2_ssd_share.py
 
-Prints rms(SSD output), rms(D x) and their ratio (BENCHMARKS.md, "Session 11"; docs/initialisation.md).
+Prints rms(SSD output), rms(D x) and their ratio (docs/initialisation.md; BENCHMARKS.md, "Loss parity": the
+Mamba2 init). Runs on the CPU, from a checkout (it imports the tests' config builder), in seconds;
+tests/test_init.py's bound rests on it.
 """
+import argparse
 import os
 import sys
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 
 import hybridlm.model.layers.mamba2 as mamba2_module  # noqa: E402
@@ -29,6 +32,8 @@ CONV_INITS = {
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog=__doc__).parse_args()
     cfg = tiny_config("M", "mamba2", hidden_size=1024,
                       mamba2=dict(d_state=64, head_dim=64, n_groups=8, expand=2, conv_size=4))
     real = mamba2_module.chunk_gated_recurrence

@@ -1,8 +1,13 @@
 """The project's Triton kernels against the fla kernels they replace, forward and backward, on a GPU, at the 300M
-models' training shapes: one JSON line per (op, shape) with the milliseconds of each, the bytes the work must move
-and the time that takes at the H200's ~4.8 TB/s (the memory floor).
+models' training shapes (BENCHMARKS.md, "Training step breakdown"): one JSON line per (op, shape) with the
+milliseconds of each, the bytes the work must move and the time that takes at the GPU's memory bandwidth (the
+memory floor; ``--hbm-tbps``, default the H200's 4.8 TB/s, an H100 SXM's is 3.35).
 
-    python scripts/device/kernel_bench.py [--ops conv norm ce head_gemm] [--micro-batch 64] [--out kernel_bench.jsonl]
+    python benchmarks/kernel_bench.py --out OUT_DIR [--ops conv conv_split conv_head_norm norm ce head_gemm]
+        [--micro-batch 64] [--seq 2048] [--iters 20] [--hbm-tbps 4.8]
+
+Writes the lines to stdout and appends them to OUT_DIR/kernel_bench.jsonl. Triton's cache is OUT_DIR/triton-cache
+unless TRITON_CACHE_DIR is set (the first call of each kernel autotunes: minutes on an empty cache).
 
 conv: the short conv + SiLU (hybridlm/ops/causal_conv.py against fla's causal_conv1d), x a strided slice of the
 projection as the mixers pass it, for each ``--conv-tiles`` of the backward's pass 1 (with the autotuner's pick of
@@ -17,12 +22,12 @@ RMSNorm (hybridlm/ops/rms_norm.py against fla's rms_norm with ``residual=``), an
 each sweep block and warp count of the project's kernel (``--ce-configs``). head_gemm: the chunked LM head's three
 GEMMs (hybridlm/model/loss.py) as they run and in other formulations (operand layouts, vocabulary blocks,
 cuBLASLt), with TFLOP/s.
-(Until session 17 this script was scripts/device/conv_bench.py, which ran the conv part.)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 
@@ -49,7 +54,7 @@ def timed(fn, iters: int) -> float:
 
 def _floor(row: dict, nbytes: int, ours: str, peer: str) -> dict:
     row["bytes_fwd_bwd"] = nbytes
-    row["floor_ms_at_4.8TBps"] = nbytes / HBM_BYTES_PER_S * 1e3
+    row[f"floor_ms_at_{HBM_BYTES_PER_S / 1e12:g}TBps"] = nbytes / HBM_BYTES_PER_S * 1e3
     row["speedup_fwd_bwd"] = row[f"{peer}_fwd_bwd_ms"] / row[f"{ours}_fwd_bwd_ms"]
     return row
 
@@ -337,7 +342,9 @@ def bench_head_gemm(args) -> list:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    global HBM_BYTES_PER_S
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--ops", nargs="+", choices=("conv", "conv_split", "conv_head_norm", "norm", "ce", "head_gemm"),
                    default=["conv", "conv_split", "conv_head_norm", "norm", "ce"])
     p.add_argument("--micro-batch", type=int, default=64)
@@ -353,16 +360,23 @@ def main() -> None:
                    help="rows of one LM-head chunk (64 x 2048 tokens in 8 chunks: 16384)")
     p.add_argument("--head-blocks", nargs="+", type=int, default=[8192, 16384, 32768],
                    help="vocabulary columns a GEMM at a time in the blocked formulations")
-    p.add_argument("--out", default=None, help="append the JSON lines here too")
+    p.add_argument("--hbm-tbps", type=float, default=HBM_BYTES_PER_S / 1e12,
+                   help="the GPU's memory bandwidth in TB/s for the floor (H200: 4.8, H100 SXM: 3.35)")
+    p.add_argument("--out", required=True, metavar="OUT_DIR", help="append the JSON lines to OUT_DIR/kernel_bench.jsonl")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("error: kernel_bench.py needs a CUDA GPU: torch.cuda.is_available() is False")
+    HBM_BYTES_PER_S = args.hbm_tbps * 1e12
+    os.makedirs(args.out, exist_ok=True)
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.path.abspath(args.out), "triton-cache"))
+    out_file = os.path.join(args.out, "kernel_bench.jsonl")
     for op in args.ops:
         for row in {"conv": bench_conv, "conv_split": bench_conv_split, "conv_head_norm": bench_conv_head_norm,
                     "norm": bench_norm, "ce": bench_ce, "head_gemm": bench_head_gemm}[op](args):
             line = json.dumps(row)
             print(line, flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(line + "\n")
+            with open(out_file, "a") as f:
+                f.write(line + "\n")
 
 
 if __name__ == "__main__":

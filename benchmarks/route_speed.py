@@ -1,12 +1,19 @@
-"""Steps per second of the route's ILD and KD steps on the shared engine, on a random-weight twin of the
-SmolLM2-135M teacher (same shapes, so the same work per token): sizes each stage's max_steps to its minutes.
+"""Seconds per step of the upcycling route's ILD and KD steps on the shared engine (BENCHMARKS.md, "Upcycling
+speed"), on a random-weight twin of the SmolLM2-135M teacher (same shapes, so the same work per token): the
+figures the route config's stage lengths are sized by (configs/upcycle/smollm2_route_h200.yaml).
 
-    python3 scripts/device/route_speed.py --seq 1024 --micro 16 32 --steps 6 --out $OUT/route_speed.json
+    python benchmarks/route_speed.py --out OUT_DIR/route_speed.json [--seq 1024] [--micro 16 32] [--steps 6]
+
+One JSON line per (stage, micro-batch) as it is measured: ILD of the pure-MLA and of the pure-Mamba2 student
+(each block against the teacher's, blocks trainable), then KD of the composed hybrid (every parameter); seconds
+per step, tokens/s, peak GiB. Needs a CUDA GPU; bash benchmarks/route.sh runs it first with SPEED=1.
 """
 import argparse
+import os
 import time
 
 import torch
+from route_twin import SMOLLM2  # this folder is on sys.path when run as a script
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from distill.ild import ild_loss
@@ -16,9 +23,6 @@ from hybridlm.model import HybridForCausalLM
 from hybridlm.utils.atomic import json_text, write_json
 from upcycle.student import student_config
 
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
-               tie_word_embeddings=True, rope_theta=100000.0)
 ROUTE_MLA = (0, 4, 9, 13, 17, 21, 25, 29)
 
 
@@ -46,13 +50,17 @@ def time_stage(name, student, loss_fn, trainable, micro, seq, steps, warmup):
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--micro", type=int, nargs="+", default=[16, 32])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="the JSON report (its folder is created)")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("error: route_speed.py needs a CUDA GPU: torch.cuda.is_available() is False")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     dist = init_distributed()
     torch.manual_seed(0)
     teacher = LlamaForCausalLM(LlamaConfig(**SMOLLM2)).to(dist.device, torch.bfloat16).eval().requires_grad_(False)

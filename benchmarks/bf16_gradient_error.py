@@ -1,9 +1,10 @@
 """How far a bf16 training step's gradients are from fp32 on the torch path (CPU), with the two-block models of
 tests/gpu/test_fused_training_gpu.py (same weights, same batch). The scale that test's bound is set against: the
 decay's gradients (``a_proj``, ``A_log``, ``dt_bias``) sum over every position of a head, and a bf16 run is a few
-percent from fp32 there whatever path it takes (BENCHMARKS.md, "Session 24").
+percent from fp32 there whatever path it takes (BENCHMARKS.md, "Numerics"). Runs on the CPU, from a checkout
+(it imports the tests' model builder), in under a minute.
 
-    python scripts/probes/bf16_gradient_error.py [--patterns G-G- K-K- S-S- *-*-] [--top 4]
+    python benchmarks/bf16_gradient_error.py [--patterns G-G- K-K- S-S- *-*-] [--top 4]
 
 Prints, per pattern, the loss in both precisions and the parameters whose bf16 gradient is furthest from fp32.
 """
@@ -13,7 +14,7 @@ import sys
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests"), os.path.join(REPO, "tests", "gpu")]
 
 from conftest import rel_err  # noqa: E402
@@ -21,7 +22,8 @@ from test_fused_training_gpu import UNFUSED, _loss_and_grads, _model  # noqa: E4
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--patterns", nargs="+", default=["G-G-", "K-K-", "S-S-", "*-*-"])
     p.add_argument("--top", type=int, default=4)
     args = p.parse_args()
