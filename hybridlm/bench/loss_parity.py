@@ -729,7 +729,7 @@ def main(argv=None) -> Dict[str, Any]:
         if args.peer_config else config
     val = val_batches(data_dir, args.seq, args.micro_batch, args.val_batches)
 
-    # parameter counts first, on fresh models (the counts do not depend on the seed)
+    # parameter counts first, on fresh models (the counts do not depend on the random seed)
     probe, _ = build_ours(config, args.ours_seeds[0])
     ours_params = count_params(probe)
     del probe
