@@ -409,19 +409,19 @@ def test_generate_takes_the_fast_path_when_it_computes_the_same(caplog, monkeypa
     kw = dict(attention_mask=mask, max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
     assert torch.equal(model.generate(ids, fast_path=True, **kw), model.generate(ids, fast_path=False, **kw))
     assert len(calls) == 2
-    # sampling (temperature, the config's top-k): repeatable under the global seed; top_k=1 is greedy.
-    # (transformers' loop draws the same distribution, not the same random numbers.)
+    # sampling (temperature, transformers' default top-k of 50): repeatable under the global seed; top_k=1 is
+    # greedy (tests/test_generate_fast_path.py compares sampled tokens with transformers' loop)
     def sample(seed, **kw):
         torch.manual_seed(seed)
         return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=True, pad_token_id=0,
                               fast_path=True, **kw)
     assert torch.equal(sample(11, temperature=0.8), sample(11, temperature=0.8))
-    assert calls[-1]["temperature"] == 0.8 and calls[-1]["top_k"] == model.generation_config.top_k
+    assert calls[-1]["temperature"] == 0.8 and calls[-1]["top_k"] == 50
     assert torch.equal(sample(12, top_k=1), slow) and len(calls) == 5
     # what it cannot serve: transformers' loop, with the reason
     padded = mask.clone()
     padded[0, 0] = 0
-    for extra, reason in ((dict(num_beams=2), "num_beams=2"), (dict(top_p=0.9), "top_p=0.9"),
+    for extra, reason in ((dict(num_beams=2), "beam_search"), (dict(do_sample=True, top_p=0.9), "TopPLogitsWarper"),
                           (dict(attention_mask=padded), "padded rows"),
                           (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
                           (dict(eos_token_id=[1, 2]), "several EOS"), (dict(streamer=object()), "'streamer'")):
@@ -434,5 +434,5 @@ def test_generate_takes_the_fast_path_when_it_computes_the_same(caplog, monkeypa
             out = model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2, do_sample=False,
                                  pad_token_id=0, fast_path=True)
     assert out.shape == (2, 10) and len(calls) == 5
-    said = [r for r in caplog.records if "num_beams" in r.getMessage()]
+    said = [r for r in caplog.records if "beam_search" in r.getMessage()]
     assert len(said) == 1  # once

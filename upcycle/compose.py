@@ -34,6 +34,7 @@ import torch
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.layers import validate_layers
 from hybridlm.model import HybridConfig, HybridForCausalLM
+from hybridlm.model.generate import save_tokenizer, set_generation_defaults
 from hybridlm.model.pattern import student_kinds
 from hybridlm.teacher import check_tokenizer_matches, load_teacher_tokenizer
 from hybridlm.utils.atomic import atomic_directory, write_json
@@ -184,8 +185,9 @@ def compose_from_dirs(mla_dir: PathLike, mamba_dir: PathLike, mla_layers: Sequen
             "shared_weights_from": "mamba student (checked equal to the MLA student's)",
             "mla": {k: hybrid.config.mla[k] for k in ("kv_lora_rank", "qk_rope_head_dim")}}
     with atomic_directory(out, overwrite=overwrite) as tmp:
+        set_generation_defaults(hybrid, tokenizer)
         hybrid.save_pretrained(tmp, remote_code=remote_code)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
         write_json(tmp / COMPOSE_INFO, info)
     return {**info, "out": str(out)}
 

@@ -9,6 +9,7 @@ import torch
 
 from hybridlm.kv_report import format_kv_report, kv_report
 from hybridlm.model import HybridForCausalLM
+from hybridlm.model.generate import save_tokenizer, set_generation_defaults
 from hybridlm.teacher import load_teacher, load_teacher_tokenizer
 from hybridlm.utils.atomic import atomic_directory, write_json
 from upcycle.calibrate import calibrate_student, calibration_batch
@@ -66,8 +67,9 @@ def init_students(teacher_spec, out, *, q_rank=None, kv_rank=128, energy=None, r
                                                 calib_seq_len)
         target = out / f"{kind}_student"
         with atomic_directory(target, overwrite=overwrite) as tmp:
+            set_generation_defaults(student, tokenizer)
             student.save_pretrained(tmp, remote_code=remote_code)
-            tokenizer.save_pretrained(tmp)
+            save_tokenizer(tokenizer, tmp)
         kv = kv_report(teacher.config, range(s["L"]) if kind == "mla" else [], ranks["kv_lora_rank"], rope_dim)
         energy_kept = info["mla"]
         summary["students"][kind] = {

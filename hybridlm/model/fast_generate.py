@@ -1,33 +1,88 @@
 """``model.generate()``'s fast path: the calls a static cache and a captured decode step can serve exactly.
 
 transformers' ``generate()`` decodes eagerly, one Python-launched kernel at a time; for a small hybrid the
-launches, not the GPU, set the speed. :func:`fast_path_plan` looks at a ``generate()`` call and, when
-:func:`hybridlm.model.graphs.graphed_generate` computes the same thing (one prompt length: no padding; greedy or
-temperature / top-k sampling; one EOS; no beam search, streamer, custom processors or score outputs), returns
-its arguments; otherwise the reason it cannot, which :meth:`HybridForCausalLM.generate` says once before taking
-transformers' own loop. Tokens are the same either way (tests/test_generation.py, tests/gpu).
+launches, not the GPU, set the speed. :func:`fast_path_plan` looks at a ``generate()`` call the way transformers'
+``generate()`` does: it resolves the call's generation config with transformers' own code (the model's
+generation config, transformers' global defaults such as ``max_length=20`` and ``top_k=50``, the call's
+arguments), infers the attention mask from ``pad_token_id`` as transformers does, and builds the logits processors
+and stopping criteria transformers' loop would run. When :func:`hybridlm.model.graphs.graphed_generate` computes
+the same thing (rows of one length and no padding; greedy, or sampling whose only processors are temperature and
+top-k; at most one EOS; a plain token tensor returned) it returns graphed_generate's arguments; otherwise the
+reason it cannot, which :meth:`HybridForCausalLM.generate` says once before taking transformers' own loop.
+Tokens are the same either way (tests/test_generate_fast_path.py, tests/gpu).
 """
 from __future__ import annotations
 
-import copy
+import inspect
 import logging
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 from transformers import GenerationConfig
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 logger = logging.getLogger(__name__)
 
-# generation settings graphed_generate honours; any other one that differs from transformers' default sends the
-# call down transformers' loop (e.g. num_beams, top_p, repetition_penalty, output_scores)
-HONOURED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "eos_token_id", "pad_token_id",
-            "bos_token_id", "use_cache", "transformers_version", "_from_model_config"}
-# keyword arguments of a call the fast path takes (the rest: transformers' generate arguments or model inputs)
-CALL_KEYS = {"input_ids", "attention_mask", "fast_path"}
-# values that leave a setting without effect (transformers' defaults are mostly None)
-NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "top_p": 1.0, "typical_p": 1.0, "repetition_penalty": 1.0,
-           "length_penalty": 1.0, "min_length": 0, "min_new_tokens": 0, "no_repeat_ngram_size": 0}
+# transformers' generate() arguments that are not generation settings: any of them with a value sends the call down
+# transformers' loop (the fast path runs no custom processor, criterion, streamer, assistant or custom loop)
+GENERATE_ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus",
+                      "assistant_model", "streamer", "negative_prompt_ids", "negative_prompt_attention_mask",
+                      "custom_generate", "assistant_tokenizer")
+# arguments transformers' generate() takes that change nothing when no setting uses them (``tokenizer`` serves
+# stop_strings and token_healing, both refused below; ``trust_remote_code`` serves a hub custom_generate)
+INERT_ARGUMENTS = ("tokenizer", "trust_remote_code")
+# model inputs the fast path takes; any other one (a cache, position_ids, inputs_embeds, ...) sends the call down
+# transformers' loop
+MODEL_INPUTS = ("input_ids", "attention_mask")
+# resolved generation settings the checks below account for: the length settings (transformers' stopping criteria
+# and length processors), everything transformers turns into logits processors or stopping criteria (read back from
+# the processors and criteria it builds), the generation mode's settings, and those checked one by one. Any other
+# setting that differs from transformers' defaults sends the call down transformers' loop.
+ACCOUNTED = {
+    "max_length", "max_new_tokens", "min_length", "min_new_tokens", "max_time", "stop_strings",
+    "do_sample", "num_beams", "temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff",
+    "eta_cutoff", "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "renormalize_logits", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens", "sequence_bias", "guidance_scale", "watermarking_config", "is_assistant",
+    "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
+    "use_cache", "num_return_sequences", "output_attentions", "output_hidden_states", "output_scores",
+    "output_logits", "return_dict_in_generate", "token_healing", "prefill_chunk_size", "cache_implementation",
+    "cache_config", "max_cache_len",
+    # no effect here: compilation needs a compileable cache (HybridCache is not), the rest are bookkeeping
+    "compile_config", "disable_compile", "transformers_version", "_from_model_config",
+}
+# settings checked one by one: the value each must have (or None) for the fast path
+PLAIN = {"use_cache": True, "num_return_sequences": 1, "output_attentions": False, "output_hidden_states": False,
+         "output_scores": False, "output_logits": False, "return_dict_in_generate": False, "token_healing": False,
+         "prefill_chunk_size": None, "cache_implementation": None, "cache_config": None, "max_cache_len": None}
 _SAID = set()
+
+
+def _defaults() -> Dict[str, Any]:
+    """The settings a call resolves to when neither the call nor the model sets them (transformers' global
+    defaults on top of ``GenerationConfig()``)."""
+    base = GenerationConfig().to_dict()
+    base.update(getattr(GenerationConfig, "_get_default_generation_params", dict)())
+    return base
+
+
+def _has_value(value) -> bool:
+    if value is None or value is False:
+        return False
+    if isinstance(value, (list, tuple)) and len(value) == 0:
+        return False
+    return True
+
+
+def _resolve(model, generation_config, kwargs):
+    """transformers' ``_prepare_generation_config``: (the call's generation config, the remaining model kwargs)."""
+    params = inspect.signature(model._prepare_generation_config).parameters
+    if "use_model_defaults" in params:  # older transformers 5.x releases
+        return model._prepare_generation_config(generation_config, None, **kwargs)
+    return model._prepare_generation_config(generation_config, **kwargs)
 
 
 def fast_path_plan(model, inputs: Optional[torch.Tensor], generation_config: Optional[GenerationConfig],
@@ -38,37 +93,95 @@ def fast_path_plan(model, inputs: Optional[torch.Tensor], generation_config: Opt
     wanted = kwargs.get("fast_path")
     if wanted is False or (wanted is None and model.device.type != "cuda"):
         return None, ""  # asked not to, or a CPU model's normal path: nothing to say
-    input_ids = inputs if inputs is not None else kwargs.get("input_ids")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+    kwargs = {k: v for k, v in kwargs.items() if k != "fast_path"}
+    for name in GENERATE_ARGUMENTS:
+        if _has_value(kwargs.get(name)):
+            return None, f"argument {name!r}"
+    settings = {k: v for k, v in kwargs.items() if k not in GENERATE_ARGUMENTS and k not in INERT_ARGUMENTS}
+    if inputs is not None and "input_ids" in settings:
+        return None, "both inputs and input_ids"
+    input_ids = inputs if inputs is not None else settings.get("input_ids")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         return None, "no [batch, length] input_ids"
-    other = sorted(set(kwargs) - CALL_KEYS)
-    gc = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
-    unused = gc.update(**{k: kwargs[k] for k in other})  # generation settings in, the rest back out
-    if unused:
-        return None, f"argument {sorted(unused)[0]!r}"
-    default = GenerationConfig().to_dict()
-    changed = sorted(k for k, v in gc.to_dict().items() if k not in HONOURED and v != default.get(k)
-                     and v not in (None, False) and NEUTRAL.get(k, object()) != v)
-    if changed:
-        return None, f"generation setting {changed[0]}={getattr(gc, changed[0])!r}"
-    mask = kwargs.get("attention_mask")
-    if mask is not None and not bool(mask.bool().all()):
-        return None, "padded rows (attention_mask has zeros)"
-    eos = gc.eos_token_id
-    if isinstance(eos, (list, tuple)):
-        if len(eos) > 1:
-            return None, f"several EOS ids {list(eos)}"
-        eos = eos[0] if eos else None
-    new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - input_ids.shape[1]
-    if new is None or new < 1:
-        return None, "no room for new tokens (max_new_tokens / max_length)"
-    if gc.use_cache is False:
-        return None, "use_cache=False"
-    plan = {"input_ids": input_ids, "max_new_tokens": int(new), "eos_token_id": eos,
-            "pad_token_id": gc.pad_token_id, "do_sample": bool(gc.do_sample)}
-    if gc.do_sample:
-        plan.update(temperature=float(gc.temperature if gc.temperature is not None else 1.0),
-                    top_k=int(gc.top_k) if gc.top_k else None)
+    try:
+        return _plan(model, input_ids, generation_config, settings, kwargs.get("tokenizer"))
+    except Exception as e:  # transformers refuses the call (or its internals differ): its loop says what it says
+        return None, f"transformers' generation setup raised {type(e).__name__}: {e}"
+
+
+def _plan(model, input_ids, generation_config, settings, tokenizer):
+    """fast_path_plan past its argument checks: the call as transformers resolves it, judged setting by setting."""
+    has_default_max_length = (settings.get("max_length") is None
+                              and (generation_config is None or generation_config.max_length is None)
+                              and model.generation_config.max_length is None)
+    has_default_min_length = (settings.get("min_length") is None
+                              and (generation_config is None or generation_config.min_length is None)
+                              and model.generation_config.min_length is None)
+    gc, model_kwargs = _resolve(model, generation_config, settings)
+    other = sorted(k for k, v in model_kwargs.items() if k not in MODEL_INPUTS and v is not None)
+    if other:
+        return None, f"argument {other[0]!r}"
+
+    mode = gc.get_generation_mode(None)
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        return None, f"generation mode {mode.value}"
+    for key, plain in PLAIN.items():
+        value = getattr(gc, key, None)
+        if value is not None and value != plain:
+            return None, f"generation setting {key}={value!r}"
+    defaults = _defaults()
+    for key, value in sorted(gc.to_dict().items()):
+        if key not in ACCOUNTED and _has_value(value) and value != defaults.get(key):
+            return None, f"generation setting {key}={value!r}"
+
+    B, P = input_ids.shape
+    model._prepare_special_tokens(gc, None, device=input_ids.device, batch_size=B)  # None: no mask warnings here
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None:
+        if tuple(mask.shape) != (B, P):
+            return None, f"attention_mask of shape {tuple(mask.shape)} for input_ids of {(B, P)}"
+        if not bool(mask.bool().all()):
+            return None, "padded rows (attention_mask has zeros)"
+    else:  # transformers infers the mask from pad_token_id (unless the pad is an EOS)
+        inferred = model._prepare_attention_mask_for_generation(input_ids, gc, {})
+        if not bool(inferred.bool().all()):
+            return None, f"padded rows (attention_mask inferred from pad_token_id={int(gc._pad_token_tensor)})"
+
+    gc = model._prepare_generated_length(generation_config=gc, has_default_max_length=has_default_max_length,
+                                         has_default_min_length=has_default_min_length,
+                                         model_input_name="input_ids", inputs_tensor=input_ids, input_ids_length=P)
+    model._validate_generated_length(gc, P, has_default_max_length)  # raises for no room, as generate() does
+
+    processors = model._get_logits_processor(
+        generation_config=gc, input_ids_seq_length=P, encoder_input_ids=input_ids, prefix_allowed_tokens_fn=None,
+        logits_processor=LogitsProcessorList(), device=input_ids.device,
+        model_kwargs={"attention_mask": mask}, negative_prompt_ids=None, negative_prompt_attention_mask=None)
+    temperature, top_k = 1.0, None
+    for p in processors:
+        if type(p) is TemperatureLogitsWarper:
+            temperature = float(p.temperature)
+        elif type(p) is TopKLogitsWarper and p.filter_value == -float("inf"):
+            top_k = int(p.top_k)
+        else:
+            return None, f"logits processor {type(p).__name__}"
+    criteria = model._get_stopping_criteria(generation_config=gc, stopping_criteria=StoppingCriteriaList(),
+                                            tokenizer=tokenizer)
+    for c in criteria:
+        if type(c) not in (MaxLengthCriteria, EosTokenCriteria):
+            return None, f"stopping criterion {type(c).__name__}"
+    eos = gc._eos_token_tensor
+    if eos is not None:
+        if eos.numel() > 1:
+            return None, f"several EOS ids {eos.tolist()}"
+        eos = int(eos.reshape(-1)[0])
+        if eos < 0:
+            return None, f"eos_token_id={eos}"
+    pad = gc._pad_token_tensor
+    new = int(gc.max_length) - P
+    plan = {"input_ids": input_ids, "max_new_tokens": new, "eos_token_id": eos,
+            "pad_token_id": None if pad is None else int(pad), "do_sample": mode == GenerationMode.SAMPLE}
+    if plan["do_sample"]:
+        plan.update(temperature=temperature, top_k=top_k)
     return plan, ""
 
 

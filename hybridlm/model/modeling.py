@@ -11,7 +11,7 @@ Without any of cache / mask / positions the forward is the training path, untouc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import nn
@@ -124,21 +124,29 @@ class HybridModel(HybridPreTrainedModel):
                 inputs_embeds: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None,
-                cache: Optional[HybridCache] = None) -> torch.Tensor:
+                cache: Optional[HybridCache] = None,
+                hidden_states: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
         """Final-norm hidden states. ``attention_mask [B, past + T]`` (0 = padding), ``position_ids`` and
-        ``cache`` (updated in place) switch the sublayers to their inference path."""
+        ``cache`` (updated in place) switch the sublayers to their inference path. ``hidden_states``, a list, receives
+        transformers' ``output_hidden_states`` tuple: the embeddings, then each block's output, the last one
+        after the final norm (``num_hidden_layers + 1`` tensors)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         ctx = None
         if cache is not None or attention_mask is not None or position_ids is not None:
             ctx = InferenceContext.build(cache, attention_mask, position_ids, x.shape[1], x.device)
-        if self._residual_adds_in_norms():
+        if hidden_states is None and self._residual_adds_in_norms():
             return self._forward_residual_adds_in_norms(x, ctx)
         for layer in self.layers:
+            if hidden_states is not None:
+                hidden_states.append(x)
             if self.gradient_checkpointing and self.training:
                 x = self._gradient_checkpointing_func(layer.__call__, x, ctx)
             else:
                 x = layer(x, ctx)
-        return self.norm(x)
+        x = self.norm(x)
+        if hidden_states is not None:
+            hidden_states.append(x)
+        return x
 
     def _forward_residual_adds_in_norms(self, x: torch.Tensor, ctx: Optional[InferenceContext]) -> torch.Tensor:
         """The blocks' function with each block's residual add left to the next norm (one fused kernel on fla's
@@ -188,8 +196,9 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
 
     def generate(self, inputs: Optional[torch.Tensor] = None, generation_config=None, **kwargs):
         """transformers' ``generate()``; on CUDA, a call that a static cache and one captured decode step serve
-        exactly (rows of one length, greedy or temperature / top-k sampling, one EOS) goes through
-        :func:`hybridlm.model.graphs.graphed_generate` instead, and any other says once why it does not
+        exactly (rows of one length and no padding, greedy or temperature / top-k sampling, one EOS, a token
+        tensor returned; judged on the call's settings as transformers resolves them, its defaults included) goes
+        through :func:`hybridlm.model.graphs.graphed_generate` instead, and any other says once why it does not
         (:mod:`hybridlm.model.fast_generate`). ``fast_path=False`` always takes transformers' loop; ``True`` takes
         the static cache on a CPU too (no graph there: the same tokens). The fast path keeps its static cache and
         captured step on the model for the next call of the same shape: :meth:`release_generation_graph` frees them."""
@@ -206,7 +215,16 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # generate must not build a DynamicCache: forward(use_cache=True) builds a HybridCache
+        return False  # generate must not build a DynamicCache: it gets a HybridCache (below)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """transformers' cache set-up, then, where it made none and the call uses a cache, an empty dynamic
+        :class:`HybridCache` (what ``forward(use_cache=True)`` would build): generate's chunked prefill
+        (``prefill_chunk_size``) needs the cache before the first forward."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if (generation_config.use_cache is not False and model_kwargs.get("cache") is None
+                and model_kwargs.get("past_key_values") is None):
+            model_kwargs[_CACHE_FIELD] = HybridCache(self.config)
 
     def forward(
         self,
@@ -221,6 +239,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         cache: Optional[HybridCache] = None,
         past_key_values: Optional[HybridCache] = None,
         use_cache: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> HybridCausalLMOutput:
         """``labels`` follow transformers (aligned with ``input_ids``, shifted here); ``shift_labels`` are
@@ -230,10 +250,24 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         Generation: ``cache`` (or its older name ``past_key_values``) is a :class:`HybridCache` holding the
         tokens seen so far, updated in place and returned as ``output.cache``; ``use_cache=True`` creates one.
         ``attention_mask`` covers cached + new tokens (0 = padding, left padding for batches);
-        ``position_ids`` default to the mask's running count. ``cache_position`` is not needed."""
+        ``position_ids`` default to the mask's running count. ``cache_position`` is not needed.
+
+        ``output_hidden_states`` (or ``config.output_hidden_states``) returns ``hidden_states`` as transformers'
+        Auto classes do: the embeddings, then each block's output, the last one after the final norm.
+        ``output_attentions`` is refused: MLA attends through compressed latents (absorbed weights when decoding)
+        and the Mamba2 / GDN / KDA mixers have no attention matrix, so there are no weights to return."""
+        if output_attentions if output_attentions is not None else getattr(self.config, "output_attentions", False):
+            raise NotImplementedError(
+                f"{type(self).__name__} returns no attention weights (output_attentions=True): its MLA layers "
+                f"attend through compressed latents and its Mamba2 / GDN / KDA layers are recurrent, with no "
+                f"attention matrix; pass output_attentions=False")
+        if output_hidden_states is None:
+            output_hidden_states = getattr(self.config, "output_hidden_states", False)
         cache = self._resolve_cache(past_key_values if cache is None else cache, use_cache)
+        states = [] if output_hidden_states else None
         hidden = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                            position_ids=position_ids, cache=cache)
+                            position_ids=position_ids, cache=cache, hidden_states=states)
+        states = tuple(states) if states is not None else None
         loss = None
         if labels is not None and shift_labels is None:
             shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
@@ -242,10 +276,11 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
                                         shift_labels.reshape(-1), self.config.loss_chunks,
                                         triton=use_triton(self.config.backend, hidden))
             if not return_logits:
-                return HybridCausalLMOutput(loss=loss, logits=None)
+                return HybridCausalLMOutput(loss=loss, logits=None, hidden_states=states)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        return HybridCausalLMOutput(loss=loss, logits=self.lm_head(hidden).float(), **{_CACHE_FIELD: cache})
+        return HybridCausalLMOutput(loss=loss, logits=self.lm_head(hidden).float(), hidden_states=states,
+                                    **{_CACHE_FIELD: cache})
 
     def _resolve_cache(self, cache, use_cache: Optional[bool]) -> Optional[HybridCache]:
         if cache is None:

@@ -1,0 +1,361 @@
+"""generate() through both paths, CPU fp32: the static-cache fast path (``fast_path=True``: on a CPU it runs the
+decision code CUDA's default runs, with a static cache and eager steps) and transformers' own loop
+(``fast_path=False``). A call the fast path takes gives transformers' tokens (greedy, and seeded sampling: the same
+top-k / temperature resolution, so the same draws); a call it cannot serve says why once and takes the loop.
+Also: hidden states from forward and generate, prefill chunking with the default cache, and an export that carries
+padding and greedy defaults to transformers' generate() and pipeline()."""
+import contextlib
+import copy
+import json
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessorList, pipeline
+from transformers.generation.logits_process import TemperatureLogitsWarper
+from transformers.generation.streamers import BaseStreamer
+
+from conftest import rel_err, tiny_config
+from hybridlm.model import HybridForCausalLM, fast_generate, modeling
+from hybridlm.model.generate import greedy_generate, save_tokenizer, set_generation_defaults
+
+LOGGER = "hybridlm.model.fast_generate"
+P = 7  # prompt length
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return HybridForCausalLM(tiny_config("*-G-K-S-", mixer="gdn")).eval()
+
+
+def _ids(B=2, T=P, seed=1):
+    return torch.randint(1, 512, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _left_padded(pad=0):
+    """Two rows, the first with 3 pads on the left; (ids, mask)."""
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    ids[0, :3], mask[0, :3] = pad, 0
+    return ids, mask
+
+
+@pytest.fixture
+def both(model, monkeypatch, caplog):
+    """``both(inputs, seed, **kw)`` -> (fast_path=True result, fast_path=False result, the fast path's
+    graphed_generate arguments or None, what the fast path logged). Each call seeds the global RNG with ``seed``
+    and gets its own copy of ``kw``."""
+    calls = []
+    original = modeling.graphed_generate
+
+    def counting(*a, **k):
+        calls.append(k)
+        return original(*a, **k)
+
+    monkeypatch.setattr(modeling, "graphed_generate", counting)
+
+    def run(inputs, seed=0, **kw):
+        fast_generate._SAID.clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            torch.manual_seed(seed)
+            fast = model.generate(inputs, fast_path=True, **copy.deepcopy(kw))
+        said = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+        plan = calls[-1] if calls else None
+        calls.clear()
+        torch.manual_seed(seed)
+        loop = model.generate(inputs, fast_path=False, **copy.deepcopy(kw))
+        assert not calls
+        return fast, loop, plan, said
+    return run
+
+
+# name -> (generate arguments, what the fast path must have been given)
+TAKEN = {
+    "greedy": (dict(max_new_tokens=10, do_sample=False), dict(max_new_tokens=10, do_sample=False)),
+    # no max_new_tokens: transformers' default max_length (20 new tokens)
+    "bare": (dict(), dict(max_new_tokens=20, do_sample=False)),
+    "max_length": (dict(max_length=P + 6), dict(max_new_tokens=6)),
+    # sampling without top_k: transformers' default top-k (50)
+    "sample": (dict(do_sample=True, max_new_tokens=12), dict(do_sample=True, top_k=50, temperature=1.0)),
+    "sample_top_k_temperature": (dict(do_sample=True, top_k=5, temperature=0.7, max_new_tokens=12),
+                                 dict(top_k=5, temperature=0.7)),
+    "sample_top_k_off": (dict(do_sample=True, top_k=0, temperature=1.5, max_new_tokens=12),
+                         dict(top_k=None, temperature=1.5)),
+    "sample_top_k_none": (dict(do_sample=True, top_k=None, max_new_tokens=8), dict(top_k=None)),  # set: none
+    "sample_top_p_one": (dict(do_sample=True, top_p=1.0, max_new_tokens=8), dict(top_k=50)),
+    "generation_config": (dict(generation_config=GenerationConfig(do_sample=True, top_k=3, max_new_tokens=9)),
+                          dict(top_k=3, max_new_tokens=9)),
+    # greedy: transformers ignores the sampling settings
+    "greedy_with_sampling_settings": (dict(do_sample=False, top_p=0.5, top_k=3, max_new_tokens=6),
+                                      dict(do_sample=False)),
+    "all_ones_mask": (dict(attention_mask=torch.ones(2, P, dtype=torch.long), pad_token_id=0, max_new_tokens=8),
+                      dict(pad_token_id=0)),
+    # a pad id that is not in the rows: nothing to infer
+    "pad_id_no_pads": (dict(pad_token_id=0, max_new_tokens=8), dict(pad_token_id=0)),
+}
+
+
+@pytest.mark.parametrize("seed", [3])
+@pytest.mark.parametrize("case", TAKEN)
+def test_fast_path_takes_the_call_and_gives_transformers_tokens(model, both, case, seed):
+    kw, want = TAKEN[case]
+    # transformers warns that the default length applies, on either path
+    with pytest.warns(UserWarning, match="max_length") if case == "bare" else contextlib.nullcontext():
+        fast, loop, plan, said = both(_ids(), seed=seed, **kw)
+    assert plan is not None and not said, said
+    for key, value in want.items():
+        assert plan[key] == value, (key, plan)
+    assert torch.equal(fast, loop)
+    if not plan["do_sample"]:  # and the tokens of a plain loop of full forwards
+        assert torch.equal(fast, greedy_generate(model, _ids(), fast.shape[1] - P))
+
+
+@torch.no_grad()
+def test_fast_path_eos_stopping_equals_the_loop(model, both):
+    greedy = greedy_generate(model, _ids(), 12)
+    eos = int(greedy[0, P + 2])  # row 0's third new token
+    fast, loop, plan, said = both(_ids(), max_new_tokens=12, eos_token_id=eos)
+    assert plan is not None and plan["eos_token_id"] == eos and plan["pad_token_id"] == eos and not said
+    assert torch.equal(fast, loop) and (fast[0, P + 3:] == eos).all()
+    fast, loop, plan, said = both(_ids(), max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
+    assert plan is not None and torch.equal(fast, loop) and (fast[0, P + 3:] == 0).all()
+    fast, loop, plan, said = both(_ids(), seed=5, do_sample=True, top_k=2, max_new_tokens=12, eos_token_id=eos)
+    assert plan is not None and torch.equal(fast, loop)
+
+
+@torch.no_grad()
+def test_fast_path_seeded_sampling_draws_what_the_loop_draws(model, both):
+    """Several seeds, with and without top-k: equal tokens, and different seeds give different tokens."""
+    seen = []
+    for seed in range(4):
+        for kw in (dict(), dict(top_k=20, temperature=0.9)):
+            fast, loop, plan, _ = both(_ids(), seed=seed, do_sample=True, max_new_tokens=10, **kw)
+            assert plan is not None and torch.equal(fast, loop), (seed, kw)
+            seen.append(fast)
+    assert len({tuple(t.flatten().tolist()) for t in seen}) > 1
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.tokens, self.ended = [], False
+
+    def put(self, value):
+        self.tokens.append(value.clone())
+
+    def end(self):
+        self.ended = True
+
+
+# name -> (inputs or None for _ids(), generate arguments, the reason the fast path gives)
+FALLBACK = {
+    "left_padded_batch": (_left_padded()[0], dict(attention_mask=_left_padded()[1], pad_token_id=0,
+                                                  max_new_tokens=6), "padded rows (attention_mask has zeros)"),
+    # padded rows and pad_token_id, no attention_mask: transformers infers the mask
+    "padded_without_mask": (_left_padded()[0], dict(pad_token_id=0, max_new_tokens=6),
+                            "attention_mask inferred from pad_token_id=0"),
+    "top_p": (None, dict(do_sample=True, top_p=0.8, max_new_tokens=6), "TopPLogitsWarper"),
+    "min_p": (None, dict(do_sample=True, min_p=0.1, max_new_tokens=6), "MinPLogitsWarper"),
+    "beams": (None, dict(num_beams=2, max_new_tokens=5), "beam_search"),
+    "beam_sample": (None, dict(num_beams=2, do_sample=True, max_new_tokens=5), "beam_sample"),
+    "repetition_penalty": (None, dict(repetition_penalty=1.5, max_new_tokens=6), "RepetitionPenaltyLogitsProcessor"),
+    "no_repeat_ngram_size": (None, dict(no_repeat_ngram_size=2, max_new_tokens=8), "NoRepeatNGramLogitsProcessor"),
+    "min_new_tokens": (None, dict(min_new_tokens=4, eos_token_id=5, max_new_tokens=6),
+                       "MinLengthLogitsProcessor"),
+    "suppress_tokens": (None, dict(suppress_tokens=[1, 2], max_new_tokens=6), "SuppressTokensLogitsProcessor"),
+    "several_eos": (None, dict(eos_token_id=[5, 6], max_new_tokens=6), "several EOS ids [5, 6]"),
+    "num_return_sequences": (None, dict(do_sample=True, num_return_sequences=2, max_new_tokens=4),
+                             "num_return_sequences=2"),
+    "output_scores": (None, dict(output_scores=True, return_dict_in_generate=True, max_new_tokens=5),
+                      "output_scores=True"),
+    "output_logits": (None, dict(output_logits=True, return_dict_in_generate=True, max_new_tokens=5),
+                      "output_logits=True"),
+    "return_dict": (None, dict(return_dict_in_generate=True, max_new_tokens=5), "return_dict_in_generate=True"),
+    "output_hidden_states": (None, dict(output_hidden_states=True, return_dict_in_generate=True, max_new_tokens=4),
+                             "output_hidden_states"),
+    "prefill_chunk_size": (None, dict(prefill_chunk_size=3, max_new_tokens=5), "prefill_chunk_size=3"),
+    "use_cache_false": (None, dict(use_cache=False, max_new_tokens=4), "use_cache=False"),
+    "max_time": (None, dict(max_time=600.0, max_new_tokens=4), "MaxTimeCriteria"),
+    "logits_processor": (None, dict(logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.5)]),
+                                    max_new_tokens=4), "argument 'logits_processor'"),
+    "bad_words_ids": (None, dict(bad_words_ids=[[3], [4, 5]], max_new_tokens=4), "NoBadWordsLogitsProcessor"),
+    "typical_p": (None, dict(do_sample=True, typical_p=0.9, max_new_tokens=4), "TypicalLogitsWarper"),
+    "renormalize_logits": (None, dict(do_sample=True, renormalize_logits=True, max_new_tokens=4),
+                           "LogitNormalization"),
+    "forced_eos_token_id": (None, dict(forced_eos_token_id=3, max_new_tokens=4), "ForcedEOSTokenLogitsProcessor"),
+    "cache_implementation": (None, dict(cache_implementation="dynamic", max_new_tokens=4),
+                             "cache_implementation='dynamic'"),
+    "position_ids": (None, dict(position_ids=torch.arange(P).expand(2, P), max_new_tokens=4),
+                     "argument 'position_ids'"),
+}
+
+
+@pytest.mark.parametrize("case", FALLBACK)
+@torch.no_grad()
+def test_fast_path_says_why_and_takes_the_loop(model, both, case):
+    inputs, kw, reason = FALLBACK[case]
+    inputs = _ids() if inputs is None else inputs
+    fast, loop, plan, said = both(inputs, seed=7, **kw)
+    assert plan is None and len(said) == 1 and reason in said[0], said
+    if isinstance(loop, torch.Tensor):
+        assert torch.equal(fast, loop)
+        return
+    assert torch.equal(fast.sequences, loop.sequences)
+    for field in ("scores", "logits"):
+        a, b = getattr(fast, field), getattr(loop, field)
+        assert (a is None) == (b is None) and (a is None or all(torch.equal(x, y) for x, y in zip(a, b)))
+    if kw.get("output_hidden_states"):
+        assert len(fast.hidden_states) == fast.sequences.shape[1] - P
+        for step, (a, b) in enumerate(zip(fast.hidden_states, loop.hidden_states)):
+            assert len(a) == model.config.num_hidden_layers + 1
+            assert all(x.shape == (2, P if step == 0 else 1, model.config.hidden_size) for x in a)
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@torch.no_grad()
+def test_padded_rows_generate_what_each_row_generates_alone(model, both):
+    """Left padding, with the mask given or inferred from pad_token_id: each row's tokens are its own."""
+    ids, mask = _left_padded()
+    for kw in (dict(attention_mask=mask), dict()):
+        fast, loop, plan, said = both(ids, pad_token_id=0, max_new_tokens=6, **kw)
+        assert torch.equal(fast[0, 3:], greedy_generate(model, ids[:1, 3:], 6)[0]), kw  # pads are not tokens
+        assert torch.equal(fast[1], greedy_generate(model, ids[1:], 6)[0]), kw
+        assert plan is None and torch.equal(fast, loop)
+
+
+@torch.no_grad()
+def test_output_logits_and_scores_are_those_of_full_forwards(model, both):
+    fast, loop, _, _ = both(_ids(), output_logits=True, output_scores=True, return_dict_in_generate=True,
+                            max_new_tokens=5)
+    full = model(input_ids=fast.sequences).logits
+    for i, (logits, scores) in enumerate(zip(fast.logits, fast.scores)):
+        assert rel_err(logits, full[:, P - 1 + i]) < 1e-4 and torch.equal(scores, logits)  # greedy: no processors
+
+
+@torch.no_grad()
+def test_streamer_gets_the_loops_tokens(model, both):
+    streams = []
+    for fast_path in (True, False):
+        streamer = Collect()
+        fast_generate._SAID.clear()
+        out = model.generate(_ids(), max_new_tokens=5, streamer=streamer, fast_path=fast_path)
+        assert streamer.ended and torch.equal(torch.cat([t.reshape(2, -1) for t in streamer.tokens], 1), out)
+        streams.append(out)
+    assert torch.equal(*streams) and torch.equal(streams[0], greedy_generate(model, _ids(), 5))
+    fast, loop, plan, said = both(_ids(), max_new_tokens=5, streamer=Collect())
+    assert plan is None and "argument 'streamer'" in said[0]
+
+
+@torch.no_grad()
+def test_continuing_from_a_returned_cache(model, both):
+    first = model.generate(_ids(), max_new_tokens=4, return_dict_in_generate=True, fast_path=False)
+    cache = first.cache if hasattr(first, "cache") else first.past_key_values
+    more = torch.cat([first.sequences, _ids(2, 3, seed=9)], 1)
+    fast, loop, plan, said = both(more, max_new_tokens=5, **{modeling._CACHE_FIELD: cache})
+    assert plan is None and len(said) == 1 and "argument" in said[0], said
+    assert torch.equal(fast, loop) and torch.equal(fast, greedy_generate(model, more, 5))
+
+
+@torch.no_grad()
+def test_prefill_chunking_with_the_default_cache(model):
+    want = greedy_generate(model, _ids(2, 11), 5)
+    for chunk in (1, 3, 4):
+        assert torch.equal(model.generate(_ids(2, 11), max_new_tokens=5, prefill_chunk_size=chunk), want)
+
+
+@torch.no_grad()
+def test_forward_hidden_states_and_attentions(model):
+    ids = _ids()
+    out = model(input_ids=ids, output_hidden_states=True)
+    hs = out.hidden_states
+    assert isinstance(hs, tuple) and len(hs) == model.config.num_hidden_layers + 1
+    assert all(h.shape == (2, P, model.config.hidden_size) for h in hs)
+    assert torch.equal(hs[0], model.model.embed_tokens(ids))
+    assert torch.equal(hs[-1], model.model(input_ids=ids))  # the last one after the final norm
+    x = hs[0]
+    for i, block in enumerate(model.model.layers[:-1]):
+        x = block(x)
+        assert torch.equal(hs[i + 1], x)
+    assert torch.equal(out.logits, model.lm_head(hs[-1]).float())
+    assert model(input_ids=ids).hidden_states is None
+    cached = model(input_ids=ids, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    assert cached.logits.shape[1] == 1
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(cached.hidden_states, hs))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model.config, "output_hidden_states", True)
+        assert len(model(input_ids=ids).hidden_states) == model.config.num_hidden_layers + 1
+    with pytest.raises(NotImplementedError, match="attention weights"):
+        model(input_ids=ids, output_attentions=True)
+    with pytest.raises(NotImplementedError, match="attention weights"):
+        model.generate(ids, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)
+
+
+@torch.no_grad()
+def test_bf16_greedy_equal_on_both_paths(both, model):
+    bf = copy.deepcopy(model).to(torch.bfloat16)
+    fast = bf.generate(_ids(), max_new_tokens=8, fast_path=True)
+    loop = bf.generate(_ids(), max_new_tokens=8, fast_path=False)
+    assert torch.equal(fast, loop)
+
+
+# ------------------------------------------------------------------------------------------ export
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A tiny model of the real tokenizer's vocabulary, exported as pretrain / upcycle export it."""
+    from hybridlm.data import load_tokenizer
+    tok = load_tokenizer("asset:llama3.2")
+    torch.manual_seed(0)
+    model = HybridForCausalLM(tiny_config("*-G-", mixer="gdn", vocab_size=len(tok),
+                                          eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)).eval()
+    out = tmp_path_factory.mktemp("export")
+    set_generation_defaults(model, tok)
+    model.save_pretrained(out)
+    save_tokenizer(tok, out)
+    return out, tok
+
+
+def test_export_carries_padding_and_greedy_defaults(exported):
+    out, tok = exported
+    assert tok.padding_side == "right"  # the caller's tokenizer is left as it was
+    config = json.loads((out / "config.json").read_text())
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert config["pad_token_id"] == tok.pad_token_id == gen["pad_token_id"] != tok.eos_token_id
+    assert gen["eos_token_id"] == tok.eos_token_id and gen["bos_token_id"] == tok.bos_token_id
+    assert gen["do_sample"] is False
+    assert json.loads((out / "tokenizer_config.json").read_text())["padding_side"] == "left"
+    loaded = AutoTokenizer.from_pretrained(out)
+    assert loaded.padding_side == "left" and loaded.pad_token_id == tok.pad_token_id
+
+
+@torch.no_grad()
+def test_exported_model_generates_left_padded_batches(exported):
+    out, _ = exported
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    prompts = ["It is a truth universally acknowledged", "Emma"]
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    assert (batch["attention_mask"][:, -1] == 1).all()  # padded on the left
+    for fast_path in (True, False):
+        for kw in (dict(attention_mask=batch["attention_mask"]), dict()):  # the mask given, or inferred
+            got = model.generate(batch["input_ids"], max_new_tokens=4, fast_path=fast_path, **kw)
+            for i, text in enumerate(prompts):
+                alone = tok(text, return_tensors="pt")["input_ids"]
+                n = alone.shape[1]
+                assert torch.equal(got[i, -(n + 4):], greedy_generate(model, alone, 4)[0]), (fast_path, kw, i)
+
+
+@torch.no_grad()
+def test_exported_model_pipeline_is_greedy(exported):
+    out, _ = exported
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    prompts = ["It is a truth universally acknowledged", "Emma"]
+    generator = pipeline("text-generation", model=model, tokenizer=tok)
+    texts = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        texts.append(generator(prompts[1], max_new_tokens=5, return_full_text=False)[0]["generated_text"])
+    alone = tok(prompts[1], return_tensors="pt")["input_ids"]
+    assert texts[0] == texts[1] == tok.decode(greedy_generate(model, alone, 5)[0, alone.shape[1]:])
