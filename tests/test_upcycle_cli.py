@@ -83,3 +83,11 @@ def test_init_names_a_damaged_teacher(tmp_path, tiny_llama):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-600:]
     assert last.startswith(f"error: {damaged}") and "cannot be loaded" in last
     assert not (tmp_path / "init").exists()
+
+
+@pytest.mark.parametrize("command", [["run", "--config", "route.yaml", "smart.n_mla=4"], ["kd", "--config", "kd.yaml"]])
+def test_the_deepspeed_launchers_local_rank_is_accepted_before_the_subcommand(command):
+    """`deepspeed --num_gpus N --module upcycle.cli run ...` passes --local_rank=K first."""
+    from upcycle.cli import build_parser
+    args = build_parser().parse_args(["--local_rank=1", *command])
+    assert args.command == command[0] and args.config == command[2]

@@ -69,6 +69,8 @@ def cmd_report(args) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="upcycle", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # the deepspeed launcher passes --local_rank before the subcommand; ranks read LOCAL_RANK from the environment
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True)
     i = sub.add_parser("init", help="build the pure-MLA (SVD) and pure linear-mixer (MambaInLlama) students")
     i.add_argument("--teacher", required=True, help="Llama directory, .gguf file, or asset:smollm2")

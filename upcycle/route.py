@@ -17,10 +17,13 @@ from distill.kd import kd_configs, run_kd
 from distill.stage import ild_configs, run_ild
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import build_dataclass, check_known_keys
+from hybridlm.data import ensure_prepared
 from hybridlm.engine import barrier, init_distributed
+from hybridlm.teacher import load_teacher_tokenizer
 from hybridlm.utils.atomic import write_json
 from upcycle.compose import compose_from_dirs
 from upcycle.init_students import InitConfig, init_students
+from upcycle.route_inputs import check_route_inputs
 from upcycle.route_progress import RouteProgress, training_plan
 from upcycle.route_report import route_report
 from upcycle.smart_stage import SmartConfig, layers_from_report, run_smart
@@ -56,6 +59,17 @@ def check_route(stages: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     return {name: STAGE_CONFIGS[name](sections, f"{name}.") for name, sections in stages.items()}
 
 
+def prepare_calibration_data(ild_data, teacher: str, calib_sources, rank: int) -> None:
+    """Init calibrates on ``init.calib_sources``; where one of them is the ILD data, it is prepared (with the
+    teacher's tokenizer, as the ILD stage would) before init, on rank 0."""
+    if rank == 0 and str(Path(ild_data.path)) in {str(Path(s)) for s in calib_sources or ()}:
+        data = copy.deepcopy(ild_data)
+        if data.tokenizer == "teacher":
+            data.tokenizer = str(Path(load_teacher_tokenizer(teacher).name_or_path))
+        ensure_prepared(data, "ild.data")
+    barrier()
+
+
 def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     if not isinstance(cfg.get("output_dir"), str) or not cfg["output_dir"]:
         raise ConfigError("output_dir: expected the directory the route writes every stage into")
@@ -77,6 +91,8 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
                                run__output_dir=str(out / "dpo")),
     }
     built = check_route(stages)
+    calib = [init_cfg.calib_sources] if isinstance(init_cfg.calib_sources, str) else list(init_cfg.calib_sources)
+    check_route_inputs(teacher, built, calib, report_opts.get("heldout_sources"))
     dist = init_distributed()
     ild_data = built["ild"]["data"]
     init_dir = out / "init"
@@ -92,6 +108,7 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
         write_json(out / "route_config.json", cfg, default=str)
 
     progress.start("init")
+    prepare_calibration_data(ild_data, teacher, calib, dist.rank)
     if dist.rank == 0 and not (init_dir / "init_report.json").is_file():
         init_students(teacher, init_dir, overwrite=True, **dataclasses.asdict(init_cfg))
     barrier()
