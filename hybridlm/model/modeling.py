@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import logging as hf_logging
 
 from hybridlm.model.cache import HybridCache, InferenceContext
 from hybridlm.model.configuration import HybridConfig, write_remote_code
@@ -67,7 +68,14 @@ class HybridPreTrainedModel(PreTrainedModel):
         ``remote_code=True``, which adds ``hybrid_lm_auto.py`` and an ``auto_map``
         (:func:`~hybridlm.model.configuration.write_remote_code`: whoever loads the folder with
         ``trust_remote_code=True`` runs that file)."""
-        super().save_pretrained(save_directory, *args, **kwargs)
+        # transformers draws a "Writing model shards" bar even for one shard; our commit points print their own line
+        bars_were_on = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            if bars_were_on:
+                hf_logging.enable_progress_bar()
         if remote_code and kwargs.get("is_main_process", True):
             write_remote_code(save_directory)
 
