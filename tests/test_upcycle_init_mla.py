@@ -1,5 +1,6 @@
 """SVD MLA init from a Llama attention: exact at full rank without positions, error falls with rank,
-and our frequency-matched RoPE choice preserves position information better than the published one."""
+our frequency-matched RoPE choice preserves position information better than the published one, and a
+teacher with scaled RoPE (llama3, linear, dynamic, yarn) keeps its actual frequencies."""
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -8,14 +9,24 @@ from conftest import rel_err
 from hybridlm.config.errors import ConfigError
 from hybridlm.model import HybridForCausalLM
 from upcycle.init_mla import energy_rank, energy_ranks, init_mla_from_attention
-from upcycle.student import student_config
+from upcycle.student import kept_inv_freq, llama_shapes, mla_takes_inv_freq, rope_mismatch, student_config
+
+# head dim 16 at base 1e4: pair wavelengths 6.3, 20, 63, 199, ... tokens. With original_max_position_embeddings
+# 64, llama3 keeps pair 0, blends pairs 1 and 2 and divides pairs 3-7 by the factor.
+SCALINGS = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64},
+}
 
 
-def teacher(n_kv=2, seed=0):
+def teacher(n_kv=2, seed=0, rope_scaling=None):
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=n_kv, head_dim=16, vocab_size=64, rope_theta=10000.0,
-                      attn_implementation="sdpa")
+                      max_position_embeddings=512, rope_scaling=rope_scaling, attn_implementation="sdpa")
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -106,3 +117,53 @@ def test_energy_rank_rounds_up_to_eight():
     # at 90 % of the energy each rank is what the singular values say, the larger over the two layers
     ranks = energy_ranks(attns, 4, 2, 16, 8, 0.9)
     assert ranks["q_lora_rank"] <= 16 and ranks["kv_lora_rank"] < 48
+
+
+@pytest.mark.parametrize("kind", sorted(SCALINGS))
+def test_scaled_teacher_frequencies_are_transformers_own(kind):
+    """The frequencies the student takes are the ones ROPE_INIT_FUNCTIONS gives the teacher, pair for pair."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    model = teacher(1, rope_scaling=SCALINGS[kind])
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](model.config, None)
+    s = llama_shapes(model.config)
+    assert s["rope"]["rope_type"] == kind and s["rope"]["attention_scaling"] == pytest.approx(scaling)
+    assert torch.equal(torch.tensor(s["rope"]["inv_freq"]), inv_freq.float())
+    assert kept_inv_freq(s, 6) == s["rope"]["inv_freq"][:3]
+
+
+def test_llama3_pairs_a_base_alone_cannot_reproduce():
+    """Without per-pair frequencies in the model, a llama3 teacher's blended and divided pairs rotate
+    differently in the student; with them, none do. An unscaled teacher never needs them."""
+    plain = llama_shapes(teacher(1).config)
+    cfg = student_config(teacher(1).config, ["mla", "mla"], kv_lora_rank=64, rope_dim=16)
+    assert rope_mismatch(plain, cfg.mla)["mismatched"] == 0 and cfg.mla.get("rope_inv_freq") is None
+    model = teacher(1, rope_scaling=SCALINGS["llama3"])
+    s = llama_shapes(model.config)
+    cfg = student_config(model.config, ["mla", "mla"], kv_lora_rank=64, rope_dim=16)
+    assert rope_mismatch(s, cfg.mla)["mismatched"] == (0 if mla_takes_inv_freq() else 7)
+
+
+def test_yarn_attention_scaling_goes_into_the_queries():
+    """yarn scales cos and sin by its attention factor (every score by its square); with positions removed,
+    at full rank the student reproduces that scaled attention exactly."""
+    model = teacher(2, rope_scaling=SCALINGS["yarn"])
+    factor = model.model.rotary_emb.attention_scaling
+    assert factor != 1.0
+    x = torch.randn(2, 23, 64)
+    T = x.shape[1]
+    cos, sin = model.model.rotary_emb(x, torch.arange(T)[None])
+    ref = model.model.layers[0].self_attn(x, position_embeddings=(torch.full_like(cos, factor), torch.zeros_like(sin)),
+                                          attention_mask=None)[0]
+    assert rel_err(student_attention(model, q_rank=64, kv_rank=64, rope_dim=0)(x), ref) < 1e-5
+
+
+@pytest.mark.skipif(not mla_takes_inv_freq(), reason="the model's MLA takes no per-pair inverse frequencies "
+                                                      "(HybridConfig.mla.rope_inv_freq)")
+@pytest.mark.parametrize("kind", sorted(SCALINGS))
+def test_frequency_matched_rope_is_exact_for_a_scaled_teacher(kind):
+    """Like the unscaled case above: one kv head, full rank, every head dim rotating, positions on; the
+    student's pairs rotate at the teacher's scaled frequencies (and yarn's attention factor is kept)."""
+    model = teacher(1, rope_scaling=SCALINGS[kind])
+    x = torch.randn(2, 96, 64)  # past original_max_position_embeddings 64 (still inside 512 for dynamic)
+    ref = teacher_attention(model, x, positions=True)
+    assert rel_err(student_attention(model, 64, 64, rope_dim=16)(x), ref) < 1e-5

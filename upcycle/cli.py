@@ -2,6 +2,7 @@
 
     upcycle init --teacher asset:smollm2 --out runs/upcycle/init [--kv-rank 128 --rope-dim 32 ...]
     upcycle kv-report --teacher configs/llama/llama-3.2-1b.json --mla-layers 0,5,10,14 --kv-rank 128 --rope-dim 32
+    upcycle plan --config configs/upcycle/llama3.2-1b_8mla_route.yaml --gpus 8 --teacher configs/llama/llama-3.2-1b.json
 
 Every stage reads and writes transformers-format directories; outputs appear atomically.
 """
@@ -20,6 +21,7 @@ from hybridlm.kv_report import format_kv_report, kv_report, load_teacher_config
 from hybridlm.teacher import resolve_teacher
 from hybridlm.training.exits import run_cli
 from upcycle.init_students import InitConfig, init_students  # flags default to the route's init section
+from upcycle.plan import add_subcommand as add_plan
 from upcycle.route import ROUTE_SECTIONS, run_route
 from upcycle.route_report import route_report
 from upcycle.smart_stage import add_subcommands as add_smart_and_compose
@@ -114,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--kv-rank", type=int, required=True)
     k.add_argument("--rope-dim", type=int, required=True)
     k.set_defaults(fn=cmd_kv_report)
+    add_plan(sub)
     return p
 
 

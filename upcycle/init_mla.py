@@ -7,6 +7,8 @@ Per head, the teacher's d_h query / key dims split into ``nope`` dims (no rotati
 * The decoupled RoPE key is one shared head: the mean of the teacher's kv heads' rope rows (exact when
   the teacher has one kv head).
 * o_proj = W_o.
+* A teacher whose RoPE scales cos and sin by ``attention_scaling`` (yarn, longrope) scales every score by its
+  square; that factor goes into W_q.
 Which dims are ``rope`` is the ``rope_init`` of :func:`upcycle.student.mla_args`. With no rope dims
 (positions removed) and full ranks the layer reproduces the teacher's attention exactly.
 """
@@ -79,6 +81,9 @@ def init_mla_from_attention(mla, attn, *, n_kv: int, rope_init: str = "frequency
     if mla.v_dim != d_h:
         raise ConfigError(f"mla.v_head_dim: {mla.v_dim} must equal the teacher head dim {d_h} for the SVD init")
     wq, kv, k_rope, wo = mla_matrices(attn, n_h, n_kv, d_h, mla.rope, rope_init)
+    scaling = teacher_attention_scaling(attn)
+    if scaling != 1.0:  # the teacher scales cos and sin, so every score by scaling^2: folded into W_q
+        wq = wq * scaling ** 2
     kept = {}
     if mla.q_lora_rank:
         up, down, kept["q_energy"] = _factor(wq, mla.q_lora_rank, "q_lora_rank")
@@ -92,6 +97,15 @@ def init_mla_from_attention(mla, attn, *, n_kv: int, rope_init: str = "frequency
     mla.kv_b_proj.weight.copy_(up)
     mla.o_proj.weight.copy_(wo)
     return kept
+
+
+def teacher_attention_scaling(attn) -> float:
+    """The factor transformers multiplies the teacher's RoPE cos and sin by (1.0 unless yarn / longrope)."""
+    cfg = getattr(attn, "config", None)
+    if cfg is None:
+        return 1.0
+    from upcycle.student import teacher_rope
+    return teacher_rope(cfg)["attention_scaling"]
 
 
 def energy_ranks(attns: Sequence, n_h: int, n_kv: int, d_h: int, rope_dim: int, delta: float,

@@ -15,7 +15,7 @@ from hybridlm.utils.atomic import atomic_directory, write_json
 from upcycle.calibrate import calibrate_student, calibration_batch
 from upcycle.init_mamba import init_student_from_teacher
 from upcycle.init_mla import energy_ranks
-from upcycle.student import llama_shapes, student_config
+from upcycle.student import llama_shapes, rope_mismatch, student_config
 
 
 @dataclass
@@ -70,6 +70,13 @@ def init_students(teacher_spec, out, *, q_rank=None, kv_rank=128, energy=None, r
             set_generation_defaults(student, tokenizer)
             student.save_pretrained(tmp, remote_code=remote_code)
             save_tokenizer(tokenizer, tmp)
+        if kind == "mla" and rope_init == "frequency_matched":
+            summary["rope"] = {"rope_type": s["rope"]["rope_type"], **rope_mismatch(s, cfg.mla)}
+            if summary["rope"]["mismatched"]:
+                print(f"RoPE: {summary['rope']['mismatched']} of the {summary['rope']['pairs']} rotation pairs the MLA "
+                      f"student keeps rotate at another frequency than the teacher's {s['rope']['rope_type']} RoPE "
+                      f"(max relative error {summary['rope']['max_rel_err']:.3g}): this model's MLA takes no "
+                      f"per-pair frequencies (mla.rope_inv_freq)", flush=True)
         kv = kv_report(teacher.config, range(s["L"]) if kind == "mla" else [], ranks["kv_lora_rank"], rope_dim)
         energy_kept = info["mla"]
         summary["students"][kind] = {

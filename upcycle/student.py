@@ -5,7 +5,7 @@ KDA, pre-normed by the layer's ``input_layernorm``) and SwiGLU MLP ``2i + 1`` (`
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.model import HybridConfig
@@ -14,18 +14,30 @@ from hybridlm.model.pattern import MIXER_SYMBOL
 STUDENT_KINDS = ("mla", "mamba2", "gdn", "kda")
 
 
+def teacher_rope(cfg) -> Dict[str, Any]:
+    """The rotary frequencies the teacher's attention uses: ``inv_freq`` (d_h / 2 floats, pair i rotates by
+    position * inv_freq[i]), ``attention_scaling`` (transformers multiplies cos and sin by it, so every
+    attention score is scaled by its square) and ``rope_type``. Read from transformers' own
+    ``LlamaRotaryEmbedding`` (``ROPE_INIT_FUNCTIONS[rope_type]`` for scaled types), so llama3, linear, yarn,
+    dynamic and longrope give the frequencies the teacher's forward uses at sequence lengths up to
+    ``original_max_position_embeddings`` (dynamic and longrope change them beyond it)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    emb = LlamaRotaryEmbedding(cfg)
+    return dict(inv_freq=[float(f) for f in emb.inv_freq.float()], attention_scaling=float(emb.attention_scaling),
+                rope_type=str(getattr(emb, "rope_type", "default")))
+
+
 def llama_shapes(cfg) -> Dict[str, Any]:
-    """The dimensions the mappings need, from a transformers ``LlamaConfig``."""
+    """The dimensions the mappings need, from a transformers ``LlamaConfig``; ``rope`` is :func:`teacher_rope`."""
     n_h = cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_h
     d_h = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_h
     rope = getattr(cfg, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
-    if rope.get("rope_type", "default") not in ("default", None):
-        theta = rope.get("rope_theta", theta)  # scaled RoPE variants keep their base; scaling is not reproduced
     return dict(d=cfg.hidden_size, L=cfg.num_hidden_layers, n_h=n_h, n_kv=n_kv, d_h=d_h, ffn=cfg.intermediate_size,
                 vocab=cfg.vocab_size, eps=cfg.rms_norm_eps, theta=float(theta),
-                tie=bool(getattr(cfg, "tie_word_embeddings", False)))
+                tie=bool(getattr(cfg, "tie_word_embeddings", False)), rope=teacher_rope(cfg))
 
 
 def pattern_for(layer_kinds: Sequence[str]) -> str:
@@ -35,24 +47,63 @@ def pattern_for(layer_kinds: Sequence[str]) -> str:
 ROPE_INITS = ("frequency_matched", "published")
 
 
+def mla_takes_inv_freq() -> bool:
+    """Whether the model's MLA accepts per-pair inverse frequencies (``mla.rope_inv_freq``)."""
+    import dataclasses
+    from hybridlm.model.configuration import MLAArgs
+    return any(f.name == "rope_inv_freq" for f in dataclasses.fields(MLAArgs))
+
+
+def _model_inv_freq(theta: float, rope_dim: int):
+    """The inverse frequencies the MLA layer computes from a base alone (hybridlm.model.layers.rope)."""
+    import torch
+    return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+
+
+def kept_inv_freq(s: Dict[str, Any], rope_dim: int) -> List[float]:
+    """The teacher inverse frequencies of the rope_dim / 2 rotation pairs a ``frequency_matched`` MLA keeps."""
+    return s["rope"]["inv_freq"][:rope_dim // 2]
+
+
+def rope_mismatch(s: Dict[str, Any], mla: Dict[str, Any], rel_tol: float = 1e-5) -> Dict[str, Any]:
+    """How the student's rope pairs rotate against the teacher pairs they were taken from (``frequency_matched``):
+    ``pairs`` kept, ``mismatched`` (relative frequency error above ``rel_tol``) and ``max_rel_err``."""
+    import torch
+    r = mla["qk_rope_head_dim"]
+    want = torch.tensor(kept_inv_freq(s, r), dtype=torch.float32)
+    got = (torch.tensor(mla["rope_inv_freq"], dtype=torch.float32) if mla.get("rope_inv_freq")
+           else _model_inv_freq(mla["rope_theta"], r))
+    err = ((got - want).abs() / want).tolist() if r else []
+    return {"pairs": r // 2, "mismatched": sum(e > rel_tol for e in err), "max_rel_err": max(err, default=0.0)}
+
+
 def mla_args(s: Dict[str, Any], q_lora_rank: int, kv_lora_rank: int, rope_dim: int,
              rope_init: str = "frequency_matched") -> Dict[str, Any]:
     """MLA of the same heads: nope + rope dims = the teacher's head dim, v = head dim, no latent norms
     (they would break the exact linear path of the SVD init).
 
     ``frequency_matched`` (ours) keeps the teacher's rope_dim/2 highest-frequency rotation pairs as the
-    rope dims and sets the base to theta^(rope_dim / d_h), so pair i rotates exactly like teacher pair i.
+    rope dims, each rotating at the frequency the teacher's attention gives it. For an unscaled teacher the
+    base theta^(rope_dim / d_h) does that. A scaled teacher (``rope_scaling`` llama3, linear, yarn, ...)
+    has frequencies no single base reproduces, so the layer gets them as ``rope_inv_freq`` (rope_dim / 2
+    floats) where the model's MLA accepts that field; otherwise the base stays theta^(rope_dim / d_h) and
+    :func:`rope_mismatch` counts the pairs that rotate differently. A teacher's ``attention_scaling`` is
+    folded into the query weights by :func:`upcycle.init_mla.init_mla_from_attention`.
     ``published`` takes the first rope_dim rows of each head with the teacher's base: those rows get
     re-paired and re-frequencied, as in the X-EcoMLA recipe."""
     if rope_init not in ROPE_INITS:
         raise ConfigError(f"rope_init: {rope_init!r} is not one of {', '.join(ROPE_INITS)}")
     if rope_dim % 2 or not 0 <= rope_dim <= s["d_h"]:
         raise ConfigError(f"rope_dim: {rope_dim} must be even and between 0 and the head dim {s['d_h']}")
-    return dict(num_heads=s["n_h"], q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+    args = dict(num_heads=s["n_h"], q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
                 qk_nope_head_dim=s["d_h"] - rope_dim, qk_rope_head_dim=rope_dim, v_head_dim=s["d_h"],
                 rope_theta=s["theta"] ** (rope_dim / s["d_h"]) if rope_dim and rope_init == "frequency_matched"
                 else s["theta"],
                 latent_norm=False, norm_eps=s["eps"])
+    if (rope_dim and rope_init == "frequency_matched" and s["rope"]["rope_type"] != "default"
+            and mla_takes_inv_freq()):
+        args["rope_inv_freq"] = kept_inv_freq(s, rope_dim)
+    return args
 
 
 def mamba2_args(s: Dict[str, Any]) -> Dict[str, Any]:

@@ -459,12 +459,12 @@ class InferenceContext:
     def layer(self, idx: int):
         return None if self.cache is None else self.cache.layers[idx]
 
-    def rope_cos_sin(self, dim: int, theta: float):
+    def rope_cos_sin(self, dim: int, theta: float, inv_freq: Optional[tuple] = None):
         """RoPE ``cos, sin`` tables of :attr:`positions`, computed once per forward and shared by every MLA
         layer of that shape (decoding would otherwise rebuild them in each layer at each step)."""
-        key = (dim, float(theta))
+        key = (dim, float(theta), inv_freq)
         if key not in self._rope:
-            self._rope[key] = rope_cos_sin(self.positions, dim, theta)
+            self._rope[key] = rope_cos_sin(self.positions, dim, theta, inv_freq)
         return self._rope[key]
 
     def zero_padding(self, x: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,9 @@ class MLAArgs:
     qk_rope_head_dim: int = 32
     v_head_dim: Optional[int] = None  # default hidden_size / num_heads
     rope_theta: float = 500000.0
+    # per-pair inverse frequencies (qk_rope_head_dim / 2 floats; pair i rotates by position * rope_inv_freq[i]);
+    # set, they replace the rope_theta progression (an upcycled layer keeps a scaled teacher's frequencies)
+    rope_inv_freq: Optional[List[float]] = None
     latent_norm: bool = True           # RMSNorm on the q / kv latents (off for exact SVD upcycling)
     norm_eps: float = 1e-6
 
@@ -54,6 +57,14 @@ class MLAArgs:
             raise ConfigError(f"{where}.qk_rope_head_dim: {self.qk_rope_head_dim} must be even and >= 0 "
                               "(RoPE rotates pairs; 0 means no position encoding)")
         _positive(self, where, ("num_heads", "kv_lora_rank", "v_head_dim"))
+        if self.rope_inv_freq is not None:
+            f = self.rope_inv_freq
+            if (not isinstance(f, (list, tuple)) or len(f) != self.qk_rope_head_dim // 2
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+                               for v in f)):
+                raise ConfigError(f"{where}.rope_inv_freq: expected {self.qk_rope_head_dim // 2} positive finite "
+                                  f"numbers (one per rotation pair), got {f!r}")
+            self.rope_inv_freq = [float(v) for v in f]
 
 
 @dataclass

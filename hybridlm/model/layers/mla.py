@@ -52,6 +52,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.nope, self.rope, self.v_dim = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
         self.kv_lora_rank, self.q_lora_rank = a.kv_lora_rank, a.q_lora_rank
         self.rope_theta = a.rope_theta
+        self.rope_inv_freq = tuple(a.rope_inv_freq) if a.rope_inv_freq else None
         self.scale = (self.nope + self.rope) ** -0.5
         qk_head = self.nope + self.rope
         if self.q_lora_rank:
@@ -84,7 +85,9 @@ class MultiHeadLatentAttention(nn.Module):
         ``latent = norm(c_kv) [B,T,r_kv]`` and the rotated shared ``k_rope [B,T,rope]``. ``cos_sin``: the RoPE
         tables of ``positions`` when already computed (one inference forward shares them across layers)."""
         B, T, _ = x.shape
-        cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(positions, self.rope, self.rope_theta)
+        if cos_sin is None:
+            cos_sin = rope_cos_sin(positions, self.rope, self.rope_theta, self.rope_inv_freq)
+        cos, sin = cos_sin
         q = self.project_q(x).view(B, T, self.num_heads, self.nope + self.rope)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         c_kv, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, self.rope], dim=-1)
@@ -141,7 +144,8 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _attend_cached(self, x, ctx):
         """A prompt (nothing cached yet) takes the expanded form; later tokens the absorbed one over the cache."""
-        q_nope, q_rope, latent, k_rope = self._project(x, ctx.positions, ctx.rope_cos_sin(self.rope, self.rope_theta))
+        cos_sin = ctx.rope_cos_sin(self.rope, self.rope_theta, self.rope_inv_freq)
+        q_nope, q_rope, latent, k_rope = self._project(x, ctx.positions, cos_sin)
         cache = ctx.layer(self.layer_idx)
         if ctx.static:  # written in place at the device-side slots; the whole buffer under a device-built mask
             kv = cache.update(latent, k_rope, ctx.positions[0])

@@ -1,0 +1,354 @@
+"""``upcycle plan``: bytes per rank and GPU time of every stage of a route, from the teacher's config.json alone.
+
+    upcycle plan --config configs/upcycle/llama3.2-1b_8mla_route.yaml --gpus 8 [--teacher configs/llama/llama-3.2-1b.json]
+
+No weights are read: the teacher and the students are built on PyTorch's ``meta`` device, so every parameter count
+is the real model's. Per rank and stage the plan counts:
+
+* **teacher**: bf16 weights, frozen (no gradient, no optimizer state), a whole copy on every rank.
+* **student**: bf16 weights of every parameter; for the trainable ones (ILD: the decoder layers; KD and DPO: all)
+  a bf16 gradient (2 B), DeepSpeed's fp32 gradient accumulator (``BF16_Optimizer`` keeps it whole on every rank:
+  4 B), and, sharded by ZeRO-1 over the N ranks, the fp32 master weights (4 B / N) and AdamW's two moments
+  (8 B / N). Frozen student parameters (ILD: embeddings, final norm, LM head) hold only their bf16 weights.
+* **reference** (DPO): the frozen bf16 copy of the KD student.
+* **activations** (bf16, per micro-batch of b sequences of s tokens; :func:`activation_widths`): what the
+  backward keeps of every sublayer, in values per token: a pre-norm's input and output (2d); a SwiGLU MLP's gate
+  and up outputs and their product (3f); an MLA mixer's q latent, q, the kv latent + rope key, the decompressed
+  keys and values, the expanded keys, the attention output and SDPA's fp32 log-sum-exp; a Mamba2 mixer's
+  in_proj output, conv output, x and B repeated to the heads, the SSD output and gated-norm output, and the fp32
+  chunk states (one n_heads x head_dim x d_state state per 64 tokens). With ``activation_checkpointing`` only
+  each block's input is kept, plus one block's activations while it is recomputed. ILD also keeps the teacher's
+  trace (input, mixer output and layer output of every layer: 3 L s b d values). Logits: KD computes them in
+  chunks (``kd.chunk_tokens`` tokens: ~3 x chunk x vocab fp32 for the student and teacher together); DPO keeps
+  the policy's whole bf16 logits, their fp32 copy and its fp32 gradient (10 B per logit) for the chosen and the
+  rejected sequence of every pair, padded to ``max_length``.
+* Not counted: the CUDA context and allocator fragmentation (typically 1-3 GiB), DeepSpeed's communication
+  buckets, transient copies inside kernels, and the temporaries of a frozen model's no-grad forward.
+
+Time: 6 FLOPs per token and trainable-path parameter (forward 2, backward 4), 2 per frozen parameter the
+forward runs through (teacher, reference, ILD's frozen embeddings), +2 per student parameter with activation
+checkpointing, plus causal attention (s / 2 keys per query: 2 x (qk + v) x n_h x s / 2 FLOPs forward, 3x that
+trained) and Mamba2's chunked scan (intra-chunk 64 x n_h x (d_state + head_dim) x 2, state 6 x n_h x head_dim x
+d_state per token forward, 3x trained); divided by N x ``peak_tflops`` x ``mfu``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from hybridlm.config.errors import ConfigError
+
+GIB = 1024 ** 3
+SSD_CHUNK = 64
+BF16, FP32 = 2, 4
+
+
+# ------------------------------------------------------------------------------------------ parameters
+def _meta(build):
+    with torch.device("meta"):
+        return build()
+
+
+def param_counts(model) -> Dict[str, int]:
+    """``total``, ``layers`` (decoder blocks) and ``outer`` (embeddings, final norm, LM head; a tied head once)."""
+    total = sum(p.numel() for p in model.parameters())
+    layers = sum(p.numel() for p in model.model.layers.parameters())
+    return {"total": total, "layers": layers, "outer": total - layers}
+
+
+def student_kinds(L: int, n_mla: int, linear: str) -> List[str]:
+    """n_mla MLA layers spread over L (their places do not change any count), the rest ``linear``."""
+    mla = {round(i * (L - 1) / max(n_mla - 1, 1)) for i in range(n_mla)} if n_mla else set()
+    return ["mla" if i in mla else linear for i in range(L)]
+
+
+def models(teacher_cfg, init: Dict[str, Any], n_mla: int) -> Dict[str, Dict[str, Any]]:
+    """Parameter counts and config of the teacher, both ILD students and the composed hybrid."""
+    from transformers import LlamaForCausalLM
+
+    from hybridlm.model import HybridForCausalLM
+    from upcycle.student import llama_shapes, student_config
+
+    s = llama_shapes(teacher_cfg)
+    L, linear = s["L"], init.get("linear_mixer", "mamba2")
+    ranks = dict(q_lora_rank=init.get("q_rank"), kv_lora_rank=init.get("kv_rank", 128),
+                 rope_dim=init.get("rope_dim", 32), rope_init=init.get("rope_init", "frequency_matched"))
+    out = {"teacher": {"params": param_counts(_meta(lambda: LlamaForCausalLM(teacher_cfg))), "shapes": s}}
+    for name, kinds in (("mla_student", ["mla"] * L), (f"{linear}_student", [linear] * L),
+                        ("hybrid", student_kinds(L, n_mla, linear))):
+        cfg = student_config(teacher_cfg, kinds, **ranks)
+        out[name] = {"params": param_counts(_meta(lambda: HybridForCausalLM(cfg))), "kinds": kinds, "config": cfg}
+    return out
+
+
+# ----------------------------------------------------------------------------------------- activations
+def activation_widths(cfg, kind: str) -> Dict[str, float]:
+    """Values per token the backward keeps of one decoder layer (pre-norm + mixer ``kind``, pre-norm + MLP),
+    bf16 values, with fp32 tensors counted as two. See the module docstring."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    mlp = 2 * d + 3 * f
+    if kind == "mla":
+        a = cfg.mixer_args("mla")
+        qk, H = a.qk_nope_head_dim + a.qk_rope_head_dim, a.num_heads
+        mixer = (2 * d + (a.q_lora_rank or 0) + H * qk + a.kv_lora_rank + a.qk_rope_head_dim
+                 + H * (a.qk_nope_head_dim + a.v_head_dim) + 2 * H * qk + H * a.v_head_dim + 2 * H)
+    elif kind == "mamba2":
+        a = cfg.mixer_args("mamba2")
+        di, dxb, heads = a.d_inner, a.d_xb or a.d_inner, a.d_inner // a.head_dim
+        conv = 2 * dxb + a.n_groups * a.d_state if a.d_xb else di + 2 * a.n_groups * a.d_state
+        in_proj = di + conv + heads  # z, x B C, dt
+        states = 2 * heads * a.head_dim * a.d_state / SSD_CHUNK
+        mixer = 2 * d + in_proj + conv + 2 * di + 2 * di + states
+    else:
+        raise ConfigError(f"plan: no activation model for mixer {kind!r} (mla, mamba2)")
+    return {"mixer": mixer, "mlp": mlp}
+
+
+def activation_bytes(cfg, kinds: Sequence[str], tokens: int, checkpointing: bool) -> int:
+    """Bytes the backward keeps for one micro-batch of ``tokens`` tokens (b x s) through the decoder layers."""
+    per_layer = [sum(activation_widths(cfg, k).values()) for k in kinds]
+    if checkpointing:
+        return int(tokens * BF16 * (len(kinds) * cfg.hidden_size + max(per_layer)))
+    return int(tokens * BF16 * sum(per_layer))
+
+
+# -------------------------------------------------------------------------------------------- FLOPs
+def forward_flops_per_token(cfg, kinds: Sequence[str], params: int, seq_len: int) -> float:
+    """2 per parameter, causal attention of the MLA layers, and the Mamba2 scan (see the module docstring)."""
+    flops = 2.0 * params
+    for k in kinds:
+        if k == "mla":
+            a = cfg.mixer_args("mla")
+            flops += 2 * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * a.num_heads * seq_len / 2
+        elif k == "mamba2":
+            a = cfg.mixer_args("mamba2")
+            heads = a.d_inner // a.head_dim
+            flops += 2 * SSD_CHUNK * heads * (a.d_state + a.head_dim) + 6 * heads * a.head_dim * a.d_state
+    return flops
+
+
+def teacher_forward_flops(shapes: Dict[str, Any], params: int, seq_len: int) -> float:
+    s = shapes
+    return 2.0 * params + s["L"] * 2 * (2 * s["d_h"]) * s["n_h"] * seq_len / 2
+
+
+# ------------------------------------------------------------------------------------------- stages
+@dataclasses.dataclass
+class StagePlan:
+    name: str
+    ranks: int
+    micro_batch: int
+    seq_len: int
+    tokens: int
+    bytes: Dict[str, int]
+    flops: float
+    note: str = ""
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+def trained_bytes(all_params: int, trainable: int, ranks: int) -> Dict[str, int]:
+    """A trained model's bytes per rank under bf16 ZeRO-1 (see the module docstring)."""
+    return {"student weights (bf16)": BF16 * all_params,
+            "gradients (bf16 + fp32 accumulator)": (BF16 + FP32) * trainable,
+            "master + Adam (fp32, ZeRO-1)": -(-(FP32 + 2 * FP32) * trainable // ranks)}
+
+
+def _optim(section: Dict[str, Any], where: str) -> Dict[str, Any]:
+    optim = dict(section.get("optim") or {})
+    for key in ("micro_batch_size", "global_batch_size", "max_steps"):
+        if key not in optim:
+            raise ConfigError(f"{where}.optim.{key}: the plan needs it")
+    if optim.get("precision", "bf16") != "bf16" or int(optim.get("zero_stage", 1)) != 1:
+        raise ConfigError(f"{where}.optim: the plan models precision bf16 with zero_stage 1, got "
+                          f"{optim.get('precision', 'bf16')} / {optim.get('zero_stage', 1)}")
+    return optim
+
+
+def plan_route(cfg: Dict[str, Any], teacher_cfg, gpus: int) -> List[StagePlan]:
+    """One :class:`StagePlan` per stage of the route config ``cfg`` on ``gpus`` ranks."""
+    if gpus < 1:
+        raise ConfigError(f"--gpus: expected at least 1, got {gpus}")
+    init = dict(cfg.get("init") or {})
+    smart = dict(cfg.get("smart") or {})
+    n_mla = len(smart["layers"]) if smart.get("layers") else int(smart.get("n_mla") or 0)
+    if not n_mla:
+        raise ConfigError("smart: the plan needs n_mla or layers (how many layers the hybrid keeps as MLA)")
+    m = models(teacher_cfg, init, n_mla)
+    shapes, T = m["teacher"]["shapes"], m["teacher"]["params"]["total"]
+    V, d, L = shapes["vocab"], shapes["d"], shapes["L"]
+    lookup = 0 if shapes["tie"] else V * d  # an untied input embedding is a lookup, not a matmul
+    T_mm = T - lookup
+    linear = init.get("linear_mixer", "mamba2")
+    plans: List[StagePlan] = []
+
+    # init: rank 0, fp32 teacher and one fp32 student at a time (the calibration runs both on its GPU)
+    biggest = max(m["mla_student"]["params"]["total"], m[f"{linear}_student"]["params"]["total"])
+    calib_len = int(init.get("calib_seq_len", 512))
+    plans.append(StagePlan("init", 1, 1, calib_len, int(init.get("calib_tokens", 4096)),
+                           {"teacher weights (fp32)": FP32 * T, "student weights (fp32)": FP32 * biggest},
+                           2.0 * (T + biggest) * int(init.get("calib_tokens", 4096)),
+                           "rank 0 only; calibration forwards, no optimizer"))
+
+    ild = dict(cfg.get("ild") or {})
+    if ild:
+        optim = _optim(ild, "ild")
+        s = int((ild.get("data") or {}).get("seq_len", 1024))
+        b, ckpt = int(optim["micro_batch_size"]), bool(optim.get("activation_checkpointing", False))
+        tokens = int(optim["max_steps"]) * int(optim["global_batch_size"]) * s
+        for kind in ("mla", linear):
+            st = m[f"{kind}_student"]
+            p = st["params"]
+            by = {"teacher weights (bf16)": BF16 * T, **trained_bytes(p["total"], p["layers"], gpus),
+                  "activations": activation_bytes(st["config"], st["kinds"], b * s, ckpt),
+                  "teacher trace / logits": BF16 * 3 * L * b * s * d}
+            fl = (6.0 * p["layers"] + (2.0 if ckpt else 0.0) * p["layers"]
+                  + forward_flops_per_token(st["config"], st["kinds"], 0, s) * 3
+                  + teacher_forward_flops(shapes, T_mm, s))
+            plans.append(StagePlan(f"ild_{kind}", gpus, b, s, tokens, by, fl * tokens,
+                                   "decoder layers train; embeddings and head frozen"))
+
+    if smart:
+        s = int((ild.get("data") or {}).get("seq_len", 1024))
+        b = int(smart.get("batch_size", 4))
+        tokens = int(smart.get("batches", 8)) * b * s
+        mla_p, lin_p = m["mla_student"]["params"]["total"], m[f"{linear}_student"]["params"]["total"]
+        by = {"teacher weights (bf16)": BF16 * T, "student weights (bf16)": BF16 * (mla_p + lin_p),
+              "teacher trace / logits": 3 * FP32 * b * s * V}
+        plans.append(StagePlan("smart", 1, b, s, tokens, by, 2.0 * (T_mm + (L + 1) * (lin_p - lookup)) * tokens,
+                               f"rank 0 only; forward only: the teacher and {L + 1} hybrids"))
+
+    kd = dict(cfg.get("kd") or {})
+    hy = m["hybrid"]
+    hp = hy["params"]["total"]
+    hp_mm = hp - lookup
+    if kd:
+        optim = _optim(kd, "kd")
+        s = int((kd.get("data") or {}).get("seq_len", 1024))
+        b, ckpt = int(optim["micro_batch_size"]), bool(optim.get("activation_checkpointing", False))
+        chunk = int((kd.get("kd") or {}).get("chunk_tokens", 1024))
+        tokens = int(optim["max_steps"]) * int(optim["global_batch_size"]) * s
+        by = {"teacher weights (bf16)": BF16 * T, **trained_bytes(hp, hp, gpus),
+              "activations": activation_bytes(hy["config"], hy["kinds"], b * s, ckpt) + BF16 * b * s * d,
+              "teacher trace / logits": 3 * FP32 * min(chunk, b * s) * V}
+        fl = (6.0 * hp_mm + (2.0 if ckpt else 0.0) * hp_mm
+              + 3 * forward_flops_per_token(hy["config"], hy["kinds"], 0, s) + teacher_forward_flops(shapes, T_mm, s))
+        plans.append(StagePlan("kd", gpus, b, s, tokens, by, fl * tokens, "every parameter trains"))
+
+    dpo = dict(cfg.get("dpo") or {})
+    if dpo:
+        optim = _optim(dpo, "dpo")
+        s = int((dpo.get("data") or {}).get("max_length", 1024))
+        b, ckpt = int(optim["micro_batch_size"]), bool(optim.get("activation_checkpointing", False))
+        seqs = 2 * b  # chosen and rejected
+        tokens = int(optim["max_steps"]) * int(optim["global_batch_size"]) * 2 * s
+        by = {"reference weights (bf16)": BF16 * hp, **trained_bytes(hp, hp, gpus),
+              "activations": activation_bytes(hy["config"], hy["kinds"], seqs * s, ckpt),
+              "teacher trace / logits": (BF16 + FP32 + FP32) * seqs * s * V}
+        fl = (6.0 * hp_mm + (2.0 if ckpt else 0.0) * hp_mm
+              + 3 * forward_flops_per_token(hy["config"], hy["kinds"], 0, s) + 2.0 * hp_mm)
+        plans.append(StagePlan("dpo", gpus, b, s, tokens, by, fl * tokens,
+                               "b pairs = 2b sequences padded to max_length"))
+    return plans
+
+
+# -------------------------------------------------------------------------------------------- output
+COLUMNS = ("teacher weights (bf16)", "reference weights (bf16)", "teacher weights (fp32)", "student weights (bf16)",
+           "student weights (fp32)", "gradients (bf16 + fp32 accumulator)", "master + Adam (fp32, ZeRO-1)",
+           "activations", "teacher trace / logits")
+SHORT = {"teacher weights (bf16)": "teacher", "reference weights (bf16)": "teacher",
+         "teacher weights (fp32)": "teacher", "student weights (bf16)": "weights", "student weights (fp32)": "weights",
+         "gradients (bf16 + fp32 accumulator)": "grads", "master + Adam (fp32, ZeRO-1)": "optim",
+         "activations": "activ.", "teacher trace / logits": "trace/logits"}
+
+
+def plan_rows(plans: Sequence[StagePlan], gpus: int, peak_tflops: float, mfu: float) -> List[Dict[str, Any]]:
+    rows = []
+    for p in plans:
+        gb = {SHORT[k]: 0.0 for k in COLUMNS}
+        for k, v in p.bytes.items():
+            gb[SHORT[k]] += v / GIB
+        hours = p.flops / (p.ranks * peak_tflops * 1e12 * mfu) / 3600
+        rows.append({"stage": p.name, "ranks": p.ranks, "micro_batch": p.micro_batch, "seq_len": p.seq_len,
+                     "tokens": p.tokens, **{k: round(v, 2) for k, v in gb.items()},
+                     "total_gib": round(p.total / GIB, 2), "gpu_hours": round(hours * p.ranks, 2),
+                     "wall_hours": round(hours, 2), "note": p.note})
+    return rows
+
+
+def _tokens(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(n)
+
+
+def format_plan(rows: Sequence[Dict[str, Any]], title: str, gpu_mem_gib: float) -> str:
+    heads = ["stage", "ranks", "b x s", "tokens", "teacher", "weights", "grads", "optim", "activ.", "trace/logits",
+             "total GiB", "fits", "wall h"]
+    body = [[r["stage"], str(r["ranks"]), f"{r['micro_batch']} x {r['seq_len']}", _tokens(r["tokens"]),
+             *(f"{r[k]:.2f}" for k in ("teacher", "weights", "grads", "optim", "activ.", "trace/logits",
+                                       "total_gib")),
+             "yes" if r["total_gib"] <= gpu_mem_gib else "NO", f"{r['wall_hours']:.2f}"] for r in rows]
+    w = [max(len(x[i]) for x in [heads] + body) for i in range(len(heads))]
+    fmt = lambda cells: "| " + " | ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(cells)) + " |"
+    lines = [title, fmt(heads), "|" + "|".join("-" * (x + 2) for x in w) + "|"] + [fmt(b) for b in body]
+    return "\n".join(lines)
+
+
+def load_route(path) -> Dict[str, Any]:
+    import yaml
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        cfg = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{p}: expected a mapping of route sections")
+    return cfg
+
+
+def teacher_config_for(cfg: Dict[str, Any], teacher: Optional[str]):
+    """``--teacher`` (a config.json or model directory) or else the route's ``teacher:`` directory."""
+    from hybridlm.kv_report import load_teacher_config
+    from hybridlm.teacher import resolve_teacher
+
+    spec = teacher or cfg.get("teacher")
+    if not spec:
+        raise ConfigError("--teacher: the route names no teacher; give its config.json or model directory")
+    if str(spec).startswith("asset:"):
+        spec = resolve_teacher(spec)
+    if not Path(str(spec)).expanduser().exists():
+        raise ConfigError(f"teacher {spec!r}: not found; give --teacher a config.json (configs/llama/*.json) or a "
+                          f"model directory")
+    return load_teacher_config(spec)
+
+
+def cmd_plan(args) -> Dict[str, Any]:
+    cfg = load_route(args.config)
+    teacher_cfg = teacher_config_for(cfg, args.teacher)
+    rows = plan_rows(plan_route(cfg, teacher_cfg, args.gpus), args.gpus, args.peak_tflops, args.mfu)
+    title = (f"{args.config}: {args.gpus} ranks, per-rank GiB (bf16 ZeRO-1), time at {args.mfu:.0%} of "
+             f"{args.peak_tflops:g} TFLOP/s")
+    print(format_plan(rows, title, args.gpu_mem_gib))
+    return {"config": str(args.config), "gpus": args.gpus, "stages": rows}
+
+
+def add_subcommand(sub) -> None:
+    pl = sub.add_parser("plan", help="memory per rank and GPU time of every stage of a route, before running it")
+    pl.add_argument("--config", required=True, help="route YAML (configs/upcycle/*.yaml)")
+    pl.add_argument("--gpus", type=int, default=8, help="ranks the training stages run on")
+    pl.add_argument("--teacher", default=None,
+                    help="the teacher's config.json or model directory (default: the route's teacher)")
+    pl.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory of one GPU, for the fits column")
+    pl.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU (H100 SXM: 989)")
+    pl.add_argument("--mfu", type=float, default=0.3, help="assumed fraction of the peak the stages reach")
+    pl.set_defaults(fn=cmd_plan)
