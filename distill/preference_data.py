@@ -168,10 +168,11 @@ def tokenize_pair(tokenizer, example: Union[PreferencePair, Dict[str, Any]], max
     the boundary belongs to the answer); without a chat template the tokenizer's eos is appended to each answer
     (trl adds it to non-conversational completions; templates close the turn themselves).
 
-    Truncation follows the published recipe's trl (``max_prompt_length`` + ``max_length``; trl 1.16
-    itself only has ``max_length``): a prompt longer than ``max_prompt_length`` keeps its last tokens
-    (cut from the left, so the text nearest the answer survives; a leading bos is kept), then each
-    answer is cut from the right so that prompt + answer fits ``max_length``.
+    Truncation keeps the prompt a well-formed chat turn (:func:`truncate_prompt_messages`): a prompt longer than
+    ``max_prompt_length`` tokens loses message content, never template tokens (role headers, turn markers, the
+    generation prompt): content is cut from the left of the conversation (earliest turns first, the last user
+    message's end survives) and the shortened messages are rendered through the template again. Then each answer
+    is cut from the right so that prompt + answer fits ``max_length``.
     """
     for name, v in (("max_length", max_length), ("max_prompt_length", max_prompt_length)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -180,6 +181,7 @@ def tokenize_pair(tokenizer, example: Union[PreferencePair, Dict[str, Any]], max
         raise ConfigError(f"max_prompt_length: must be smaller than max_length {max_length} "
                           f"(leave room for the answer), got {max_prompt_length}")
     pair = example if isinstance(example, PreferencePair) else normalize_record(example)
+    pair = pair._replace(prompt_messages=truncate_prompt_messages(tokenizer, pair.prompt_messages, max_prompt_length))
     texts = render_texts(tokenizer, pair)
     prompt_ids = token_ids(tokenizer, texts["prompt"])
     full = {}
@@ -188,13 +190,6 @@ def tokenize_pair(tokenizer, example: Union[PreferencePair, Dict[str, Any]], max
     n_prompt = min(common_prefix_len(prompt_ids, full["chosen"]), common_prefix_len(prompt_ids, full["rejected"]))
     prompt = prompt_ids[:n_prompt]
     answers = {k: v[n_prompt:] for k, v in full.items()}
-
-    if len(prompt) > max_prompt_length:
-        bos = getattr(tokenizer, "bos_token_id", None)
-        if bos is not None and prompt and prompt[0] == bos and max_prompt_length > 1:
-            prompt = [bos] + prompt[len(prompt) - (max_prompt_length - 1):]
-        else:
-            prompt = prompt[len(prompt) - max_prompt_length:]
     room = max_length - len(prompt)
     out: Dict[str, Any] = {"prompt_length": len(prompt)}
     for key, ans in answers.items():
@@ -202,6 +197,95 @@ def tokenize_pair(tokenizer, example: Union[PreferencePair, Dict[str, Any]], max
         out[f"{key}_input_ids"] = prompt + ans
         out[f"{key}_labels"] = [IGNORE_INDEX] * len(prompt) + ans
     return out
+
+
+def prompt_token_count(tokenizer, messages: Sequence[Dict[str, str]]) -> int:
+    """Tokens of the rendered prompt (template + contents + generation prompt)."""
+    return len(token_ids(tokenizer, render_prompt(tokenizer, messages)))
+
+
+def _cut_order(messages: Sequence[Dict[str, str]]) -> List[int]:
+    """Indices of the messages in the order their content is cut: the turns before the last user message (oldest
+    first), then the last user message, then the system message(s)."""
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    body = [i for i, m in enumerate(messages) if m["role"] != "system" and i != last_user]
+    tail = [last_user] if last_user is not None else []
+    return body + tail + [i for i, m in enumerate(messages) if m["role"] == "system"]
+
+
+def _token_starts(tokenizer, text: str) -> List[int]:
+    """The character offset in ``text`` where each of its tokens (no special tokens) starts: from the offset mapping
+    of a fast tokenizer, else by decoding growing token prefixes."""
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return [start for start, _ in enc["offset_mapping"]]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [len(tokenizer.decode(ids[:i], clean_up_tokenization_spaces=False)) for i in range(len(ids))]
+
+
+def _cut_messages(messages, order, starts, k: int) -> List[Dict[str, str]]:
+    """``messages`` with the first ``k`` content tokens of the stream ``order`` cut away (the original text from the
+    first kept token's start on), then each emptied turn before the last user message left out."""
+    out = [dict(m) for m in messages]
+    for i in order:
+        if k <= 0:
+            break
+        n = len(starts[i])
+        out[i]["content"] = out[i]["content"][starts[i][k]:] if k < n else ""
+        k -= n
+    # A turn before the last user message whose user message and replies are all empty is left out whole, so the
+    # conversation keeps its user / assistant alternation.
+    last_user = max((i for i, m in enumerate(out) if m["role"] == "user"), default=len(out))
+    keep, group = [], []
+    for i, m in enumerate(out):
+        if i < last_user and m["role"] != "system":
+            if m["role"] == "user" and group:
+                keep += group if any(x["content"] for x in group) else []
+                group = []
+            group.append(m)
+            continue
+        if group:
+            keep += group if any(x["content"] for x in group) else []
+            group = []
+        keep.append(m)
+    return keep
+
+
+def truncate_prompt_messages(tokenizer, messages: Sequence[Dict[str, str]],
+                             max_prompt_length: int) -> List[Dict[str, str]]:
+    """``messages`` shortened so that the rendered prompt has at most ``max_prompt_length`` tokens, with every
+    template token kept: the chat stays well formed (each turn's header and end marker, the generation prompt).
+
+    The rule: the fewest content tokens are removed from the left of the conversation's content stream, in this
+    order: the turns before the last user message, oldest first (a user message's content, then its replies'); then
+    the last user message's content (its end, nearest the answer, survives); the system message's content only when
+    nothing else is left. A turn whose user message and replies are all cut away is dropped whole. Each cut falls
+    at a token boundary of the content tokenized alone and keeps the original text from there on; the messages are
+    rendered through the template again and the count is checked on the re-rendered prompt. A prompt that fits is
+    returned unchanged. Raises ``ConfigError`` when the template's own tokens (every content cut away) exceed
+    ``max_prompt_length``.
+    """
+    messages = [dict(m) for m in messages]
+    if prompt_token_count(tokenizer, messages) <= max_prompt_length:
+        return messages
+    order = _cut_order(messages)
+    starts = {i: _token_starts(tokenizer, messages[i]["content"]) for i in order}
+    total = sum(len(v) for v in starts.values())
+
+    def length(k):
+        return prompt_token_count(tokenizer, _cut_messages(messages, order, starts, k))
+
+    if length(total) > max_prompt_length:
+        raise ConfigError(f"max_prompt_length: {max_prompt_length} tokens cannot hold this prompt's chat template "
+                          f"even with all message content cut ({length(total)} tokens); raise max_prompt_length")
+    lo, hi = 0, total  # length(lo) is over the limit, length(hi) is not: the smallest cut that fits
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if length(mid) <= max_prompt_length:
+            hi = mid
+        else:
+            lo = mid
+    return _cut_messages(messages, order, starts, hi)
 
 
 def collate_pairs(features: Sequence[Dict[str, Any]], pad_token_id: int) -> Dict[str, torch.Tensor]:

@@ -316,10 +316,11 @@ def test_truncation_respects_limits(tok):
     full = tokenize_pair(tok, pair, max_length=100000, max_prompt_length=99999)
     out = tokenize_pair(tok, pair, max_length=128, max_prompt_length=48)
     n = out["prompt_length"]
-    assert n == 48
-    prompt_full = full["chosen_input_ids"][:full["prompt_length"]]
-    assert out["chosen_input_ids"][0] == tok.bos_token_id  # bos kept
-    assert out["chosen_input_ids"][1:n] == prompt_full[-(n - 1):]  # the prompt's end survives (left cut)
+    assert 44 <= n <= 48  # content cut on its own tokens, the prompt re-rendered and re-tokenized
+    prompt = tok.decode(out["chosen_input_ids"][:n])
+    assert out["chosen_input_ids"][0] == tok.bos_token_id  # bos kept (the plain format's own)
+    assert prompt.startswith("<|begin_of_text|>User: ") and prompt.endswith(" word399\nAssistant:")
+    assert long_q.endswith(prompt[len("<|begin_of_text|>User: "):-len("\nAssistant:")])  # the content's end survives
     assert len(out["chosen_input_ids"]) == 128  # the long answer is cut from the right to fit
     assert out["chosen_input_ids"][n:] == full["chosen_input_ids"][full["prompt_length"]:][:128 - n]
     assert out["rejected_input_ids"][n:] == full["rejected_input_ids"][full["prompt_length"]:]  # short: kept whole
@@ -330,6 +331,8 @@ def test_truncation_respects_limits(tok):
         tokenize_pair(tok, pair, max_length=64, max_prompt_length=64)
     with pytest.raises(ConfigError, match="max_length"):
         tokenize_pair(tok, pair, max_length=0, max_prompt_length=64)
+    with pytest.raises(ConfigError, match="cannot hold this prompt's chat template"):
+        tokenize_pair(tok, pair, max_length=64, max_prompt_length=3)
 
 
 def test_chat_template_path(tok):

@@ -61,6 +61,9 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
     assert [s["stage"] for s in report["stages"]] == ["ILD (MLA student)", "ILD (Mamba2 student)", "KD-SFT", "DPO"]
     assert 0.0 <= report["stages"][-1]["dpo_heldout"]["rewards/accuracies"] <= 1.0
     assert "| after DPO |" in (out / "report.md").read_text()
+    gen = {r["model"]: r for r in report["perplexity"]}  # the CPU route config asks for 4 generation prompts
+    assert gen["teacher"]["gen_ppl_ratio"] == pytest.approx(1.0) and gen["teacher"]["gen_agree"] == 32
+    assert all(r["gen_ppl_ratio"] > 0 and 0 <= r["gen_repeat4"] <= 1 for r in gen.values())
     assert_chart(out / "report.png")
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-2000:]

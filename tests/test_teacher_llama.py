@@ -12,7 +12,7 @@ from hybridlm.config.errors import ConfigError
 from hybridlm.model import HybridForCausalLM
 from hybridlm.teacher import load_teacher
 from upcycle.init_students import init_students
-from upcycle.student import llama_shapes, mla_takes_inv_freq
+from upcycle.student import llama_shapes
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
@@ -57,8 +57,7 @@ def test_init_students_from_a_sharded_llama3_teacher(sharded_teacher, tmp_path):
         assert torch.equal(student.model.embed_tokens.weight, model.model.embed_tokens.weight)
     mla = HybridForCausalLM.from_pretrained(tmp_path / "init" / "mla_student").config.mla
     assert summary["rope"]["rope_type"] == "llama3" and summary["rope"]["pairs"] == 2
-    if mla_takes_inv_freq():
-        assert mla["rope_inv_freq"] == s["rope"]["inv_freq"][:2] and summary["rope"]["mismatched"] == 0
+    assert mla["rope_inv_freq"] == s["rope"]["inv_freq"][:2] and summary["rope"]["mismatched"] == 0
     assert json.loads((tmp_path / "init" / "init_report.json").read_text())["rope"] == summary["rope"]
 
 

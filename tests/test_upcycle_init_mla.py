@@ -9,7 +9,7 @@ from conftest import rel_err
 from hybridlm.config.errors import ConfigError
 from hybridlm.model import HybridForCausalLM
 from upcycle.init_mla import energy_rank, energy_ranks, init_mla_from_attention
-from upcycle.student import kept_inv_freq, llama_shapes, mla_takes_inv_freq, rope_mismatch, student_config
+from upcycle.student import kept_inv_freq, llama_shapes, rope_mismatch, student_config
 
 # head dim 16 at base 1e4: pair wavelengths 6.3, 20, 63, 199, ... tokens. With original_max_position_embeddings
 # 64, llama3 keeps pair 0, blends pairs 1 and 2 and divides pairs 3-7 by the factor.
@@ -140,7 +140,9 @@ def test_llama3_pairs_a_base_alone_cannot_reproduce():
     model = teacher(1, rope_scaling=SCALINGS["llama3"])
     s = llama_shapes(model.config)
     cfg = student_config(model.config, ["mla", "mla"], kv_lora_rank=64, rope_dim=16)
-    assert rope_mismatch(s, cfg.mla)["mismatched"] == (0 if mla_takes_inv_freq() else 7)
+    assert rope_mismatch(s, cfg.mla)["mismatched"] == 0
+    base_only = {k: v for k, v in cfg.mla.items() if k != "rope_inv_freq"}  # what a single base would give
+    assert rope_mismatch(s, base_only)["mismatched"] == 7
 
 
 def test_yarn_attention_scaling_goes_into_the_queries():
@@ -157,8 +159,6 @@ def test_yarn_attention_scaling_goes_into_the_queries():
     assert rel_err(student_attention(model, q_rank=64, kv_rank=64, rope_dim=0)(x), ref) < 1e-5
 
 
-@pytest.mark.skipif(not mla_takes_inv_freq(), reason="the model's MLA takes no per-pair inverse frequencies "
-                                                      "(HybridConfig.mla.rope_inv_freq)")
 @pytest.mark.parametrize("kind", sorted(SCALINGS))
 def test_frequency_matched_rope_is_exact_for_a_scaled_teacher(kind):
     """Like the unscaled case above: one kv head, full rank, every head dim rotating, positions on; the

@@ -65,8 +65,10 @@ def cmd_report(args) -> dict:
     saved = (json.loads(cfg_file.read_text()).get("report") or {}) if cfg_file.is_file() else {}
     sources = args.heldout_sources if args.heldout_sources is not None else saved.get("heldout_sources", ())
     cloze = args.cloze_items if args.cloze_items is not None else saved.get("cloze_items", 0)
+    gen = {key: getattr(args, key) if getattr(args, key) is not None else saved[key]
+           for key in ("generation_prompts", "generation_tokens") if getattr(args, key) is not None or key in saved}
     return route_report(args.route_dir, data, seq_len=args.seq_len, max_tokens=args.tokens, heldout_sources=sources,
-                        cloze_items=cloze)
+                        cloze_items=cloze, **gen)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--tokens", type=int, default=65536, help="held-out tokens to score")
     rp.add_argument("--cloze-items", type=int, default=None,
                     help="austen_cloze items to score each model on; 0: none (default: the route config's report.cloze_items)")
+    rp.add_argument("--generation-prompts", type=int, default=None,
+                    help="held-out asset:c4_demo prompts each model continues greedily, scored by the teacher; 0: none "
+                         "(default: the route config's report.generation_prompts)")
+    rp.add_argument("--generation-tokens", type=int, default=None,
+                    help="tokens of each greedy continuation (default: the route config's, else 64)")
     rp.set_defaults(fn=cmd_report)
     k = sub.add_parser("kv-report", help="KV-cache size of a hybrid against its Llama teacher, without weights")
     k.add_argument("--teacher", required=True, help="config.json, model directory, or asset:smollm2")

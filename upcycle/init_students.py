@@ -75,8 +75,7 @@ def init_students(teacher_spec, out, *, q_rank=None, kv_rank=128, energy=None, r
             if summary["rope"]["mismatched"]:
                 print(f"RoPE: {summary['rope']['mismatched']} of the {summary['rope']['pairs']} rotation pairs the MLA "
                       f"student keeps rotate at another frequency than the teacher's {s['rope']['rope_type']} RoPE "
-                      f"(max relative error {summary['rope']['max_rel_err']:.3g}): this model's MLA takes no "
-                      f"per-pair frequencies (mla.rope_inv_freq)", flush=True)
+                      f"(max relative error {summary['rope']['max_rel_err']:.3g})", flush=True)
         kv = kv_report(teacher.config, range(s["L"]) if kind == "mla" else [], ranks["kv_lora_rank"], rope_dim)
         energy_kept = info["mla"]
         summary["students"][kind] = {

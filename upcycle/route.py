@@ -79,7 +79,8 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     smart = build_dataclass(SmartConfig, cfg.get("smart") or {}, "smart")
     linear = init_cfg.linear_mixer
     report_opts = dict(cfg.get("report") or {})
-    check_known_keys("report", report_opts, ("seq_len", "max_tokens", "heldout_sources", "targets", "cloze_items"))
+    check_known_keys("report", report_opts, ("seq_len", "max_tokens", "heldout_sources", "targets", "cloze_items",
+                                             "generation_prompts", "generation_tokens", "generation_prompt_tokens"))
     ild = cfg.get("ild") or {}
     hybrid = out / "hybrid"
     stages = {

@@ -1,7 +1,8 @@
 """The route's result table (``report.json``, ``report.md``, ``report.png``): for the teacher and the hybrid after
 each stage (init only, ILD, KD, DPO), perplexity and per-token KL(teacher || model) on two held-out texts, DPO's
-held-out reward accuracy, the ``austen_cloze`` accuracy of each model (``report.cloze_items``), and the tokens and
-minutes each stage used.
+held-out reward accuracy, the ``austen_cloze`` accuracy of each model (``report.cloze_items``), generation scores of
+each model's greedy continuations of held-out prompts (``report.generation_prompts``;
+:mod:`hybridlm.eval.generation_score`), and the tokens and minutes each stage used.
 
     upcycle report --route-dir runs/smollm2_route [--data data_cache/mix-smollm2] [--tokens 65536]
 
@@ -26,6 +27,7 @@ from hybridlm.config.errors import ConfigError
 from hybridlm.data.assets import corpus_path
 from hybridlm.data.packed import heldout_windows
 from hybridlm.eval.build_tasks import austen_cloze_items
+from hybridlm.eval.generation_score import GenerationScorer, NGRAM, PROMPT_SOURCE, check_prompt_source_heldout, heldout_prompts
 from hybridlm.eval.multiple_choice import multiple_choice_accuracy
 from hybridlm.eval.perplexity import token_windows
 from hybridlm.model import HybridForCausalLM
@@ -79,9 +81,13 @@ def score(model, teacher, windows: List[torch.Tensor], batch_size: int = 4) -> D
 @torch.no_grad()
 def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 65536,
                  device: Optional[torch.device] = None, heldout_sources=(), targets=(1.25, 1.10),
-                 cloze_items: int = 0) -> Dict[str, Any]:
+                 cloze_items: int = 0, generation_prompts: int = 0, generation_tokens: int = 64,
+                 generation_prompt_tokens: int = 32) -> Dict[str, Any]:
     """Measure every model the route has written so far; write ``report.json``, ``report.md`` and ``report.png``.
-    ``cloze_items`` > 0 adds the ``austen_cloze`` accuracy (that many items) of every model."""
+    ``cloze_items`` > 0 adds the ``austen_cloze`` accuracy (that many items) of every model; ``generation_prompts``
+    > 0 adds the generation scores (``gen_ppl``, ``gen_ppl_ratio``, ``gen_repeat4``, ``gen_agree``) of greedy
+    continuations of ``generation_tokens`` tokens after that many held-out prompts of ``generation_prompt_tokens``
+    tokens (:mod:`hybridlm.eval.generation_score`)."""
 
     out = Path(route_dir)
     route_cfg = out / "route_config.json"
@@ -91,15 +97,19 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     teacher_spec = cfg.get("teacher") or "asset:smollm2"
     texts = {"a": {"name": f"{data_path} (validation split)", "windows": heldout_windows(data_path, seq_len, max_tokens)}}
-    tokenizer = load_teacher_tokenizer(teacher_spec) if heldout_sources or cloze_items else None
+    tokenizer = load_teacher_tokenizer(teacher_spec) if heldout_sources or cloze_items or generation_prompts else None
     if heldout_sources:
         if isinstance(heldout_sources, str):
             heldout_sources = [heldout_sources]
         texts["b"] = {"name": ", ".join(heldout_sources),
                       "windows": text_windows(tokenizer, heldout_sources, seq_len, max_tokens)}
     cloze = austen_cloze_items(corpus_path(), cloze_items) if cloze_items else []
+    if generation_prompts:
+        check_prompt_source_heldout(cfg)
+        prompts = heldout_prompts(tokenizer, generation_prompts, generation_prompt_tokens)
     linear = (cfg.get("init") or {}).get("linear_mixer", "mamba2")
     teacher = load_teacher(teacher_spec).to(device=device, dtype=torch.float32).eval()
+    generation = GenerationScorer(teacher, prompts, generation_tokens) if generation_prompts else None
 
     stages = [r for r in (_stage_row(out, n, lbl) for n, lbl in STAGE_DIRS) if r is not None]
     tokens_by = {r["stage"]: r.get("tokens") or 0 for r in stages}
@@ -130,6 +140,8 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
         if cloze:
             mc = multiple_choice_accuracy(model, tokenizer, cloze)
             row.update({"cloze_acc": mc["acc"], "cloze_acc_norm": mc["acc_norm"]})
+        if generation is not None:
+            row.update(generation(model))
         rows.append(row)
         print(json_text(rows[-1]), flush=True)
         if model is not teacher:
@@ -141,6 +153,10 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
               "targets": {"ppl_ratio": list(targets)}, "perplexity": rows, "stages": stages}
     if cloze:
         report["cloze"] = {"task": "austen_cloze", "items": len(cloze)}
+    if generation is not None:
+        report["generation"] = {"source": PROMPT_SOURCE, "prompts": int(prompts.shape[0]),
+                                "prompt_tokens": int(prompts.shape[1]), "new_tokens": generation_tokens,
+                                "ngram": NGRAM, "teacher_ppl": math.exp(min(generation.teacher_nll, 50.0))}
     write_json(out / "report.json", report)
     atomic_write_text(str(out / "report.md"), report_markdown(report))
     plot_report(report, out / "report.png")
@@ -150,14 +166,16 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
 
 def plot_report(report: Dict[str, Any], png: Path) -> Path:
     """Held-out perplexity (a) and (b) against tokens trained, one point per stage, with the teacher's
-    perplexity and the target ratios as lines (log scale)."""
+    perplexity and the target ratios as lines (log scale); with generation scores, a panel of ``gen_ppl_ratio``
+    against tokens trained, each point labelled with its repeated 4-gram rate and leading agreement."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = report["perplexity"]
     keys = [k for k in ("a", "b") if k in report["heldout"]]
-    fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 4.5), squeeze=False)
+    gen = report.get("generation")
+    fig, axes = plt.subplots(1, len(keys) + bool(gen), figsize=(6.5 * (len(keys) + bool(gen)), 4.5), squeeze=False)
     for ax, key in zip(axes[0], keys):
         field = "ppl" if key == "a" else f"ppl_{key}"
         teacher = next(r[field] for r in rows if r["model"] == "teacher")
@@ -180,6 +198,28 @@ def plot_report(report: Dict[str, Any], png: Path) -> Path:
         ax.set_title(f"({key}) {h['text'][:60]}: {h['tokens']:,} tokens", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    if gen:
+        ax = axes[0][len(keys)]
+        rep_key = f"gen_repeat{gen['ngram']}"
+        hybrid = [r for r in rows if r["model"] != "teacher"]
+        xs = [max(r["tokens_trained"], 1) / 1e6 for r in hybrid]
+        ax.plot(xs, [r["gen_ppl_ratio"] for r in hybrid], "o-", color="#2ca02c", label="hybrid")
+        for n, (x, r) in enumerate(zip(xs, hybrid)):
+            ax.annotate(f"{r['model'].replace('hybrid, ', '').replace('hybrid ', '')}\n{r['gen_ppl_ratio']:.3g}x, "
+                        f"rep {r[rep_key]:.2f}, agree {r['gen_agree']:.1f}", (x, r["gen_ppl_ratio"]),
+                        textcoords="offset points", xytext=(4 if n % 2 == 0 else -60, 6 if n % 2 == 0 else -22),
+                        fontsize=7)
+        teacher_rep = next(r[rep_key] for r in rows if r["model"] == "teacher")
+        ax.axhline(1.0, color="#444444", lw=1.5, label=f"teacher (ppl {gen['teacher_ppl']:.3g}, rep {teacher_rep:.2f})")
+        ax.set_yscale("log")
+        ax.set_xscale("symlog", linthresh=1.0)
+        ax.set_xlim(left=0)
+        ax.set_xlabel("tokens trained (millions; init at 0)")
+        ax.set_ylabel("teacher ppl of greedy continuation / teacher's own")
+        ax.set_title(f"generation: {gen['prompts']} prompts of {gen['source']}, {gen['new_tokens']} greedy tokens",
+                     fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, png, dpi=120)  # atomic, like the JSON and Markdown beside it
     return png
@@ -193,13 +233,27 @@ def report_markdown(report: Dict[str, Any]) -> str:
     cloze = report.get("cloze")
     if cloze:
         lines.append(f"Cloze: {cloze['task']}, {cloze['items']} items, accuracy (length-normalised in brackets).")
+    gen = report.get("generation")
+    if gen:
+        lines.append(f"Generation: greedy continuations of {gen['new_tokens']} tokens after {gen['prompts']} held-out "
+                     f"prompts ({gen['prompt_tokens']}-token prefixes of {gen['source']}); gen ppl = the teacher's "
+                     f"perplexity of the continuation, ratio = that / the teacher's perplexity of its own greedy "
+                     f"continuation ({gen['teacher_ppl']:.3f}); repeat = fraction of the continuation's "
+                     f"{gen['ngram']}-grams that occurred earlier in it; agree = mean leading tokens equal to the "
+                     f"teacher's greedy continuation.")
     cols = " | ".join(f"perplexity ({k}) | KL ({k}), nats/token" for k in keys) + (" | cloze acc" if cloze else "")
-    lines += ["", f"| model | tokens trained | {cols} |", "|---|---|" + "---|---|" * len(keys) + ("---|" if cloze else "")]
+    cols += f" | gen ppl | gen ppl ratio | repeat {gen['ngram']}-gram | agree, tokens" if gen else ""
+    lines += ["", f"| model | tokens trained | {cols} |", "|---|---|" + "---|---|" * len(keys) + ("---|" if cloze else "")
+              + ("---|---|---|---|" if gen else "")]
     for r in report["perplexity"]:
         cells = " | ".join(f"{r['ppl' if k == 'a' else 'ppl_' + k]:.2f} | {r['kl' if k == 'a' else 'kl_' + k]:.4f}"
                            for k in keys)
         if cloze:
             cells += f" | {r['cloze_acc']:.3f} ({r['cloze_acc_norm']:.3f})"
+        if gen:
+            repeat = r[f"gen_repeat{gen['ngram']}"]
+            cells += (f" | {r['gen_ppl']:.3f} | {r['gen_ppl_ratio']:.3f} | {repeat:.3f} | "
+                      f"{r['gen_agree']:.1f}")
         lines.append(f"| {r['model']} | {r['tokens_trained']:,} | {cells} |")
     lines += ["", "| stage | steps | tokens | minutes | held-out DPO reward accuracy |", "|---|---|---|---|---|"]
     for s in report["stages"]:

@@ -47,13 +47,6 @@ def pattern_for(layer_kinds: Sequence[str]) -> str:
 ROPE_INITS = ("frequency_matched", "published")
 
 
-def mla_takes_inv_freq() -> bool:
-    """Whether the model's MLA accepts per-pair inverse frequencies (``mla.rope_inv_freq``)."""
-    import dataclasses
-    from hybridlm.model.configuration import MLAArgs
-    return any(f.name == "rope_inv_freq" for f in dataclasses.fields(MLAArgs))
-
-
 def _model_inv_freq(theta: float, rope_dim: int):
     """The inverse frequencies the MLA layer computes from a base alone (hybridlm.model.layers.rope)."""
     import torch
@@ -86,8 +79,7 @@ def mla_args(s: Dict[str, Any], q_lora_rank: int, kv_lora_rank: int, rope_dim: i
     rope dims, each rotating at the frequency the teacher's attention gives it. For an unscaled teacher the
     base theta^(rope_dim / d_h) does that. A scaled teacher (``rope_scaling`` llama3, linear, yarn, ...)
     has frequencies no single base reproduces, so the layer gets them as ``rope_inv_freq`` (rope_dim / 2
-    floats) where the model's MLA accepts that field; otherwise the base stays theta^(rope_dim / d_h) and
-    :func:`rope_mismatch` counts the pairs that rotate differently. A teacher's ``attention_scaling`` is
+    floats); :func:`rope_mismatch` checks the result pair by pair. A teacher's ``attention_scaling`` is
     folded into the query weights by :func:`upcycle.init_mla.init_mla_from_attention`.
     ``published`` takes the first rope_dim rows of each head with the teacher's base: those rows get
     re-paired and re-frequencied, as in the X-EcoMLA recipe."""
@@ -100,8 +92,7 @@ def mla_args(s: Dict[str, Any], q_lora_rank: int, kv_lora_rank: int, rope_dim: i
                 rope_theta=s["theta"] ** (rope_dim / s["d_h"]) if rope_dim and rope_init == "frequency_matched"
                 else s["theta"],
                 latent_norm=False, norm_eps=s["eps"])
-    if (rope_dim and rope_init == "frequency_matched" and s["rope"]["rope_type"] != "default"
-            and mla_takes_inv_freq()):
+    if rope_dim and rope_init == "frequency_matched" and s["rope"]["rope_type"] != "default":
         args["rope_inv_freq"] = kept_inv_freq(s, rope_dim)
     return args
 
