@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, Union
 
+import numpy as np
 import torch
+from gguf import GGUFReader
 
 from hybridlm.config.errors import ConfigError, last_line, weight_load_errors
 from hybridlm.data.assets import ASSET_PREFIX, fetch_assets
@@ -181,10 +184,6 @@ def gguf_rope_scaling(gguf_path: PathLike, config) -> Union[Dict[str, Any], None
     ``.factor``. The llama3 parameters are solved from the factors (the blended pairs fix the ramp; its
     ``original_max_position_embeddings`` is the one that makes ``low_freq_factor`` 1) and kept only when
     transformers' llama3 RoPE reproduces every factor; otherwise a ConfigError names the file."""
-    import math
-
-    import numpy as np
-    from gguf import GGUFReader
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

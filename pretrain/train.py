@@ -7,12 +7,13 @@ engine (loss = chunked fused cross-entropy), the shared training loop, then expo
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -21,10 +22,14 @@ from hybridlm.data import DataConfig, PackedBatches, ensure_prepared, load_token
 from hybridlm.engine import DistInfo, Engine, OptimConfig, barrier, init_distributed, seed_everything
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.configuration import resolve_model_config
+from hybridlm.model.generate import save_tokenizer, set_generation_defaults
 from hybridlm.model.summary import model_summary
 from hybridlm.training import RunConfig, train_loop
-from hybridlm.utils.faults import kill_in, with_nan_faults
-from hybridlm.utils.atomic import atomic_directory, json_text, write_json
+from hybridlm.config.errors import ConfigError
+from hybridlm.training.lock import RunLock
+from hybridlm.utils.faults import disk_full_in, kill_in, with_nan_faults
+from hybridlm.utils.atomic import (DiskFullError, atomic_directory, disk_full_error, is_complete_directory, json_text,
+                                   write_json)
 
 
 def lm_loss(model, batch):
@@ -74,10 +79,41 @@ def build_engine(setup: PretrainingSetup) -> Engine:
                   with_nan_faults(lm_loss, setup.optim.gradient_accumulation_steps(setup.dist.world_size)))
 
 
+def check_sections(sections: Dict[str, Any]) -> Tuple[DataConfig, OptimConfig, RunConfig]:
+    """Every section of the command line and config checked, before anything else runs (an already complete
+    run included): keys and values of data / optim / run, the model settings (against the prepared data's
+    tokenizer when the data is there), the data's sources against those it was prepared from, and
+    ``run.output_dir``, which must be a directory or not exist."""
+    data_cfg = build_dataclass(DataConfig, sections["data"], "data")
+    optim = build_dataclass(OptimConfig, sections["optim"], "optim")
+    run = build_dataclass(RunConfig, sections["run"], "run")
+    data_cfg.validate("data")
+    out = Path(run.output_dir).expanduser()
+    probe = out
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise ConfigError(f"run.output_dir: {probe} is a file, expected a directory (or a path that does not "
+                          f"exist yet)" + (f" to hold {out}" if probe != out else ""))
+    data_path = Path(data_cfg.path).expanduser()
+    model = dict(sections["model"])
+    if (data_path / "meta.json").is_file():
+        if int(os.environ.get("RANK", "0")) == 0:
+            ensure_prepared(data_cfg)  # prepared already: only checks its sources are those configured
+        resolve_model_config(model, read_meta(data_path), data_path)
+    else:  # not prepared yet: the vocabulary comes from the tokenizer later; check everything else now
+        if model.get("vocab_size", "auto") == "auto":
+            model["vocab_size"] = 1 << 17
+        HybridConfig.from_user_dict(model)
+    return data_cfg, optim, run
+
+
 def completed_result(sections: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """The recorded ``result.json`` of a run that already reached ``optim.max_steps`` (and exported, when
     ``run.export``), or None: rerunning such a run must not resume at its last step, train nothing and
-    overwrite its figures with empty ones. ``run.resume: false`` always trains from scratch."""
+    overwrite its figures with empty ones. ``run.resume: false`` always trains from scratch. ``result.json`` is
+    the last file a run writes, after ``final/`` is in place with its completeness marker
+    (:func:`hybridlm.utils.atomic.is_complete_directory`); a continued run deletes it before it trains."""
     optim = build_dataclass(OptimConfig, sections["optim"], "optim")
     run = build_dataclass(RunConfig, sections["run"], "run")
     out = Path(run.output_dir)
@@ -89,7 +125,7 @@ def completed_result(sections: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         return None
     if not isinstance(result, dict) or not isinstance(result.get("steps"), int) or result["steps"] < optim.max_steps:
         return None  # stopped early (run.max_minutes) or max_steps raised since: continue it
-    if run.export and not (out / "final" / "config.json").is_file():
+    if run.export and not (is_complete_directory(out / "final") and (out / "final" / "config.json").is_file()):
         return None
     return result
 
@@ -127,7 +163,23 @@ def sample_settings(run: RunConfig, steps: int) -> str:
     return f"{how}; {steps} steps of training, expect rough text"
 
 
+_HELD: List[RunLock] = []  # the run directory's lock, held until the process ends
+
+
+def lock_run_directory(output_dir) -> None:
+    """Rank 0 takes ``output_dir``'s lock (:class:`hybridlm.training.lock.RunLock`) for the rest of the process;
+    another live process on the same directory is refused in one line naming it and its pid."""
+    if int(os.environ.get("RANK", "0")) != 0 or _HELD:
+        return
+    try:
+        _HELD.append(RunLock(Path(output_dir).expanduser()).acquire())
+    except (NotADirectoryError, FileExistsError) as e:
+        raise ConfigError(f"run.output_dir: {output_dir} cannot be a directory ({e.strerror}: {e.filename})") from None
+
+
 def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None) -> Dict[str, Any]:
+    _data_cfg, _optim, run_cfg = check_sections(sections)
+    lock_run_directory(run_cfg.output_dir)
     done = completed_result(sections)
     if done is not None:
         if int(os.environ.get("RANK", "0")) == 0:
@@ -136,6 +188,9 @@ def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None)
                   f"is kept (a new run.output_dir or a larger optim.max_steps trains again)", flush=True)
             print(json_text(done), flush=True)
         return done
+    if int(os.environ.get("RANK", "0")) == 0:  # the run goes on: its completeness marker no longer holds
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(Path(run_cfg.output_dir).expanduser() / "result.json")
     setup = prepare_pretraining(sections)
     data_cfg, optim, run, dist, meta, config = (setup.data, setup.optim, setup.run, setup.dist, setup.meta,
                                                 setup.config)
@@ -163,11 +218,31 @@ def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None)
         tokenizer = load_tokenizer(meta["tokenizer"]["path"]) if meta.get("tokenizer", {}).get("path") else None
         if run.export:
             final = out / "final"
-            with atomic_directory(final, overwrite=True) as tmp:  # complete or absent, never half-written
-                module.save_pretrained(tmp, remote_code=run.remote_code)
-                kill_in("export")  # reliability drills: a kill with the weights written, the tokenizer not
-                if tokenizer is not None:
-                    tokenizer.save_pretrained(tmp)
+            try:
+                # built aside, marked complete, then renamed into place; an earlier final/ is renamed aside first
+                # and deleted last: final/ is at every instant absent, the old export or the new one, whole
+                with atomic_directory(final, overwrite=True, marker=True,
+                                      before_commit=lambda stage: kill_in(f"export-{stage}")) as tmp:
+                    try:
+                        set_generation_defaults(module, tokenizer)  # pad, eos, greedy in the saved configs
+                        module.save_pretrained(tmp, remote_code=run.remote_code)
+                        kill_in("export")  # reliability drills: a kill with the weights written, the tokenizer not
+                        disk_full_in("export")
+                        if tokenizer is not None:
+                            save_tokenizer(tokenizer, tmp)  # pads on the left
+                    except Exception as e:  # (told apart before the partial export is removed: it holds the space)
+                        full = disk_full_error(e, final, "the export")
+                        if full is None:
+                            raise
+                        raise full from None
+            except DiskFullError:
+                raise
+            except Exception as e:
+                full = disk_full_error(e, final, "the export")
+                if full is None:
+                    raise
+                raise full from None
+            kill_in("export-done")
             result["exported_to"] = str(final)
         if run.sample_tokens and tokenizer is not None:
             result["sample"] = sample_text(module, tokenizer, run, config.eos_token_id)

@@ -1,6 +1,7 @@
 """Tests for hybridlm.engine: a real tiny LM trained through real DeepSpeed (CPU, gloo)."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -48,7 +49,7 @@ def _one_process_world():
     yield
 
 
-# ---------------------------------------------------------------------------------- helpers
+# -------------------------------------------------------------------------------- utilities
 
 
 def snapshot(engine: Engine):
@@ -506,8 +507,9 @@ def test_a_planted_pickle_is_refused_not_run(tmp_path, victim):
     assert fresh.load_checkpoint(ck) == {"data": {"epoch": 0, "position": 4}}  # the genuine one loads
     marker = tmp_path / "code_ran"
     torch.save({"state": _RunsCode(marker)}, ck / "step_1" / victim)
-    manifest = json.loads((ck / "step_1" / "manifest.json").read_text())  # a crafted folder fixes the sizes too
+    manifest = json.loads((ck / "step_1" / "manifest.json").read_text())  # a crafted folder fixes sizes and digests
     manifest["files"][victim] = (ck / "step_1" / victim).stat().st_size
+    manifest["sha256"][victim] = hashlib.sha256((ck / "step_1" / victim).read_bytes()).hexdigest()
     (ck / "step_1" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError) as e:
         fresh.load_checkpoint(ck)
@@ -553,10 +555,10 @@ def test_missing_or_corrupt_checkpoint_is_a_one_line_error(tmp_path):
         eng.load_checkpoint(ck)
     one_line(e, str(ck / "step_1"), "mp_rank_00_model_states.pt")
 
-    model_file.write_bytes(b"x" * len(data))  # right size, garbage content
+    model_file.write_bytes(b"x" * len(data))  # right size, garbage content: its sha256 differs
     with pytest.raises(CheckpointError) as e:
         eng.load_checkpoint(ck)
-    one_line(e, str(ck / "step_1"), "could not be loaded")
+    one_line(e, str(ck / "step_1"), "mp_rank_00_model_states.pt", "sha256")
 
     (ck / "step_1" / "manifest.json").unlink()  # a save that never finished
     with pytest.raises(CheckpointError) as e:
@@ -587,7 +589,7 @@ def assert_no_gloo_threads_after_shutdown(out_dir, ranks=(0, 1)):
 # bf16 on 2 CPU ranks once aborted at exit in some CI runs ("terminate called without an active exception": gloo
 # threads of a group still referenced at interpreter teardown); the worker now releases its engines and tears the
 # groups down through DeepSpeed's comm layer (hybridlm/engine/distributed.py), and each rank must have no gloo thread
-# left after shutdown_distributed() (docs/distributed_teardown.md). BENCHMARKS.md, "Default test suite", has the
+# left after shutdown_distributed() (docs/distributed_teardown.md). BENCHMARKS.md, "Test suites", has the
 # repetition counts.
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-device"])  # bf16-device: optim.step_on_device
 def test_two_rank_zero1_shards_state_and_matches_one_rank(tmp_path, precision):

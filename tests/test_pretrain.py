@@ -3,6 +3,7 @@
 Every run here is a subprocess of ``pretrain.py``; faults (SIGKILL, NaN losses) are real, injected
 through hybridlm.utils.faults.
 """
+import hashlib
 import json
 import math
 import signal
@@ -119,7 +120,9 @@ def test_resume_refuses_a_planted_pickle_with_one_error_line(tmp_path, austen_da
     subprocess.run([sys.executable, "-c", payload], check=True)
     manifest_path = out / "checkpoints" / step / "manifest.json"  # a crafted folder fixes the sizes too
     manifest = json.loads(manifest_path.read_text())
-    manifest["files"]["rng_state_rank00000.pt"] = (out / "checkpoints" / step / "rng_state_rank00000.pt").stat().st_size
+    planted = out / "checkpoints" / step / "rng_state_rank00000.pt"
+    manifest["files"]["rng_state_rank00000.pt"] = planted.stat().st_size
+    manifest["sha256"]["rng_state_rank00000.pt"] = hashlib.sha256(planted.read_bytes()).hexdigest()
     manifest_path.write_text(json.dumps(manifest))
     proc = run_pretrain(out, austen_data, "optim.max_steps=10", check=False)  # continue the run: a resume
     assert proc.returncode == 2 and not marker.exists()
@@ -228,12 +231,12 @@ def test_truncated_shard_is_named(tmp_path, austen_data):
         f.truncate(shard.stat().st_size - 7)
     proc = run_pretrain(tmp_path / "bad", data, check=False)
     assert proc.returncode == 2 and shard.name in proc.stderr.strip().splitlines()[-1]
-    # garbage of the right size: caught at the first batch that reads it, named, no traceback
+    # garbage of the right size: its sha256 is not the one meta.json records; named before training, no traceback
     shard.write_bytes(b"\xff" * (shard.stat().st_size + 7))
     proc = run_pretrain(tmp_path / "bad2", data, check=False)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-800:]
-    assert last.startswith(f"error: {shard}") and "outside the vocabulary" in last
+    assert last.startswith(f"error: {shard}") and "sha256" in last
 
 
 def test_time_budget_stops_early_with_checkpoint_and_export(tmp_path, austen_data):

@@ -19,6 +19,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from hybridlm.config.errors import ConfigError
+from upcycle.student import teacher_rope
 from upcycle.teacher_attention import attention_weights
 
 
@@ -104,7 +105,6 @@ def teacher_attention_scaling(attn) -> float:
     cfg = getattr(attn, "config", None)
     if cfg is None:
         return 1.0
-    from upcycle.student import teacher_rope
     return teacher_rope(cfg)["attention_scaling"]
 
 

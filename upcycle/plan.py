@@ -39,8 +39,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+import yaml
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.kv_report import load_teacher_config
+from hybridlm.model import HybridForCausalLM
+from hybridlm.teacher import resolve_teacher
+from upcycle.student import llama_shapes, student_config
 
 GIB = 1024 ** 3
 SSD_CHUNK = 64
@@ -69,9 +74,6 @@ def student_kinds(L: int, n_mla: int, linear: str) -> List[str]:
 def models(teacher_cfg, init: Dict[str, Any], n_mla: int) -> Dict[str, Dict[str, Any]]:
     """Parameter counts and config of the teacher, both ILD students and the composed hybrid."""
     from transformers import LlamaForCausalLM
-
-    from hybridlm.model import HybridForCausalLM
-    from upcycle.student import llama_shapes, student_config
 
     s = llama_shapes(teacher_cfg)
     L, linear = s["L"], init.get("linear_mixer", "mamba2")
@@ -303,7 +305,6 @@ def format_plan(rows: Sequence[Dict[str, Any]], title: str, gpu_mem_gib: float) 
 
 
 def load_route(path) -> Dict[str, Any]:
-    import yaml
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--config {path}: no such file")
@@ -318,9 +319,6 @@ def load_route(path) -> Dict[str, Any]:
 
 def teacher_config_for(cfg: Dict[str, Any], teacher: Optional[str]):
     """``--teacher`` (a config.json or model directory) or else the route's ``teacher:`` directory."""
-    from hybridlm.kv_report import load_teacher_config
-    from hybridlm.teacher import resolve_teacher
-
     spec = teacher or cfg.get("teacher")
     if not spec:
         raise ConfigError("--teacher: the route names no teacher; give its config.json or model directory")

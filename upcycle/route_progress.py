@@ -30,7 +30,7 @@ def _steps_saved(output_dir: str) -> int:
     """Steps a stage's resume checkpoint holds (``checkpoints/latest`` -> ``step_N``), 0 without one."""
     try:
         tag = (Path(output_dir) / "checkpoints" / "latest").read_text().strip()
-        return int(tag.rsplit("_", 1)[-1])
+        return int(tag.rsplit("_", 1)[-1].split(".")[0])  # step_N, or step_N.k for a step saved again
     except (OSError, ValueError):
         return 0
 

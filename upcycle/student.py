@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
+import torch
+
 from hybridlm.config.errors import ConfigError
 from hybridlm.model import HybridConfig
 from hybridlm.model.pattern import MIXER_SYMBOL
@@ -49,7 +51,6 @@ ROPE_INITS = ("frequency_matched", "published")
 
 def _model_inv_freq(theta: float, rope_dim: int):
     """The inverse frequencies the MLA layer computes from a base alone (hybridlm.model.layers.rope)."""
-    import torch
     return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
 
 
@@ -61,7 +62,6 @@ def kept_inv_freq(s: Dict[str, Any], rope_dim: int) -> List[float]:
 def rope_mismatch(s: Dict[str, Any], mla: Dict[str, Any], rel_tol: float = 1e-5) -> Dict[str, Any]:
     """How the student's rope pairs rotate against the teacher pairs they were taken from (``frequency_matched``):
     ``pairs`` kept, ``mismatched`` (relative frequency error above ``rel_tol``) and ``max_rel_err``."""
-    import torch
     r = mla["qk_rope_head_dim"]
     want = torch.tensor(kept_inv_freq(s, r), dtype=torch.float32)
     got = (torch.tensor(mla["rope_inv_freq"], dtype=torch.float32) if mla.get("rope_inv_freq")

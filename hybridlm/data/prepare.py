@@ -21,18 +21,23 @@ with ``seed``, so that a cap samples across the whole directory rather than its 
 Every document is tokenized without special tokens (a literal ``<|end_of_text|>`` in the text stays
 plain text) and followed by the EOS token. Documents, not tokens, are split into train / val, so no
 document straddles the two. Shards are raw little-endian ``uint16`` (vocab <= 65535) or ``uint32``
-arrays that ``np.memmap`` opens directly; ``meta.json`` records their sizes and sha256.
+arrays that ``np.memmap`` opens directly; ``meta.json`` records their sizes and sha256, and its own digest
+(:func:`meta_digest`); readers check all three.
 
 The output is built in a hidden temp dir beside ``out_dir`` and renamed into place at the end, so an
 interrupted run never leaves a directory with a ``meta.json`` that is not complete.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import json
+import multiprocessing.process
 import os
 import re
 import shutil
+import signal
 import tempfile
 import time
 import uuid
@@ -41,12 +46,18 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 from tokenizers import Tokenizer
+
+try:  # datasets' process pools come from multiprocess (a fork of multiprocessing) where it is installed
+    import multiprocess.process
+except ImportError:  # pragma: no cover
+    multiprocess = None
 from tqdm.auto import tqdm
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.data import assets
 from hybridlm.data.config import DEFAULT_SHARD_TOKENS, DataConfig, source_entries
-from hybridlm.utils.atomic import write_json
+from hybridlm.utils.atomic import json_text, write_json
+from hybridlm.utils.faults import kill_in
 
 FORMAT = "hybridlm-packed-tokens"
 FORMAT_VERSION = 1
@@ -54,6 +65,13 @@ META = "meta.json"
 SPLITS = ("train", "val")
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet")
 ALPACA_FIELDS = ("instruction", "input", "output")
+
+
+def meta_digest(meta: Dict[str, Any]) -> str:
+    """sha256 of ``meta.json``'s content without its own ``digest`` entry (keys sorted): recorded as
+    ``digest``, so that any edit of the file (a dtype, a vocabulary size, a shard's hash) is caught at load."""
+    body = {k: v for k, v in meta.items() if k not in ("digest", "path")}
+    return hashlib.sha256(json_text(body, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 # ----------------------------------------------------------------------------------------- sources
@@ -227,8 +245,75 @@ def _raw_tokenizer(tokenizer_file: str):
     return tok
 
 
+_PREPARING_PID = 0  # the process running prepare(); its forked tokenizer workers inherit it
+
+
+def _die_with_the_preparing_process() -> None:
+    """In a forked tokenizer worker: ask the kernel to SIGKILL it when the process running ``prepare`` dies
+    (``PR_SET_PDEATHSIG``), so that a killed ``prepare`` leaves no orphaned workers. Once per process."""
+    global _DEATH_SIGNAL_SET
+    if _DEATH_SIGNAL_SET or not _PREPARING_PID or os.getpid() == _PREPARING_PID:
+        return
+    _DEATH_SIGNAL_SET = True
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: nothing to ask for
+        return
+    if os.getppid() != _PREPARING_PID:  # it died before the request was made
+        os._exit(1)
+
+
+_DEATH_SIGNAL_SET = False
+
+
+@contextlib.contextmanager
+def _children_die_with_this_process():
+    """Every process that ``multiprocess`` / ``multiprocessing`` starts from here (``datasets``' tokenizer pool
+    and its manager process) first asks to be killed when this process dies
+    (:func:`_die_with_the_preparing_process`)."""
+    patched = []
+    modules = (multiprocessing.process,) if multiprocess is None else (multiprocessing.process, multiprocess.process)
+    for module in modules:
+        original = module.BaseProcess._bootstrap
+
+        def bootstrap(self, *args, _original=original, **kwargs):
+            _die_with_the_preparing_process()
+            return _original(self, *args, **kwargs)
+
+        module.BaseProcess._bootstrap = bootstrap
+        patched.append((module, original))
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            module.BaseProcess._bootstrap = original
+
+
+def _remove_abandoned_temporaries(out: Path) -> None:
+    """Delete ``.<out>.tmp-<pid>-*`` dirs of earlier prepares whose process is gone (killed part-way)."""
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+        m = re.match(rf"^\.{re.escape(out.name)}\.tmp-(\d+)-", stale.name)
+        if m and _alive(int(m.group(1))):
+            continue
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _tokenize_batch(batch: Dict[str, list], tokenizer_file: str, eos_id: int, dtype: str) -> Dict[str, list]:
     """``datasets.map`` worker: ids of each text + EOS (see ``_raw_tokenizer``)."""
+    _die_with_the_preparing_process()
+    if _PREPARING_PID:
+        kill_in("prepare", pid=_PREPARING_PID)  # reliability drills: the preparing process dies mid-tokenize
     tok = _raw_tokenizer(tokenizer_file)
     limit = np.iinfo(dtype).max
     out = []
@@ -343,7 +428,13 @@ def prepare(sources: Sequence[Any], tokenizer: str, out_dir, *, val_fraction: fl
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked workers; avoid the fork warning
     t0 = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    _remove_abandoned_temporaries(out)
+    global _PREPARING_PID
+    _PREPARING_PID = os.getpid()
+    # the temporary dir names its process, so that a later prepare can tell an abandoned one from a live one
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    children_die_with_it = _children_die_with_this_process()
+    children_die_with_it.__enter__()
     try:
         work = tmp / "_work"  # datasets' arrow cache for this run only; deleted before the rename
         was_enabled = datasets.is_progress_bar_enabled()
@@ -359,6 +450,9 @@ def prepare(sources: Sequence[Any], tokenizer: str, out_dir, *, val_fraction: fl
             except datasets.exceptions.DatasetGenerationError as e:
                 if isinstance(e.__cause__, ConfigError):  # our own message, wrapped by datasets
                     raise e.__cause__ from None
+                if type(e.__cause__).__name__ == "SchemaInferenceError":  # the generator yielded nothing
+                    raise ConfigError(f"{where}.sources: no text in {_normalized_sources(sources)} (every file is "
+                                      f"empty or whitespace only); give sources that hold text") from None
                 raise
             split_idx = _split_docs(len(docs), val_fraction, seed)
             ids = docs.map(_tokenize_batch, batched=True, batch_size=64, num_proc=min(num_proc, len(docs)),
@@ -395,6 +489,7 @@ def prepare(sources: Sequence[Any], tokenizer: str, out_dir, *, val_fraction: fl
             "sources": [dict(source=s, **c) for s, c in zip(_normalized_sources(sources), per_source)],
             "seconds": round(time.perf_counter() - t0, 2),
         }
+        meta["digest"] = meta_digest(meta)
         write_json(tmp / META, meta)
         umask = os.umask(0)
         os.umask(umask)
@@ -403,6 +498,8 @@ def prepare(sources: Sequence[Any], tokenizer: str, out_dir, *, val_fraction: fl
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        children_die_with_it.__exit__(None, None, None)
     meta["path"] = str(out)
     return meta
 

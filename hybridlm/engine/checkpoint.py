@@ -1,22 +1,26 @@
-"""Filesystem and RNG helpers for atomic, resumable checkpoints.
+"""Filesystem and RNG functions for atomic, resumable checkpoints.
 
 Layout of a save directory::
 
     <dir>/latest              one line: the tag of the newest complete checkpoint (the commit point)
-    <dir>/step_<N>/           one complete checkpoint (DeepSpeed files + our files)
-        manifest.json         written last, before the rename: every file and its size
+    <dir>/step_<N>/           one complete checkpoint (DeepSpeed files + our files); a step saved again while
+    <dir>/step_<N>.<k>/       ``step_<N>`` exists goes into a fresh ``step_<N>.<k>``
+        manifest.json         written last, before the rename: every file, its size and its sha256
         rng_state_rank<R>.pt  python / numpy / torch (and CUDA) RNG state of rank R
     <dir>/.tmp_step_<N>/      a save in progress (or left behind by a crash: removed by the next save)
 
 Loading unpickles nothing but tensors and plain data (:func:`safe_load`, also for DeepSpeed's own files), so
 a crafted checkpoint folder cannot run code at resume.
 
-A checkpoint becomes visible only by ``rename(.tmp_step_N -> step_N)`` followed by replacing
-``latest`` (write a temporary file, fsync, ``os.replace``), so a process killed at any point leaves
-``latest`` naming a complete checkpoint.
+A checkpoint becomes visible only by ``rename(.tmp_step_N -> <a name not in use>)`` followed by replacing
+``latest`` (write a temporary file, fsync, ``os.replace``); only then are older checkpoints (and an earlier
+save of the same step) deleted. A process killed at any point leaves ``latest`` naming a complete checkpoint.
+Every file's sha256 is recorded at the save and checked at the load, so a file whose bytes changed (a bad
+disk, a copy gone wrong) is refused by name instead of resuming from garbage.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -34,7 +38,7 @@ from hybridlm.utils.atomic import TMP_PREFIX, fsync_dir, write_json
 LATEST = "latest"
 MANIFEST = "manifest.json"
 TRASH_PREFIX = ".trash_"
-_STEP_RE = re.compile(r"^step_(\d+)$")
+_STEP_RE = re.compile(r"^step_(\d+)(?:\.(\d+))?$")
 
 
 class CheckpointError(ConfigError):
@@ -43,6 +47,17 @@ class CheckpointError(ConfigError):
 
 def step_tag(step: int) -> str:
     return f"step_{int(step)}"
+
+
+def free_tag(save_dir: str, step: int) -> str:
+    """``step_<step>``, or ``step_<step>.<k>`` with the smallest ``k`` not in use when that exists: a save never
+    writes over (or deletes first) a checkpoint that ``latest`` may name."""
+    tag = step_tag(step)
+    k = 0
+    while os.path.exists(os.path.join(save_dir, tag)):
+        k += 1
+        tag = f"{step_tag(step)}.{k}"
+    return tag
 
 
 def rng_file(rank: int) -> str:
@@ -86,19 +101,32 @@ def remove_tree(path: str) -> None:
 # -------------------------------------------------------------------------------- manifest / list
 
 
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def write_manifest(tag_dir: str, meta: Dict[str, Any]) -> None:
-    files = {}
+    """``manifest.json``: ``meta``, every file's size (``files``) and sha256 (``sha256``)."""
+    files, digests = {}, {}
     for dirpath, _dirnames, filenames in os.walk(tag_dir):
         for name in filenames:
             if name == MANIFEST or name.startswith(TMP_PREFIX):
                 continue
             full = os.path.join(dirpath, name)
-            files[os.path.relpath(full, tag_dir)] = os.path.getsize(full)
-    write_json(os.path.join(tag_dir, MANIFEST), {**meta, "files": files}, indent=1, sort_keys=True)
+            rel = os.path.relpath(full, tag_dir)
+            files[rel] = os.path.getsize(full)
+            digests[rel] = file_sha256(full)
+    write_json(os.path.join(tag_dir, MANIFEST), {**meta, "files": files, "sha256": digests}, indent=1,
+               sort_keys=True)
 
 
-def read_manifest(tag_dir: str) -> Dict[str, Any]:
-    """The manifest of a complete checkpoint, after checking every listed file is present and whole."""
+def read_manifest(tag_dir: str, verify: bool = True) -> Dict[str, Any]:
+    """The manifest of a complete checkpoint, after checking every listed file is present and whole: its size,
+    and (``verify``, for manifests that record it) its sha256."""
     path = os.path.join(tag_dir, MANIFEST)
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {tag_dir}: incomplete (no {MANIFEST}; the save did not finish)")
@@ -106,7 +134,10 @@ def read_manifest(tag_dir: str) -> Dict[str, Any]:
         with open(path) as f:
             manifest = json.load(f)
         files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        digests = manifest.get("sha256") or {}
+        if not isinstance(files, dict) or not isinstance(digests, dict):
+            raise TypeError("'files' and 'sha256' must be mappings")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"checkpoint {tag_dir}: unreadable {MANIFEST} ({e})") from None
     for rel, size in sorted(files.items()):
         full = os.path.join(tag_dir, rel)
@@ -116,19 +147,23 @@ def read_manifest(tag_dir: str) -> Dict[str, Any]:
             raise CheckpointError(
                 f"checkpoint {tag_dir}: file {rel} has {os.path.getsize(full)} bytes, expected {size} (truncated?)"
             )
+        if verify and rel in digests and file_sha256(full) != digests[rel]:
+            raise CheckpointError(f"checkpoint {tag_dir}: file {rel} does not match the sha256 recorded when it "
+                                  f"was saved (corrupt); resume from an older checkpoint (its step_<N> directory) "
+                                  f"or start a new run.output_dir")
     return manifest
 
 
 def list_step_dirs(save_dir: str) -> List[Tuple[int, str]]:
-    """``(step, path)`` of every ``step_<N>`` directory, oldest first."""
+    """``(step, path)`` of every ``step_<N>`` (and ``step_<N>.<k>``) directory, oldest first."""
     if not os.path.isdir(save_dir):
         return []
     out = []
     for name in os.listdir(save_dir):
         m = _STEP_RE.match(name)
         if m and os.path.isdir(os.path.join(save_dir, name)):
-            out.append((int(m.group(1)), os.path.join(save_dir, name)))
-    return sorted(out)
+            out.append((int(m.group(1)), int(m.group(2) or 0), os.path.join(save_dir, name)))
+    return [(step, path) for step, _k, path in sorted(out)]
 
 
 def read_latest(save_dir: str) -> Optional[str]:
@@ -141,6 +176,18 @@ def read_latest(save_dir: str) -> Optional[str]:
     if not tag or os.sep in tag or tag in (".", ".."):
         raise CheckpointError(f"checkpoint {path}: does not name a checkpoint tag (content {tag!r})")
     return tag
+
+
+def remove_superseded(save_dir: str, tag: str) -> List[str]:
+    """Delete every other checkpoint of ``tag``'s step (an earlier save of it). Called once ``latest`` names
+    ``tag``."""
+    removed = []
+    m = _STEP_RE.match(tag)
+    for step, path in list_step_dirs(save_dir):
+        if m and step == int(m.group(1)) and os.path.basename(path) != tag:
+            remove_tree(path)
+            removed.append(path)
+    return removed
 
 
 def prune(save_dir: str, keep_last: int, protect: str) -> List[str]:

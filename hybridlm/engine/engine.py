@@ -39,6 +39,7 @@ import dataclasses
 import logging
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -54,8 +55,8 @@ from hybridlm.engine.device_step import ScheduleAdvancedByEngine, step_on_device
 from hybridlm.engine.config import OptimConfig
 from hybridlm.engine.distributed import DistInfo, barrier, init_distributed
 from hybridlm.engine.schedule import lr_lambda_from_config
-from hybridlm.utils.atomic import TMP_PREFIX, atomic_write_text
-from hybridlm.utils.faults import kill_in
+from hybridlm.utils.atomic import TMP_PREFIX, atomic_write_text, disk_full_error
+from hybridlm.utils.faults import disk_full_in, kill_in
 from hybridlm.utils.readback import Readback, Stamp
 from hybridlm.utils.tensors import map_tensors
 
@@ -165,7 +166,7 @@ def build_param_groups(
     return groups
 
 
-# --------------------------------------------------------------------------------------- helpers
+# ------------------------------------------------------------------------------------- utilities
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
@@ -239,6 +240,24 @@ def _safe_checkpoint_engine(base):
     safe = SafeTorchCheckpointEngine.__new__(SafeTorchCheckpointEngine)
     safe.__dict__.update(base.__dict__)  # the same settings (serialization format, name)
     return safe
+
+
+_SIZE_MISMATCH = re.compile(r"size mismatch for ([\w.]+): copying a param with shape torch\.Size\((\[[^\]]*\])\) "
+                            r"from checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)")
+_KEY_MISMATCH = re.compile(r"(Missing|Unexpected) key\(s\) in state_dict: \"([^\"]+)\"")
+
+
+def _state_dict_mismatch(message: str) -> Optional[str]:
+    """The first tensor that torch's ``load_state_dict`` error names (a shape or a key the model and the
+    checkpoint disagree on), as a phrase; None for any other error."""
+    m = _SIZE_MISMATCH.search(message)
+    if m:
+        return f"tensor {m.group(1)} has shape {m.group(2)} in the checkpoint, {m.group(3)} in this model"
+    m = _KEY_MISMATCH.search(message)
+    if m:
+        where = "this model has no" if m.group(1) == "Unexpected" else "the checkpoint has no"
+        return f"{where} tensor {m.group(2)}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------- engine
@@ -350,6 +369,8 @@ class Engine:
         self.skipped_steps = 0
         self.consecutive_nonfinite = 0
         self._unread: Optional[PendingStep] = None  # step_on_device: the last step, its skip not read yet
+        self._group_decay = [g["weight_decay"] for g in groups]  # each param group's weight decay
+        self.resume_note: Optional[str] = None  # set by load_checkpoint when a setting changed since the save
 
     # ------------------------------------------------------------------------------ properties
 
@@ -531,9 +552,11 @@ class Engine:
         """Atomically save model, optimizer, scheduler, RNG and counters as ``<save_dir>/step_<step>``.
 
         Collective: every rank must call it.  The checkpoint is written into ``.tmp_step_<step>``,
-        fsynced, renamed to ``step_<step>``, and only then ``latest`` is replaced (write-temp +
-        ``os.replace``); a crash at any point leaves the previous checkpoint loadable and ``latest``
-        naming it.  ``keep_last`` (if set) prunes all but the newest ``keep_last`` checkpoints.
+        fsynced, its files' sizes and sha256 recorded in its manifest, renamed to ``step_<step>`` (or, when that
+        exists, a fresh ``step_<step>.<k>``), and only then ``latest`` is replaced (write-temp + ``os.replace``)
+        and an earlier save of the same step deleted; a crash at any point leaves ``latest`` naming a complete
+        checkpoint.  ``keep_last`` (if set) prunes all but the newest ``keep_last`` checkpoints. A full disk
+        removes the partial ``.tmp_step_<step>`` and raises :class:`~hybridlm.utils.atomic.DiskFullError`.
         ``client_state`` must be tensors and plain data (dicts, lists, numbers, strings): every file of a
         checkpoint is read back with ``weights_only=True``. It is returned by :meth:`load_checkpoint`.
         Returns the path of the new checkpoint.
@@ -543,38 +566,52 @@ class Engine:
         if keep_last is not None and keep_last < 1:
             raise ConfigError(f"keep_last: expected a positive integer, got {keep_last!r}")
         save_dir = os.path.abspath(os.fspath(save_dir))
-        tag = ckpt.step_tag(step)
-        tmp_tag = TMP_PREFIX + tag
+        tmp_tag = TMP_PREFIX + ckpt.step_tag(step)
         tmp_dir = os.path.join(save_dir, tmp_tag)
-        final_dir = os.path.join(save_dir, tag)
         rank = self.dist.rank
 
         if rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             ckpt.remove_stale_temporaries(save_dir)
         barrier()
+        # a step saved again (after a resume, or a pre-emption during its save) goes into a fresh directory:
+        # the earlier one stays loadable, and named by `latest`, until the new one is committed
+        tag = ckpt.free_tag(save_dir, step)
+        final_dir = os.path.join(save_dir, tag)
 
         state = {
             _ENGINE_STATE_KEY: self._engine_state(),
             _CLIENT_STATE_KEY: dict(client_state) if client_state is not None else {},
         }
-        self.ds_engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=state, save_latest=False)
-        rng_path = os.path.join(tmp_dir, ckpt.rng_file(rank))
-        torch.save(ckpt.get_rng_state(), rng_path)
-        kill_in("save", step)  # reliability drills: a kill with the files written, nothing committed
-        barrier()
-        if self.dist.local_rank == 0:  # one process per node: covers node-local and shared filesystems
-            ckpt.fsync_tree(tmp_dir)
-        barrier()
+        try:
+            self.ds_engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=state, save_latest=False)
+            rng_path = os.path.join(tmp_dir, ckpt.rng_file(rank))
+            torch.save(ckpt.get_rng_state(), rng_path)
+            disk_full_in("save", step)
+            kill_in("save", step)  # reliability drills: a kill with the files written, nothing committed
+            barrier()
+            if self.dist.local_rank == 0:  # one process per node: covers node-local and shared filesystems
+                ckpt.fsync_tree(tmp_dir)
+            barrier()
+            if rank == 0:
+                ckpt.write_manifest(tmp_dir, {"step": int(step), "world_size": self.dist.world_size, "tag": tag,
+                                              "precision": self.config.precision})
+                ckpt.fsync_dir(tmp_dir)
+        except Exception as e:
+            full = disk_full_error(e, tmp_dir, f"the checkpoint save of step {step}")
+            if full is None:
+                raise
+            if rank == 0:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise full from None
 
         if rank == 0:
-            ckpt.write_manifest(tmp_dir, {"step": int(step), "world_size": self.dist.world_size, "tag": tag})
-            ckpt.fsync_dir(tmp_dir)
-            if os.path.exists(final_dir):  # re-saving a step (e.g. right after a resume)
-                ckpt.remove_tree(final_dir)
-            os.rename(tmp_dir, final_dir)
+            os.rename(tmp_dir, final_dir)  # a name not in use: nothing that `latest` names is touched
             ckpt.fsync_dir(save_dir)
-            atomic_write_text(os.path.join(save_dir, ckpt.LATEST), tag + "\n")
+            kill_in("save-committed", step)
+            atomic_write_text(os.path.join(save_dir, ckpt.LATEST), tag + "\n")  # the commit point
+            kill_in("save-latest", step)
+            ckpt.remove_superseded(save_dir, tag)
             if keep_last is not None:
                 ckpt.prune(save_dir, keep_last, protect=tag)
         barrier()
@@ -593,6 +630,12 @@ class Engine:
             return parent, tag
         tag = ckpt.read_latest(path)
         if tag is None:
+            # a save killed between its rename and the first `latest`: a step directory is complete once renamed
+            # (its manifest is written before), so the newest one is where the run stands
+            complete = [p for _step, p in ckpt.list_step_dirs(path)
+                        if os.path.isfile(os.path.join(p, ckpt.MANIFEST))]
+            if complete:
+                return path, os.path.basename(complete[-1])
             if required or ckpt.list_step_dirs(path):
                 raise CheckpointError(f"checkpoint {path}: no '{ckpt.LATEST}' file naming a complete checkpoint")
             return None
@@ -676,6 +719,7 @@ class Engine:
         save_dir, tag = resolved
         tag_dir = os.path.join(save_dir, tag)
         manifest = ckpt.read_manifest(tag_dir)
+        self._check_precision(tag_dir, manifest)
         saved_ws = manifest.get("world_size")
         if isinstance(saved_ws, bool) or not isinstance(saved_ws, int) or saved_ws < 1:
             raise CheckpointError(f"checkpoint {tag_dir}: manifest has no valid world_size ({saved_ws!r})")
@@ -695,6 +739,11 @@ class Engine:
         except CheckpointError:
             raise
         except Exception as e:  # torch/pickle/DeepSpeed errors on a damaged checkpoint
+            mismatch = _state_dict_mismatch(str(e))
+            if mismatch:
+                raise CheckpointError(f"checkpoint {tag_dir}: {mismatch}; the model settings changed since the save "
+                                      f"(resume with the settings it was saved with, or start a new "
+                                      f"run.output_dir)") from None
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise CheckpointError(f"checkpoint {tag_dir}: could not be loaded ({type(e).__name__}: {msg})") from e
         if load_path is None or state is None or _ENGINE_STATE_KEY not in state:
@@ -704,5 +753,56 @@ class Engine:
         self.skipped_steps = int(es["skipped_steps"])
         self.consecutive_nonfinite = int(es["consecutive_nonfinite"])
         ckpt.set_rng_state(rng)
+        self.resume_note = self._apply_settings(es.get("optim") or {})
         barrier()
         return state.get(_CLIENT_STATE_KEY, {})
+
+    def _check_precision(self, tag_dir: str, manifest: Mapping[str, Any]) -> None:
+        """Refuse, naming the setting, a checkpoint saved with another ``optim.precision`` (its optimizer files
+        are another kind: bf16 runs save ``bf16_zero_pp_rank_*``)."""
+        saved = manifest.get("precision")
+        now = self.config.precision
+        if saved is None:  # an older manifest: the kind of its optimizer files tells bf16 from the others
+            names = manifest.get("files") or {}
+            bf16_files = any(str(n).startswith("bf16_zero_pp_rank_") for n in names)
+            if bf16_files == (now == "bf16"):
+                return
+            saved = "bf16" if bf16_files else "fp32 or bf16-mixed"
+        if saved != now:
+            raise CheckpointError(f"checkpoint {tag_dir}: saved with optim.precision={saved}, this run has "
+                                  f"optim.precision={now}; resume with optim.precision={saved}, or start a new "
+                                  f"run.output_dir")
+
+    def _apply_settings(self, saved: Mapping[str, Any]) -> Optional[str]:
+        """After a load: the learning rate of the next step from this run's schedule (``optim.lr``, ``min_lr``,
+        ``warmup_steps``, ``max_steps``) at the number of updates applied so far, and this run's ``weight_decay``,
+        ``betas`` and ``eps`` in the optimizer's groups; DeepSpeed's load put back the saved ones. The saved
+        settings and the new ones are never blended: a changed setting applies from the resume step on, and
+        the returned line says which changed (None when none did)."""
+        cfg = self.config
+        sched = self.lr_scheduler
+        groups = self.ds_engine.basic_optimizer.param_groups  # the AdamW that ZeRO steps (lr is read there)
+        applied = int(sched.last_epoch)
+        factor = lr_lambda_from_config(cfg)
+        sched.base_lrs = [cfg.lr for _ in groups]
+        lrs = [cfg.lr * factor(applied) for _ in groups]
+        for group, lr, decay in zip(groups, lrs, self._group_decay):
+            group["lr"] = lr
+            group["weight_decay"] = decay
+            group["betas"] = tuple(cfg.betas)
+            group["eps"] = cfg.eps
+        sched._last_lr = list(lrs)
+        changed = []
+        for key in ("lr", "min_lr", "warmup_steps", "max_steps", "weight_decay", "betas", "eps", "grad_clip"):
+            if key not in saved:
+                continue
+            old, new = saved[key], getattr(cfg, key)
+            if isinstance(old, (list, tuple)):
+                old, new = list(old), list(new)
+            if old != new:
+                changed.append(f"optim.{key} {old} -> {new}")
+        if not changed:
+            return None
+        return (f"resumed with changed settings: {', '.join(changed)}; the new settings apply from step "
+                f"{self.global_step + 1} on (its lr {lrs[0]:.6g}: this run's schedule at {applied} applied updates), "
+                f"the steps before it kept the old ones")

@@ -22,6 +22,8 @@ import argparse
 import itertools
 import json
 import os
+import pickle
+import re
 import sys
 import time
 from pathlib import Path
@@ -100,6 +102,11 @@ def load_model(kind: str, path: Path, gguf: Optional[str], dtype: str, device):
 
         try:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype))
+        except pickle.UnpicklingError as e:  # a pickled weights file (pytorch_model.bin) naming code to run
+            found = re.search(r"GLOBAL ([\w.]+)", str(e))
+            named = f"references {found.group(1)}" if found else "holds more than tensors"
+            raise ConfigError(f"{path}: a pickled weights file there (pytorch_model.bin) {named}; refusing to "
+                              f"unpickle it (a pickle can run code); use a model saved as safetensors") from None
         except weight_load_errors() as e:
             raise ConfigError(f"{path}: cannot be loaded as a hybrid ({last_line(str(e))})") from None
     return model.to(device).eval()

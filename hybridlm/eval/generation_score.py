@@ -28,6 +28,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import torch
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.data.record_sets import record_file
 
 PROMPT_SOURCE = "asset:c4_demo"
 NGRAM = 4
@@ -53,7 +54,6 @@ def source_prompts(tokenizer, texts: Iterable[str], n: int, prompt_tokens: int) 
 def heldout_prompts(tokenizer, n: int, prompt_tokens: int = 32) -> torch.Tensor:
     """The report's held-out prompts: :func:`source_prompts` of the documents of :data:`PROMPT_SOURCE`, in file
     order."""
-    from hybridlm.data.record_sets import record_file
     path = record_file(PROMPT_SOURCE.split(":", 1)[1])
     texts = (json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
     return source_prompts(tokenizer, texts, n, prompt_tokens)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import torch
 from tqdm.auto import tqdm
 
 from hybridlm.config.structured import Section, setting
@@ -52,6 +53,10 @@ class RunConfig(Section):
     # stop (evaluate, save, export) after this much training time, counted from the end of the first step
     # (compilation, autotuning); 0: no limit
     max_minutes: float = setting(0.0, ge=0)
+    # intra-op threads of a run on the CPU (torch.set_num_threads); 0: torch's default, one per core. A small
+    # model's ops are short: with one thread per core, another job on the machine stalls every op's join, and a
+    # step slows far past the run's share of the cores (BENCHMARKS.md, "Test suites")
+    cpu_threads: int = setting(0, ge=0)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -192,6 +197,8 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
     ``checkpoints=False`` neither resumes nor saves (benchmarks: a ZeRO checkpoint of a 1B model is tens of GB).
     ``loss_is_nll=False`` (distillation and preference losses) logs no validation perplexity.
     """
+    if run.cpu_threads and engine.device.type == "cpu":
+        torch.set_num_threads(run.cpu_threads)
     max_steps = engine.config.max_steps
     gas = engine.gradient_accumulation_steps
     main = is_main()
@@ -205,6 +212,8 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
         state.update(resumed["loop"])
         if main:
             print(f"resumed from {run.checkpoint_dir} at step {engine.global_step}", flush=True)
+            if engine.resume_note:
+                print(engine.resume_note, flush=True)
     logger = MetricsLogger(out, enabled=main, resume_step=engine.global_step, tensorboard=run.tensorboard)
     signals = ExitStack()
     # the next step's batches are made while the GPU runs this step's backward; state_dict() is that of the
@@ -233,6 +242,13 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
     bar = _progress(run.progress and main, max_steps, engine.global_step)
     say = bar.write if bar is not None else print  # a line that does not break the progress bar
     book = _StepBook(state, logger, bar, run, max_steps, on_step, say if main else None, engine.device)
+
+    def validation_line(step: int, val: Dict[str, float]) -> None:
+        """One line per validation, the last one included, with or without the progress bar."""
+        if main:
+            ppl = f"  val_ppl {val['val_ppl']:.2f}" if "val_ppl" in val else ""
+            say(f"step {step}: val_loss {val['val_loss']:.4f}{ppl}")
+
     flag = signals.enter_context(preemption_flag())
     notice = first_step_notice(engine.device) if main and engine.global_step < max_steps else None
     if notice:
@@ -254,9 +270,7 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
                 if eval_due:
                     val = evaluate(engine, val_batches, loss_is_nll)
                     logger.log(step, val)
-                    if bar is not None:
-                        ppl = f"  val_ppl {val['val_ppl']:.2f}" if "val_ppl" in val else ""
-                        bar.write(f"step {step}: val_loss {val['val_loss']:.4f}{ppl}")
+                    validation_line(step, val)
                 if save_due:  # (tokens/s counts each step's own time: evaluations and saves are not in it)
                     save()
                 kill_if_requested(step)
@@ -290,7 +304,12 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
                                      f"checkpoint saved in {run.checkpoint_dir}") from None
         if val_batches:
             val = evaluate(engine, val_batches, loss_is_nll)
-            logger.log(engine.global_step, val)
+            # resumed at the last step (e.g. after a kill in the export): its validation row is already logged
+            logged = main and any(r.get("step") == engine.global_step and "val_loss" in r
+                                  for r in read_jsonl(logger.path))
+            if not logged:
+                logger.log(engine.global_step, val)
+                validation_line(engine.global_step, val)
         save()
     finally:
         signals.close()

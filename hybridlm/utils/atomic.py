@@ -9,6 +9,7 @@ readers reject. :func:`json_text` is that encoding as a string (for printed line
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import math
@@ -21,25 +22,115 @@ from typing import Any, Callable, Optional
 TMP_PREFIX = ".tmp_"
 
 
+class DiskFullError(RuntimeError):
+    """A write failed for want of space (ENOSPC / EDQUOT); its partial files are removed (one line naming the
+    path)."""
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a write that failed for want of space, by its
+    errno or message."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def disk_full_error(exc: BaseException, path, what: str) -> Optional[DiskFullError]:
+    """A :class:`DiskFullError` naming ``path`` when ``exc`` is a full disk: :func:`is_disk_full`, or any failure
+    of a write while the filesystem where ``path`` lives has under 1 MiB free (torch's writer reports ENOSPC as
+    "basic_ios::clear: iostream error" or "unexpected pos"); else None. Call it before removing partial files."""
+    full = is_disk_full(exc)
+    if not full:
+        probe = Path(path)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        try:
+            full = shutil.disk_usage(probe).free < (1 << 20)
+        except OSError:
+            full = False
+    if not full:
+        return None
+    return DiskFullError(f"{path}: the disk is full ({what} failed: no space left on device); its partial files "
+                         f"were removed, free some space and rerun")
+
+
+COMPLETE_MARKER = ".complete"  # written last into an atomic directory: its presence means every file is there
+
+
 @contextlib.contextmanager
-def atomic_directory(final: Path, overwrite: bool = False):
-    """``with atomic_directory(out) as tmp: write into tmp`` -> ``out`` appears complete or not at all."""
+def atomic_directory(final: Path, overwrite: bool = False, *, marker: bool = False,
+                     before_commit: Optional[Callable[[str], None]] = None):
+    """``with atomic_directory(out) as tmp: write into tmp`` -> ``out`` appears complete or not at all.
+
+    The new content is built in ``.<name>.tmp-<id>`` beside ``out``, gets :data:`COMPLETE_MARKER` as its last
+    file when ``marker`` is set, is fsynced and renamed into place. An existing ``out`` (``overwrite``) is first
+    renamed aside to ``.<name>.old-<id>`` and deleted only once the new one is in place, so at every instant
+    ``out`` is either absent, the old complete directory or the new complete one. ``before_commit(stage)``, if given, is called
+    with ``"written"`` (the new content complete, nothing renamed), ``"aside"`` (the old one renamed aside,
+    the new one not yet in place) and ``"placed"`` (the new one in place, the old one not yet deleted).
+    Leftovers of a process killed part-way are cleared by the next call: ``.<name>.tmp-*`` removed, and a
+    ``.<name>.old-*`` renamed back to ``out`` when ``out`` is absent (a kill between the two renames), else
+    removed.
+    """
     final = Path(final)
     if final.exists() and not overwrite:
         raise FileExistsError(f"{final}: already exists")
     final.parent.mkdir(parents=True, exist_ok=True)
     for stale in final.parent.glob(f".{final.name}.tmp-*"):  # left by a process killed mid-write
         shutil.rmtree(stale, ignore_errors=True)
+    for stale in sorted(final.parent.glob(f".{final.name}.old-*")):
+        if not final.exists():  # killed with the old one aside and the new one not yet in place
+            os.rename(stale, final)
+        else:
+            shutil.rmtree(stale, ignore_errors=True)
+    if final.exists() and not overwrite:
+        raise FileExistsError(f"{final}: already exists")
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    hook = before_commit or (lambda stage: None)
+    old = None
     try:
         yield tmp
+        if marker:
+            (tmp / COMPLETE_MARKER).write_text("complete\n")
+        for dirpath, _dirnames, filenames in os.walk(tmp):
+            for name in filenames:
+                _fsync_path(os.path.join(dirpath, name))
+            fsync_dir(dirpath)
+        hook("written")
         if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(final, old)
+            hook("aside")
+        os.rename(tmp, final)
+        fsync_dir(str(final.parent))
+        hook("placed")
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
+        if old is not None and not final.exists():  # failed between the two renames: the old one goes back
+            os.rename(old, final)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def is_complete_directory(path) -> bool:
+    """Whether ``path`` is a directory that :func:`atomic_directory` finished (its marker present)."""
+    return (Path(path) / COMPLETE_MARKER).is_file()
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: str) -> None:

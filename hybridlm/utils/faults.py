@@ -3,19 +3,39 @@
 ``HYBRIDLM_FAULT_KILL_AT_STEP=k``      the process SIGKILLs itself right after optimizer step k
 ``HYBRIDLM_FAULT_TERM_AT_STEP=k``      the process SIGTERMs itself right after optimizer step k (a scheduler's
                                        pre-emption notice)
+``HYBRIDLM_FAULT_STOP_AT_STEP=k``      the process SIGSTOPs itself right after optimizer step k (it holds its
+                                       run directory, frozen, until it gets SIGCONT)
 ``HYBRIDLM_FAULT_NAN_AT_STEPS=a,b,c``  the loss of steps a, b, c (1-based) becomes NaN
-``HYBRIDLM_FAULT_KILL_IN=save:k``      SIGKILL in the middle of the checkpoint save of step k (its files written,
-                                       not yet committed); ``export``: in the middle of writing ``final/``
+``HYBRIDLM_FAULT_KILL_IN=point[:k]``   SIGKILL at a named instant (of the checkpoint save of step k):
+                                       ``save``            the checkpoint's files written, nothing committed
+                                       ``save-committed``  renamed into place, ``latest`` not yet naming it
+                                       ``save-latest``     ``latest`` names it, the older ones not yet deleted
+                                       ``export``          in ``final/``'s temporary folder, the weights
+                                                           written, the tokenizer not
+                                       ``export-written``  the new export complete, nothing renamed
+                                       ``export-aside``    the old ``final/`` renamed aside, the new one not
+                                                           yet in place
+                                       ``export-placed``   the new ``final/`` in place, the old not deleted
+                                       ``export-done``     ``final/`` complete, ``result.json`` not written
+                                       ``prepare``         in a tokenizer worker of ``prepare``: the preparing
+                                                           process is killed
+                                       a point without ``:k`` matches every step
+``HYBRIDLM_FAULT_DISK_FULL_IN=point[:k]``  at that instant (``save``, ``export``) a write fails with ENOSPC,
+                                       as on a full disk
 Unset (the normal case) they cost nothing.
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
+from typing import Optional
 
 
 def kill_if_requested(step: int) -> None:
-    for variable, sig in (("HYBRIDLM_FAULT_KILL_AT_STEP", signal.SIGKILL), ("HYBRIDLM_FAULT_TERM_AT_STEP", signal.SIGTERM)):
+    for variable, sig in (("HYBRIDLM_FAULT_KILL_AT_STEP", signal.SIGKILL),
+                          ("HYBRIDLM_FAULT_TERM_AT_STEP", signal.SIGTERM),
+                          ("HYBRIDLM_FAULT_STOP_AT_STEP", signal.SIGSTOP)):
         target = os.environ.get(variable)
         if target and int(target) == step:
             os.kill(os.getpid(), sig)
@@ -42,11 +62,22 @@ def with_nan_faults(loss_fn, gradient_accumulation_steps: int):
     return wrapped
 
 
-def kill_in(point: str, step: int = -1) -> None:
-    """SIGKILL this process if ``HYBRIDLM_FAULT_KILL_IN`` names ``point`` (and, as ``point:k``, ``step``)."""
-    target = os.environ.get("HYBRIDLM_FAULT_KILL_IN")
+def _matches(variable: str, point: str, step: int) -> bool:
+    target = os.environ.get(variable)
     if not target:
-        return
+        return False
     name, _, at = target.partition(":")
-    if name == point and (not at or int(at) == step):
-        os.kill(os.getpid(), signal.SIGKILL)
+    return name == point and (not at or int(at) == step)
+
+
+def kill_in(point: str, step: int = -1, pid: Optional[int] = None) -> None:
+    """SIGKILL this process (or ``pid``) if ``HYBRIDLM_FAULT_KILL_IN`` names ``point`` (and, as ``point:k``,
+    ``step``)."""
+    if _matches("HYBRIDLM_FAULT_KILL_IN", point, step):
+        os.kill(pid if pid is not None else os.getpid(), signal.SIGKILL)
+
+
+def disk_full_in(point: str, step: int = -1) -> None:
+    """Raise ``OSError(ENOSPC)`` if ``HYBRIDLM_FAULT_DISK_FULL_IN`` names ``point`` (and ``step``)."""
+    if _matches("HYBRIDLM_FAULT_DISK_FULL_IN", point, step):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
