@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable, Dict
 
 from hybridlm.config.errors import ConfigError
-from hybridlm.data import corpora, record_sets
+from hybridlm.data import corpora, record_sets, trained_tokenizers
 from hybridlm.data.assets import corpus_path, fetch_assets, resolve_tokenizer_file, tokenizer_path
 
 
@@ -21,10 +21,11 @@ def main(argv=None) -> int:
     ``stats --tokenizer PATH [--what ...]``: documents, characters and tokens of each corpus."""
     names = list(corpora.CORPORA)
     records = list(record_sets.RECORD_SETS)
+    trained = list(trained_tokenizers.TRAINED)
     ap = argparse.ArgumentParser(prog="python -m hybridlm.data", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fetch", help="fetch assets into the cache (idempotent) and print their paths")
-    f.add_argument("--what", nargs="+", choices=["tokenizer", "corpus", "corpora", "records", *names, *records],
+    f.add_argument("--what", nargs="+", choices=["tokenizer", "corpus", "corpora", "records", *trained, *names, *records],
                    default=["tokenizer", "corpus"],
                    help="corpus: the default corpus (janeausten); corpora: every corpus; records: the SFT, "
                         "preference and web-text record files (the upcycling route's data)")
@@ -45,6 +46,7 @@ def main(argv=None) -> int:
     getters: Dict[str, Callable[[], Path]] = {"tokenizer": tokenizer_path, "corpus": corpus_path}
     getters.update({n: (lambda n=n: corpora.corpus_dir(n)) for n in names})
     getters.update({n: (lambda n=n: record_sets.record_file(n)) for n in records})
+    getters.update({n: (lambda n=n: trained_tokenizers.trained_tokenizer_path(n)) for n in trained})
     return fetch_assets(getters, list(dict.fromkeys(what)), tagged=True)
 
 

