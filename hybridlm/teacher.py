@@ -34,6 +34,7 @@ from hybridlm.data.cache import AssetError, atomic_build, cache_dir
 from hybridlm.data.packages import Package, fetch_packages
 from hybridlm.utils.digest import sha256_of
 from hybridlm.utils.atomic import write_json
+from hybridlm.utils.quiet import no_transformers_bars
 
 PathLike = Union[str, os.PathLike]
 
@@ -245,7 +246,8 @@ def load_teacher(path: PathLike, dtype: torch.dtype = torch.float32):
     else:
         raise ConfigError(f"teacher {str(path)!r}: expected a transformers model directory or a .gguf file")
     try:
-        model, info = LlamaForCausalLM.from_pretrained(str(source), **kwargs)
+        with no_transformers_bars():
+            model, info = LlamaForCausalLM.from_pretrained(str(source), **kwargs)
     except weight_load_errors() as e:
         raise ConfigError(f"{p}: cannot be loaded as {LLAMA_ARCH} ({last_line(str(e))})") from None
     problems = {k: sorted(map(str, v)) for k, v in info.items()

@@ -19,6 +19,7 @@ Local tasks (``austen_cloze``) are built on first use into the asset cache
 """
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -29,6 +30,12 @@ from hybridlm.eval.build_tasks import LOCAL_TASKS, ensure_local_tasks
 
 LM_EVAL_HINT = "pip install -e '.[eval]'"
 HF_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def _no_chat_template_advice(record: logging.LogRecord) -> bool:
+    """lm_eval advises a chat template whenever the model's path names an instruct or chat model (the SmolLM2
+    teacher's does). The harness's own and local tasks score plain text; a chat template would change them."""
+    return "chat template is not applied" not in record.getMessage()
 
 
 def _import_lm_eval():
@@ -96,6 +103,8 @@ def run_harness(kind: str, path: Path, gguf: Optional[str], tasks: List[str], in
         model_args["max_length"] = max_length
     if limit is not None and float(limit).is_integer():
         limit = int(limit)
+    evaluator_log = logging.getLogger("lm_eval.evaluator")
+    evaluator_log.addFilter(_no_chat_template_advice)
     try:
         results = lm_eval.simple_evaluate(
             model="hf", model_args=model_args, tasks=tasks, num_fewshot=num_fewshot, batch_size=batch_size,
@@ -103,6 +112,8 @@ def run_harness(kind: str, path: Path, gguf: Optional[str], tasks: List[str], in
             numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"lm-eval: {type(e).__name__}: {last_line(str(e))}") from None
+    finally:
+        evaluator_log.removeFilter(_no_chat_template_advice)
     if results is None:  # non-zero ranks under accelerate launch
         return {}
     out = summarize(results)

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.utils import logging as hf_logging
 
 from hybridlm.model.cache import HybridCache, InferenceContext
 from hybridlm.model.configuration import HybridConfig, write_remote_code
@@ -28,6 +27,7 @@ from hybridlm.model.layers.conv import ShortConv
 from hybridlm.model.layers.init import init_residual_out_proj, init_short_conv, init_short_conv_uniform
 from hybridlm.model.loss import IGNORE_INDEX, linear_cross_entropy
 from hybridlm.ops.backend import residual_adds_in_norms_active, use_triton
+from hybridlm.utils.quiet import no_transformers_bars
 
 # transformers renamed the output's cache field past_key_values -> cache (5.2x); fill the one this version has
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -68,14 +68,8 @@ class HybridPreTrainedModel(PreTrainedModel):
         ``remote_code=True``, which adds ``hybrid_lm_auto.py`` and an ``auto_map``
         (:func:`~hybridlm.model.configuration.write_remote_code`: whoever loads the folder with
         ``trust_remote_code=True`` runs that file)."""
-        # transformers draws a "Writing model shards" bar even for one shard; our commit points print their own line
-        bars_were_on = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
-        try:
+        with no_transformers_bars():
             super().save_pretrained(save_directory, *args, **kwargs)
-        finally:
-            if bars_were_on:
-                hf_logging.enable_progress_bar()
         if remote_code and kwargs.get("is_main_process", True):
             write_remote_code(save_directory)
 
@@ -300,9 +294,11 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
 
 
 def _strict_from_pretrained(cls, *args, **kwargs):
-    """``from_pretrained`` that refuses missing or unexpected weights instead of silently re-initialising them."""
+    """``from_pretrained`` that refuses missing or unexpected weights instead of silently re-initialising them
+    (and draws no weight-loading bar)."""
     want_info = kwargs.pop("output_loading_info", False)
-    model, info = PreTrainedModel.from_pretrained.__func__(cls, *args, output_loading_info=True, **kwargs)
+    with no_transformers_bars():
+        model, info = PreTrainedModel.from_pretrained.__func__(cls, *args, output_loading_info=True, **kwargs)
     problems = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if problems:
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
