@@ -17,10 +17,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.layers import validate_layers
+from hybridlm.model.registry import KV, cache_of
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "llama"
 PUBLIC_TEACHERS = {"llama-3.2-1b": "llama-3.2-1b.json", "llama-3.2-3b": "llama-3.2-3b.json",
@@ -55,9 +56,16 @@ def _check_mla_layers(mla_layers: Iterable[int], L: int) -> List[int]:
     return validate_layers(mla_layers, None, L, field="mla_layers", what="teacher")
 
 
+def kv_layers(layer_kinds: Sequence[str]) -> List[int]:
+    """Indices of the layers whose mixer keeps a per-token KV cache (``cache="kv"`` in the mixer registry,
+    hybridlm/model/registry.py), of one mixer kind per teacher layer (``mla``, ``mamba2``, ...)."""
+    return [i for i, kind in enumerate(layer_kinds) if cache_of(kind) == KV]
+
+
 def kv_report(teacher_cfg, mla_layers: Iterable[int], kv_lora_rank: int, rope_dim: int,
-              bytes_per_value: int = 2) -> Dict[str, Any]:
-    """KV-cache accounting of the hybrid whose MLA layers are ``mla_layers`` (all others Mamba2).
+              bytes_per_value: int = 2, layer_kinds: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """KV-cache accounting of the hybrid whose MLA layers are ``mla_layers`` (all others Mamba2, or the kinds
+    ``layer_kinds`` names, one per teacher layer: then ``mla_layers`` must be :func:`kv_layers` of them).
 
     Returns a dict: ``num_layers``, ``mla_layers``, ``teacher_values_per_token``,
     ``hybrid_values_per_token``, ``ratio`` (hybrid / teacher), ``compression`` (teacher / hybrid; None
@@ -72,9 +80,15 @@ def kv_report(teacher_cfg, mla_layers: Iterable[int], kv_lora_rank: int, rope_di
     L = s["L"]
     mla = _check_mla_layers(mla_layers, L)
     mla_set = set(mla)
+    if layer_kinds is not None:
+        layer_kinds = list(layer_kinds)
+        if len(layer_kinds) != L or kv_layers(layer_kinds) != mla:
+            raise ConfigError(f"layer_kinds: expected {L} mixer kinds whose KV-cache layers are {mla}, "
+                              f"got {layer_kinds!r}")
     llama_layer = 2 * s["n_kv"] * s["d_h"]
     mla_layer = kv_lora_rank + rope_dim
-    per_layer = [dict(layer=i, kind="mla" if i in mla_set else "mamba2", teacher_values=llama_layer,
+    kinds = layer_kinds or ["mla" if i in mla_set else "mamba2" for i in range(L)]
+    per_layer = [dict(layer=i, kind=kinds[i], teacher_values=llama_layer,
                       hybrid_values=mla_layer if i in mla_set else 0) for i in range(L)]
     teacher = L * llama_layer
     hybrid = len(mla) * mla_layer

@@ -7,7 +7,7 @@ from typing import List, Optional, Union
 
 import torch
 
-from hybridlm.kv_report import format_kv_report, kv_report
+from hybridlm.kv_report import format_kv_report, kv_layers, kv_report
 from hybridlm.model import HybridForCausalLM
 from hybridlm.model.generate import save_tokenizer, set_generation_defaults
 from hybridlm.teacher import load_teacher, load_teacher_tokenizer
@@ -76,7 +76,7 @@ def init_students(teacher_spec, out, *, q_rank=None, kv_rank=128, energy=None, r
                 print(f"RoPE: {summary['rope']['mismatched']} of the {summary['rope']['pairs']} rotation pairs the MLA "
                       f"student keeps rotate at another frequency than the teacher's {s['rope']['rope_type']} RoPE "
                       f"(max relative error {summary['rope']['max_rel_err']:.3g})", flush=True)
-        kv = kv_report(teacher.config, range(s["L"]) if kind == "mla" else [], ranks["kv_lora_rank"], rope_dim)
+        kv = kv_report(teacher.config, kv_layers(kinds), ranks["kv_lora_rank"], rope_dim, layer_kinds=kinds)
         energy_kept = info["mla"]
         summary["students"][kind] = {
             "path": str(target), "params": sum(p.numel() for p in student.parameters()),

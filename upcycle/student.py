@@ -11,7 +11,7 @@ import torch
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.model import HybridConfig
-from hybridlm.model.pattern import MIXER_SYMBOL
+from hybridlm.model.registry import symbol_of
 
 STUDENT_KINDS = ("mla", "mamba2", "gdn", "kda")
 
@@ -43,7 +43,7 @@ def llama_shapes(cfg) -> Dict[str, Any]:
 
 
 def pattern_for(layer_kinds: Sequence[str]) -> str:
-    return "".join(("*" if k == "mla" else MIXER_SYMBOL[k]) + "-" for k in layer_kinds)
+    return "".join(symbol_of(k) + "-" for k in layer_kinds)
 
 
 ROPE_INITS = ("frequency_matched", "published")

@@ -8,6 +8,10 @@
   short convolution -- a constant size, whatever the sequence length.
 * MLP (``-``): nothing.
 
+Which entry a sublayer gets is its mixer's ``cache`` in the registry (:mod:`hybridlm.model.registry`):
+``"kv"`` a :class:`LatentCacheLayer`, ``"recurrent"`` a :class:`RecurrentCacheLayer`, None a plain
+:class:`CacheLayer` holding nothing.
+
 :class:`HybridCache` is a transformers :class:`~transformers.cache_utils.Cache`, so ``model.generate`` carries
 it between steps. :class:`InferenceContext` is what the sublayers see of one cached / padded forward.
 
@@ -35,7 +39,7 @@ from transformers.cache_utils import Cache
 
 from hybridlm.model.layers import SUBLAYERS
 from hybridlm.model.layers.rope import rope_cos_sin
-from hybridlm.model.pattern import MIXERS
+from hybridlm.model.registry import KV, RECURRENT, cache_of
 
 
 def _kept_length(length: int, crop_arg: int) -> int:
@@ -255,7 +259,7 @@ def static_shapes(config, kind: str) -> Optional[dict]:
     """Per-sequence shapes a static cache preallocates for a sublayer ``kind`` (None: nothing cached), as the
     sublayer itself reports them (``cache_shapes``), built on the meta device: no memory, no duplicated
     arithmetic. MLA: ``kv_lora_rank`` + ``rope`` per position; mixers: ``state`` and named ``conv`` shapes."""
-    if kind != "mla" and kind not in MIXERS:
+    if cache_of(kind) is None:
         return None
 
     with torch.device("meta"):
@@ -275,8 +279,8 @@ class HybridCache(Cache):
 
     def __init__(self, config, max_length: Optional[int] = None, batch_size: Optional[int] = None,
                  dtype: Optional[torch.dtype] = None, device=None):
-        layers = [LatentCacheLayer() if kind == "mla" else RecurrentCacheLayer() if kind in MIXERS else CacheLayer()
-                  for kind in config.layer_plan]
+        entry = {KV: LatentCacheLayer, RECURRENT: RecurrentCacheLayer, None: CacheLayer}
+        layers = [entry[cache_of(kind)]() for kind in config.layer_plan]
         super().__init__(layers=layers)
         self.max_length = max_length
         self.length: Optional[torch.Tensor] = None  # static: tokens cached, on the device ([1], long)

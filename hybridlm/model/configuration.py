@@ -1,7 +1,9 @@
 """``HybridConfig``: the transformers config of a hybrid stack, plus typed per-mixer arguments.
 
-Mixer settings live in nested dicts (``mla``, ``gdn``, ``kda``, ``mamba2``) so the saved ``config.json``
-stays plain JSON; :meth:`HybridConfig.mixer_args` returns them as validated dataclasses.
+Mixer settings live in nested dicts, one per registered mixer (``mla``, ``gdn``, ``kda``, ``mamba2`` and any
+mixer added with :func:`~hybridlm.model.registry.register_mixer`), so the saved ``config.json`` stays plain JSON;
+:meth:`HybridConfig.mixer_args` returns them as validated dataclasses. The built-in mixers are registered at the
+end of this module, next to their settings dataclasses.
 """
 from __future__ import annotations
 
@@ -16,7 +18,11 @@ from transformers import PretrainedConfig
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import build_dataclass, check_known_keys
-from hybridlm.model.pattern import MIXERS, parse_pattern, pattern_from_ratio
+from hybridlm.model import registry
+from hybridlm.model.layers import GatedDeltaNet, KimiDeltaAttention, Mamba2, MultiHeadLatentAttention
+from hybridlm.model.layers.init import init_residual_out_proj, init_short_conv_uniform
+from hybridlm.model.pattern import parse_pattern, pattern_from_ratio
+from hybridlm.model.registry import KV, RECURRENT, mixers, register_mixer
 from hybridlm.ops.backend import BACKENDS
 
 
@@ -118,9 +124,6 @@ class Mamba2Args:
                      "n_groups * d_state", self.n_groups * self.d_state)
 
 
-MIXER_ARGS = {"mla": MLAArgs, "gdn": DeltaRuleArgs, "kda": DeltaRuleArgs, "mamba2": Mamba2Args}
-
-
 # Remote code is opt-in. By default a saved model is plain data (config.json, weights, tokenizer): it loads after
 # `import hybridlm.model`, which registers the classes with transformers' Auto classes, and no `.py` in the folder
 # ever runs. `write_remote_code` (``save_pretrained(..., remote_code=True)``, ``run.remote_code: true``) adds a
@@ -171,10 +174,6 @@ class HybridConfig(PretrainedConfig):
         hybrid_override_pattern: Optional[str] = None,
         hybrid_attention_ratio: Optional[float] = None,
         mixer: str = "gdn",
-        mla: Optional[dict] = None,
-        gdn: Optional[dict] = None,
-        kda: Optional[dict] = None,
-        mamba2: Optional[dict] = None,
         rms_norm_eps: float = 1e-6,
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = True,
@@ -190,6 +189,8 @@ class HybridConfig(PretrainedConfig):
         pad_token_id: Optional[int] = None,
         **kwargs,
     ):
+        """Each registered mixer's settings come as a keyword named after it (``mla={...}``, ``gdn={...}``)."""
+        given_args = {spec.kind: kwargs.pop(spec.kind, None) for spec in mixers()}
         kwargs.pop("num_hidden_layers", None)  # derived, written by to_dict for HF utilities
         kwargs.pop("layer_plan", None)
         # an auto_map (written by older versions, or by the remote-code opt-in) is a property of one saved
@@ -240,15 +241,17 @@ class HybridConfig(PretrainedConfig):
         self.hybrid_attention_ratio = hybrid_attention_ratio
         self.num_layers = len(self.layer_plan)
         self._mixer_args = {}
-        for name, given in (("mla", mla), ("gdn", gdn), ("kda", kda), ("mamba2", mamba2)):
-            args = build_dataclass(MIXER_ARGS[name], given or {}, name)
+        for spec in mixers():
+            name, given = spec.kind, given_args[spec.kind]
+            args = build_dataclass(spec.args, given or {}, name)
             try:
                 args.finalize(hidden_size, name)
             except ConfigError:
                 if name in self.layer_plan:  # defaults of a mixer the stack does not use may not fit it
                     raise
             self._mixer_args[name] = args
-            setattr(self, name, dataclasses.asdict(args))
+            if spec.save_unused or given is not None or name in self.layer_plan:
+                setattr(self, name, dataclasses.asdict(args))
         super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.tie_word_embeddings = tie_word_embeddings
@@ -256,7 +259,8 @@ class HybridConfig(PretrainedConfig):
     @classmethod
     def from_user_dict(cls, values: dict, where: str = "model") -> "HybridConfig":
         """Build from a YAML model section; an unknown key is an error rather than a silent extra attribute."""
-        check_known_keys(where, values, set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"})
+        check_known_keys(where, values, (set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"})
+                         | {spec.kind for spec in mixers()})
         if values.get("hybrid_override_pattern") is None and values.get("hybrid_attention_ratio") is None:
             raise ConfigError(f"{where}.hybrid_override_pattern: missing; give a pattern such as '*-M-M-M-' "
                               "or num_layers with hybrid_attention_ratio")
@@ -279,8 +283,7 @@ class HybridConfig(PretrainedConfig):
         return self.num_layers
 
     def mixer_args(self, name: str):
-        if name not in MIXER_ARGS:
-            raise KeyError(name)
+        """The settings dataclass of mixer ``name`` (KeyError for a name no registered mixer has)."""
         return self._mixer_args[name]
 
     def to_dict(self):
@@ -291,7 +294,25 @@ class HybridConfig(PretrainedConfig):
         return out
 
 
-__all__ = ["HybridConfig", "write_remote_code", "MLAArgs", "DeltaRuleArgs", "Mamba2Args", "MIXERS"]
+__all__ = ["HybridConfig", "write_remote_code", "MLAArgs", "DeltaRuleArgs", "Mamba2Args", "register_mixer"]
+registry.RESERVED_KINDS.update(set(inspect.signature(HybridConfig.__init__).parameters) - {"self", "kwargs"})
+
+
+def _init_mamba2(module: Mamba2, config: HybridConfig) -> None:
+    """Mamba2's out_proj depth-scaled as in fla's Mamba2 (every sublayer adds to the residual stream: fla's
+    num_hidden_layers for a pure Mamba2 stack, mamba_ssm's 2 x n_layer with MLPs) and its conv at PyTorch's
+    Conv1d default as in mamba_ssm, not fla's small normal."""
+    init_residual_out_proj(module.out_proj, len(config.layer_plan))
+    init_short_conv_uniform(module.conv1d)
+
+
+# the built-in mixers; every saved config.json holds the settings of all four (save_unused)
+register_mixer("mla", symbol="*", args=MLAArgs, module=MultiHeadLatentAttention, cache=KV, linear=False,
+               save_unused=True)
+register_mixer("gdn", symbol="G", args=DeltaRuleArgs, module=GatedDeltaNet, cache=RECURRENT, save_unused=True)
+register_mixer("kda", symbol="K", args=DeltaRuleArgs, module=KimiDeltaAttention, cache=RECURRENT, save_unused=True)
+register_mixer("mamba2", symbol="S", args=Mamba2Args, module=Mamba2, cache=RECURRENT, init=_init_mamba2,
+               save_unused=True)
 
 
 def resolve_model_config(model_section: Dict[str, Any], meta: Dict[str, Any], data_path: Path) -> HybridConfig:

@@ -22,10 +22,11 @@ from hybridlm.model.cache import HybridCache, InferenceContext
 from hybridlm.model.configuration import HybridConfig, write_remote_code
 from hybridlm.model.fast_generate import fast_path_plan, say_why
 from hybridlm.model.graphs import graphed_generate, release_kept_decoder
-from hybridlm.model.layers import SUBLAYERS, Mamba2, RMSNorm
+from hybridlm.model.layers import SUBLAYERS, RMSNorm
 from hybridlm.model.layers.conv import ShortConv
-from hybridlm.model.layers.init import init_residual_out_proj, init_short_conv, init_short_conv_uniform
+from hybridlm.model.layers.init import init_short_conv
 from hybridlm.model.loss import IGNORE_INDEX, linear_cross_entropy
+from hybridlm.model.registry import mixers
 from hybridlm.ops.backend import residual_adds_in_norms_active, use_triton
 from hybridlm.utils.quiet import no_transformers_bars
 
@@ -81,8 +82,8 @@ class HybridPreTrainedModel(PreTrainedModel):
         """fla's from-scratch init (docs/initialisation.md): linears, short convs and embeddings normal(0,
         initializer_range), biases 0, norm weights 1, the mixers' A_log / dt_bias / D by their own
         ``reset_recurrent_parameters``; Mamba2's out_proj depth-scaled as in fla's Mamba2 and its conv at
-        PyTorch's Conv1d default as in mamba_ssm (transformers applies this to children before parents, so the
-        Mamba2 branch overrides the nn.Linear and ShortConv branches)."""
+        PyTorch's Conv1d default as in mamba_ssm, by its registry ``init`` (transformers applies this to children
+        before parents, so a mixer's ``init`` overrides the nn.Linear and ShortConv branches)."""
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=std)
@@ -99,12 +100,9 @@ class HybridPreTrainedModel(PreTrainedModel):
             for name in ("o_norm_weight", "norm_weight"):
                 if hasattr(module, name):
                     nn.init.ones_(getattr(module, name))
-        if isinstance(module, Mamba2):
-            # every sublayer adds to the residual stream: fla's num_hidden_layers for a pure Mamba2 stack,
-            # mamba_ssm's 2 x n_layer with MLPs
-            init_residual_out_proj(module.out_proj, len(self.config.layer_plan))
-            # its conv after the ShortConv branch above (children come first): PyTorch's default, not fla's
-            init_short_conv_uniform(module.conv1d)
+        for spec in mixers():  # a mixer's own init (the registry's ``init``) after the branches above
+            if spec.init is not None and isinstance(module, spec.module):
+                spec.init(module, self.config)
 
 
 class HybridModel(HybridPreTrainedModel):

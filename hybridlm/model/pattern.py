@@ -13,18 +13,16 @@ symbol sublayer
 ``-``  SwiGLU MLP
 ====== ===============================================================
 
-The explicit letters let one stack mix mixer types, e.g. ``*-G-S-K-``.
+The explicit letters let one stack mix mixer types, e.g. ``*-G-S-K-``. Every mixer symbol is read from the
+mixer registry (:mod:`hybridlm.model.registry`); a registered mixer brings its own letter.
 """
 from __future__ import annotations
 
 from typing import List, Optional
 
 from hybridlm.config.errors import ConfigError
-
-MIXERS = ("mamba2", "gdn", "kda")
-SYMBOLS = {"*": "mla", "-": "mlp", "G": "gdn", "K": "kda", "S": "mamba2"}
-MIXER_SYMBOL = {"gdn": "G", "kda": "K", "mamba2": "S"}
-SEQUENCE_MIXERS = ("mla", "gdn", "kda", "mamba2")
+from hybridlm.model.registry import (CONFIGURED_SYMBOL, KV, MLP_KIND, MLP_SYMBOL, cache_of, check_kind, is_mixer,
+                                     kind_of_symbol, pattern_symbols)
 
 
 def attention_positions(num_mixer_blocks: int, ratio: float) -> List[int]:
@@ -51,25 +49,27 @@ def pattern_from_ratio(num_layers: int, ratio: float) -> str:
 def parse_pattern(pattern: str, num_layers: Optional[int], mixer: str,
                   attention_ratio: Optional[float] = None) -> List[str]:
     """Validate ``pattern`` and return the layer plan, e.g. ``["mla", "mlp", "gdn", "mlp"]``."""
-    if mixer not in MIXERS:
-        raise ConfigError(f"mixer: unknown mixer {mixer!r}; expected one of {', '.join(MIXERS)}")
+    check_kind(mixer)
     if not isinstance(pattern, str) or not pattern:
         raise ConfigError("hybrid_override_pattern: must be a non-empty string such as '*-M-M-M-'")
+    plan = []
     for i, ch in enumerate(pattern):
-        if ch != "M" and ch not in SYMBOLS:
+        kind = mixer if ch == CONFIGURED_SYMBOL else MLP_KIND if ch == MLP_SYMBOL else kind_of_symbol(ch)
+        if kind is None:
             raise ConfigError(f"hybrid_override_pattern: unknown symbol {ch!r} at position {i}; "
-                              f"expected one of * M G K S - (pattern {pattern!r})")
+                              f"expected one of {pattern_symbols()} (pattern {pattern!r})")
+        plan.append(kind)
     if num_layers is not None and len(pattern) != num_layers:
         raise ConfigError(f"hybrid_override_pattern: length {len(pattern)} does not match num_layers {num_layers}")
-    plan = [mixer if ch == "M" else SYMBOLS[ch] for ch in pattern]
     if attention_ratio is not None:
-        n_seq = sum(kind in SEQUENCE_MIXERS for kind in plan)
-        n_attn = plan.count("mla")
+        n_seq = sum(is_mixer(kind) for kind in plan)
+        n_attn = sum(cache_of(kind) == KV for kind in plan)  # attention: the mixers with a per-token KV cache
         if n_seq == 0 or round(attention_ratio * n_seq) != n_attn:
             raise ConfigError(f"hybrid_attention_ratio: {attention_ratio} disagrees with hybrid_override_pattern, "
                               f"which has {n_attn} MLA of {n_seq} sequence-mixer sublayers")
-    if not any(kind in SEQUENCE_MIXERS for kind in plan):
-        raise ConfigError("hybrid_override_pattern: has no sequence mixer (*, M, G, K or S); tokens could not interact")
+    if not any(is_mixer(kind) for kind in plan):
+        raise ConfigError(f"hybrid_override_pattern: has no sequence mixer (any of {pattern_symbols()[:-2]}); "
+                          "tokens could not interact")
     return plan
 
 
@@ -77,7 +77,7 @@ def parse_pattern(pattern: str, num_layers: Optional[int], mixer: str,
 def student_kinds(cfg, who: str) -> List[str]:
     """The mixer kind of every teacher layer of a student (its plan must alternate mixer / MLP)."""
     plan = list(cfg.layer_plan)
-    if len(plan) % 2 or any(k not in SEQUENCE_MIXERS for k in plan[0::2]) or any(k != "mlp" for k in plan[1::2]):
+    if len(plan) % 2 or any(not is_mixer(k) for k in plan[0::2]) or any(k != MLP_KIND for k in plan[1::2]):
         raise ConfigError(f"{who}: pattern {cfg.hybrid_override_pattern!r} is not an upcycled student "
                           f"(expected alternating mixer / MLP sublayers, one pair per teacher layer)")
     return plan[0::2]

@@ -1,0 +1,198 @@
+"""The mixer registry (hybridlm/model/registry.py): a mixer defined in this file alone, registered with
+``register_mixer``, goes through the pattern, the config, training, save / load, the generation cache and the
+KV report like a built-in one, and leaves nothing behind once unregistered."""
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import tiny_config
+from hybridlm.config.errors import ConfigError
+from hybridlm.kv_report import kv_layers, kv_report
+from hybridlm.model import HybridConfig, HybridForCausalLM
+from hybridlm.model.cache import HybridCache, LatentCacheLayer, RecurrentCacheLayer
+from hybridlm.model.layers import SUBLAYERS
+from hybridlm.model.layers.conv import recurrent_context
+from hybridlm.model.registry import (cache_of, kind_of_symbol, linear_kinds, mixer_spec, register_mixer, symbol_of,
+                                     unregister_mixer)
+
+DECAY_BIAS = 2.0  # sigmoid(2) ~ 0.88: the recurrence starts out averaging over ~8 tokens
+
+
+@dataclass
+class GatedAverageArgs:
+    width: Optional[int] = None  # default hidden_size
+
+    def finalize(self, hidden: int, where: str) -> None:
+        self.width = self.width or hidden
+        if not isinstance(self.width, int) or self.width <= 0:
+            raise ConfigError(f"{where}.width: must be a positive integer, got {self.width!r}")
+
+
+class GatedAverage(nn.Module):
+    """A gated moving average: ``h_t = a_t h_{t-1} + (1 - a_t) v_t`` per channel, ``a_t = sigmoid(W_a x_t + b)``
+    (``b``: ``decay_bias``, set by the registry's ``init``), output ``W_o (h_t * silu(W_g x_t))``; the cache holds
+    ``h`` (a recurrent state of ``width`` floats)."""
+
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__()
+        a = config.mixer_args("gatedavg")
+        self.layer_idx, self.width = layer_idx, a.width
+        d = config.hidden_size
+        self.in_proj = nn.Linear(d, 3 * a.width, bias=False)
+        self.decay_bias = nn.Parameter(torch.zeros(a.width))
+        self.out_proj = nn.Linear(a.width, d, bias=False)
+
+    def cache_shapes(self) -> dict:
+        return {"state": (self.width,), "conv": {}}
+
+    def forward(self, hidden: torch.Tensor, ctx=None) -> torch.Tensor:
+        cache, hidden = recurrent_context(ctx, self.layer_idx, hidden)
+        B, T, _ = hidden.shape
+        a, v, g = self.in_proj(hidden).float().chunk(3, dim=-1)
+        a = torch.sigmoid(a + self.decay_bias.float())
+        u = (1 - a) * v
+        if ctx is not None and ctx.key_mask is not None:  # padding leaves the state as it is
+            keep = ctx.key_mask[:, -T:].unsqueeze(-1)
+            a, u = torch.where(keep, a, torch.ones_like(a)), torch.where(keep, u, torch.zeros_like(u))
+        h = hidden.new_zeros(B, self.width, dtype=torch.float32)
+        if cache is not None and cache.state is not None:
+            h = cache.state
+        out = []
+        for t in range(T):
+            h = a[:, t] * h + u[:, t]
+            out.append(h)
+        if cache is not None:
+            cache.advance(h, T)
+        y = torch.stack(out, dim=1) * F.silu(g)
+        return self.out_proj(y.to(hidden.dtype))
+
+
+def init_gated_average(module: GatedAverage, config) -> None:
+    with torch.no_grad():
+        module.decay_bias.fill_(DECAY_BIAS)
+
+
+@pytest.fixture
+def gated_average():
+    spec = register_mixer("gatedavg", symbol="X", args=GatedAverageArgs, module=GatedAverage, cache="recurrent",
+                          init=init_gated_average)
+    try:
+        yield spec
+    finally:
+        unregister_mixer("gatedavg")
+
+
+def config(pattern="*-X-", **overrides):
+    return tiny_config(pattern, vocab_size=64, hidden_size=32, intermediate_size=64,
+                       mla=dict(num_heads=2, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                v_head_dim=16, rope_theta=10000.0),
+                       gdn=dict(num_heads=2), kda=dict(num_heads=2),
+                       mamba2=dict(d_state=8, head_dim=16, n_groups=2, expand=2), **overrides)
+
+
+def test_builtin_entries():
+    assert {k: kind_of_symbol(s) for k, s in (("mla", "*"), ("gdn", "G"), ("kda", "K"), ("mamba2", "S"))} == \
+        {"mla": "mla", "gdn": "gdn", "kda": "kda", "mamba2": "mamba2"}
+    assert symbol_of("mla") == "*" and symbol_of("mlp") == "-"
+    assert sorted(linear_kinds()) == ["gdn", "kda", "mamba2"]
+    assert cache_of("mla") == "kv" and cache_of("gdn") == cache_of("mamba2") == "recurrent" and cache_of("mlp") is None
+    assert list(SUBLAYERS) == ["mla", "gdn", "kda", "mamba2", "mlp"]
+
+
+def test_registration_is_checked(gated_average):
+    with pytest.raises(ValueError, match="already registered"):
+        register_mixer("gatedavg", symbol="Y", args=GatedAverageArgs, module=GatedAverage, cache=None)
+    with pytest.raises(ValueError, match="already stands for 'gdn'"):
+        register_mixer("other", symbol="G", args=GatedAverageArgs, module=GatedAverage, cache=None)
+    for kind in ("mlp", "hidden_size", "Gla"):
+        with pytest.raises(ValueError, match="lower-case identifier"):
+            register_mixer(kind, symbol="Y", args=GatedAverageArgs, module=GatedAverage, cache=None)
+    for symbol in ("M", "-", "YY"):
+        with pytest.raises(ValueError, match="one character"):
+            register_mixer("other", symbol=symbol, args=GatedAverageArgs, module=GatedAverage, cache=None)
+    with pytest.raises(ValueError, match="cache"):
+        register_mixer("other", symbol="Y", args=GatedAverageArgs, module=GatedAverage, cache="paged")
+    with pytest.raises(TypeError, match="dataclass"):
+        register_mixer("other", symbol="Y", args=dict, module=GatedAverage, cache=None)
+
+
+def test_decorator_form():
+    @register_mixer("decorated", symbol="Z", args=GatedAverageArgs, cache=None)
+    class Decorated(GatedAverage):
+        pass
+    try:
+        assert mixer_spec("decorated").module is Decorated and kind_of_symbol("Z") == "decorated"
+    finally:
+        unregister_mixer("decorated")
+    assert kind_of_symbol("Z") is None
+
+
+def test_pattern_config_and_cache_read_the_registry(gated_average):
+    cfg = config("*-X-M-", mixer="gatedavg", gatedavg=dict(width=24))
+    assert cfg.layer_plan == ["mla", "mlp", "gatedavg", "mlp", "gatedavg", "mlp"]
+    assert cfg.mixer_args("gatedavg").width == 24 and cfg.to_dict()["gatedavg"] == {"width": 24}
+    assert HybridConfig(**cfg.to_dict()).to_dict() == cfg.to_dict()
+    with pytest.raises(ConfigError, match=r"^gatedavg\.width: must be a positive integer"):
+        config(gatedavg=dict(width=-1))
+    # a stack that does not use the new mixer saves exactly what it saved before it was registered
+    assert "gatedavg" not in config("*-G-").to_dict()
+    cache = HybridCache(cfg)
+    assert [type(l) for l in cache.layers[::2]] == [LatentCacheLayer, RecurrentCacheLayer, RecurrentCacheLayer]
+    static = HybridCache(cfg, max_length=8, batch_size=2)
+    assert static.layers[2].state.shape == (2, 24)
+    assert kv_layers(["mla", "gatedavg", "mla"]) == [0, 2]
+    teacher = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    rep = kv_report(teacher, [0, 2], 8, 8, layer_kinds=["mla", "gatedavg", "mla"])
+    assert [r["kind"] for r in rep["per_layer"]] == ["mla", "gatedavg", "mla"]
+    assert rep["hybrid_values_per_token"] == 2 * 16
+
+
+def test_train_save_load_generate(gated_average, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = HybridForCausalLM(config("X-*-X-"))
+    assert torch.all(model.model.layers[0].mixer.decay_bias == DECAY_BIAS)  # the registry's init ran
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, 64, (4, 24))
+    losses = []
+    for _ in range(12):
+        loss = model(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.3, losses
+    model.eval()
+    prompt = ids[:2, :6]
+    with torch.no_grad():  # the cached forward agrees with the full recompute
+        full = model(ids[:2, :10]).logits
+        out = model(prompt, use_cache=True)
+        step = model(ids[:2, 6:10], cache=out.cache).logits
+    torch.testing.assert_close(step, full[:, 6:10], atol=1e-5, rtol=1e-5)
+    before = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["hybrid_override_pattern"] == "X-*-X-" and saved["gatedavg"] == {"width": 32}
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded.model.layers[0].mixer, GatedAverage)
+    after = loaded.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert before.shape == (2, 11) and torch.equal(before, after)
+
+
+def test_unregistered_mixer_is_unknown(gated_average):
+    unregister_mixer("gatedavg")
+    try:
+        with pytest.raises(ConfigError, match="unknown symbol 'X'"):
+            config("*-X-")
+        with pytest.raises(ConfigError, match="unknown mixer 'gatedavg'"):
+            config("*-M-", mixer="gatedavg")
+        with pytest.raises(ConfigError, match="unknown key"):
+            HybridConfig.from_user_dict(dict(hybrid_override_pattern="*-G-", gatedavg={}))
+    finally:  # the fixture unregisters it again
+        register_mixer("gatedavg", symbol="X", args=GatedAverageArgs, module=GatedAverage, cache="recurrent")
