@@ -260,3 +260,30 @@ def test_errors_are_one_line(gqa, exact, tmp_path):
         errors = [l for l in lines if l.startswith("error:")]  # (transformers may draw loading bars above it)
         assert rc == 2 and errors == [lines[-1]] and lines[-1].startswith(needle), (argv, lines)
     assert not (tmp_path / "a").exists()
+
+
+def test_smart_on_two_ranks_measures_what_one_rank_does(gqa, data_dir, tmp_path):
+    """`upcycle smart` under a launcher: each rank measures its share of the batches (0 and 2 on rank 0, 1 on rank
+    1), the KL sums are added over the ranks, rank 0 alone writes the report; the same sensitivities as one rank."""
+    import socket
+    common = ["smart", "--teacher", str(gqa["teacher"]), "--mla-student", str(gqa["mla"]), "--mamba-student",
+              str(gqa["mamba"]), "--data-path", str(data_dir), "--seq-len", str(SEQ_LEN), "--batches", "3",
+              "--batch-size", "2", "--n-mla", "2", "--device", "cpu"]
+    p = _parser()
+    args = p.parse_args([*common, "--out", str(tmp_path / "one")])
+    one = args.fn(args)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+                          "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "upcycle.cli", *common,
+                          "--out", str(tmp_path / "two")], cwd=REPO, env=subprocess_env(OMP_NUM_THREADS="1"),
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "smart_report.json").read_text())
+    assert two["chosen"] == one["chosen"]
+    assert two["kl_all"] == pytest.approx(one["kl_all"], rel=1e-9)
+    assert [r["kl"] for r in two["layers"]] == pytest.approx(one["kl"], rel=1e-9)
+    run = json.loads((tmp_path / "two" / "smart_run.json").read_text())
+    assert run["data"]["tokens"] == 3 * 2 * SEQ_LEN
+    assert res.stdout.count("chosen MLA layers") == 1  # rank 0 alone reports

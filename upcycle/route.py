@@ -122,10 +122,12 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
 
     smart_dir = out / "smart"
     progress.start("smart")
-    if dist.rank == 0 and not (smart_dir / "smart_report.json").is_file():
+    # every rank measures its share of the calibration batches; rank 0 writes the report only after the ranks'
+    # sums are added, so each rank has looked for a finished report before any can be written
+    if not (smart_dir / "smart_report.json").is_file():
         run_smart(teacher, out / "ild_mla" / "final", out / f"ild_{linear}" / "final", ild_data,
                   n_mla=smart.n_mla, layers=smart.layers, out_dir=smart_dir, batches=smart.batches,
-                  batch_size=smart.batch_size)
+                  batch_size=smart.batch_size, dist=dist)
     barrier()
     chosen, _ = layers_from_report(smart_dir)
     summary["smart"] = {"mla_layers": chosen}

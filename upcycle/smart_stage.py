@@ -32,6 +32,7 @@ CLI (wired into ``upcycle`` by :func:`add_subcommands`)::
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import sys
@@ -46,6 +47,7 @@ from distill.kd_loss import final_hidden, kl_sum
 from hybridlm.config.errors import ConfigError
 from hybridlm.model.configuration import REMOTE_CODE_HELP
 from hybridlm.data import DataConfig, PackedTokens, ensure_prepared, load_tokenizer, read_meta, validation_batches
+from hybridlm.engine import all_reduce_sum, barrier, init_distributed
 from hybridlm.kv_report import kv_report
 from hybridlm.teacher import check_tokenizer_matches, load_teacher, load_teacher_tokenizer, resolve_teacher
 from hybridlm.utils.atomic import write_json
@@ -130,13 +132,16 @@ def _check_pair(mla_student, mamba_student) -> int:
 
 @torch.no_grad()
 def layer_sensitivities(teacher, mla_student, mamba_student, batches: Iterable,
-                        log: Optional[Callable[[str], None]] = None) -> Tuple[float, List[float]]:
+                        log: Optional[Callable[[str], None]] = None,
+                        shard: Tuple[int, int] = (0, 1)) -> Tuple[float, List[float]]:
     """``(KL_all, [KL_i for every layer i])`` in nats/token over the calibration ``batches``.
 
     ``KL_all`` is KL(teacher || mamba_student); ``KL_i`` the same with decoder layer ``i`` swapped in from
     ``mla_student`` (equal to the KL of ``compose_hybrid(mla_student, mamba_student, [i])``). The teacher
     runs once per batch; the prefix up to layer ``i`` is shared. ``batches``: dicts with ``input_ids`` or
-    ``[batch, seq]`` LongTensors. ``log`` gets one progress line per batch."""
+    ``[batch, seq]`` LongTensors. ``log`` gets one progress line per batch. ``shard = (rank, world_size)``:
+    this rank measures batches ``rank, rank + world_size, ...`` and the sums are added over the ranks (batches,
+    not layers, are split: every layer's KL shares the batch's all-Mamba2 prefix)."""
     L = _check_pair(mla_student, mamba_student)
     if teacher.config.vocab_size != mamba_student.config.vocab_size:
         raise ConfigError(f"teacher: vocabulary {teacher.config.vocab_size} vs the students' "
@@ -145,7 +150,10 @@ def layer_sensitivities(teacher, mla_student, mamba_student, batches: Iterable,
     blocks = mamba_student.model.layers
     kl_all, kl_i, n_tok, n_batch = 0.0, [0.0] * L, 0, 0
     t0 = time.perf_counter()
-    for batch in batches:
+    rank, world_size = shard
+    for b, batch in enumerate(batches):
+        if b % world_size != rank:
+            continue
         ids = _ids(batch)
         t_rows = teacher_hidden(teacher, ids, dev)
         h = mamba_student.model.embed_tokens(ids.to(dev))  # = the MLA student's (checked equal)
@@ -163,6 +171,8 @@ def layer_sensitivities(teacher, mla_student, mamba_student, batches: Iterable,
             dt = time.perf_counter() - t0
             log(f"smart: batch {n_batch}: {n_tok} tokens, {dt:.1f}s ({n_tok / max(dt, 1e-9):.0f} tok/s), "
                 f"KL_all so far {kl_all / n_tok:.4f}")
+    if world_size > 1:
+        kl_all, *kl_i, n_tok = all_reduce_sum([kl_all, *kl_i, n_tok])
     if n_tok == 0:
         raise ConfigError("batches: no calibration tokens")
     return kl_all / n_tok, [k / n_tok for k in kl_i]
@@ -212,7 +222,7 @@ class SmartConfig:
 def run_smart(teacher, mla_dir: PathLike, mamba_dir: PathLike, data_cfg, n_mla: Optional[int] = None,
               out_dir: PathLike = "runs/smart", layers: Optional[Sequence[int]] = None, *, batches: int = 8,
               batch_size: int = 4, split: str = "val", device: Optional[str] = None, teacher_tokenizer=None,
-              verbose: bool = True) -> Dict[str, Any]:
+              verbose: bool = True, dist=None) -> Dict[str, Any]:
     """Sensitivities on the calibration data, the layer choice and the report in ``out_dir``.
 
     ``teacher``: a path / ``asset:`` spec, or a loaded ``LlamaForCausalLM`` (its tokenizer then comes from
@@ -220,9 +230,13 @@ def run_smart(teacher, mla_dir: PathLike, mamba_dir: PathLike, data_cfg, n_mla: 
     (packed; ``tokenizer: teacher`` means the teacher's). Exactly one of ``n_mla`` (selection rule) or
     ``layers`` (explicit, still measured and reported). The KV report uses the MLA student's ``r_kv`` and
     ``d_rope``. Returns a dict with ``kl_all``, ``kl``, ``sensitivity``, ``chosen``, ``kv``, ``paths``...
+    ``dist`` (:class:`hybridlm.engine.DistInfo`): every rank of the job measures its share of the batches on its
+    own device (the data is prepared on rank 0 first); rank 0 selects, logs and writes the report.
     """
 
     t_start = time.perf_counter()
+    rank, world_size = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    verbose = verbose and rank == 0
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if verbose else None
     L, linear = check_students(load_student_config(mla_dir, "mla student"),
                                load_student_config(mamba_dir, "mamba student"))
@@ -235,6 +249,10 @@ def run_smart(teacher, mla_dir: PathLike, mamba_dir: PathLike, data_cfg, n_mla: 
         if teacher_tokenizer is None and not teacher_path:
             raise ConfigError("teacher: a loaded model needs teacher_tokenizer (it has no name_or_path)")
     tok = teacher_tokenizer or load_teacher_tokenizer(teacher_path)
+    if world_size > 1:  # preparing is not collective: rank 0 prepares when the data is missing, the others wait
+        if rank == 0:
+            calibration_batches(copy.deepcopy(data_cfg), tok, teacher_path, batches, batch_size, split)
+        barrier()
     calib = calibration_batches(data_cfg, tok, teacher_path, batches, batch_size, split)  # before any weights
     if say is not None and (len(calib) < batches or calib[0]["input_ids"].shape[0] < batch_size):
         say(f"smart: the {split} split holds only {len(calib)} batch(es) of {calib[0]['input_ids'].shape[0]} "
@@ -245,18 +263,21 @@ def run_smart(teacher, mla_dir: PathLike, mamba_dir: PathLike, data_cfg, n_mla: 
         raise ConfigError(f"teacher: {model.config.num_hidden_layers} layers, the students {L}")
     mla = load_student(mla_dir, "mla student")
     mamba = load_student(mamba_dir, "mamba student")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = torch.device(device) if device else (dist.device if dist is not None else
+                                               torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(dev).eval()
     mla.to(dev)
     mamba.to(dev)
 
     t0 = time.perf_counter()
-    kl_all, kl = layer_sensitivities(model, mla, mamba, calib, log=say)
+    kl_all, kl = layer_sensitivities(model, mla, mamba, calib, log=say, shard=(rank, world_size))
     seconds = time.perf_counter() - t0
     sens = sensitivities(kl_all, kl)
     chosen = select_layers(sens, n_mla, layers=explicit, num_layers=L)
     r_kv, d_rope = mla.config.mla["kv_lora_rank"], mla.config.mla["qk_rope_head_dim"]
     kv = kv_report(model.config, chosen, r_kv, d_rope)
+    if rank != 0:
+        return {"kl_all": kl_all, "kl": kl, "sensitivity": sens, "chosen": chosen, "kv": kv}
     out = Path(out_dir).expanduser()
     paths = smart_report.write_smart_report(out, kl_all, kl, chosen, kv)
     n_tokens = sum(b["input_ids"].numel() for b in calib)
@@ -310,9 +331,11 @@ def cmd_smart(args) -> Dict[str, Any]:
     layers = parse_layers(args.layers) if args.layers is not None else None
     data_cfg = DataConfig(path=args.data_path, seq_len=args.seq_len, sources=list(args.data_source or []),
                           tokenizer="teacher", text_field=args.text_field)
+    # under a launcher (torch.distributed.run, deepspeed) every rank measures its share of the batches
+    dist = init_distributed() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     return run_smart(args.teacher, args.mla_student, args.mamba_student, data_cfg, n_mla=args.n_mla,
                      out_dir=args.out, layers=layers, batches=args.batches, batch_size=args.batch_size,
-                     split=args.split, device=args.device)
+                     split=args.split, device=args.device, dist=dist)
 
 
 def cmd_compose(args) -> Dict[str, Any]:
