@@ -11,6 +11,7 @@ import torch
 from hybridlm.data.sampler import ShuffledBatches
 from hybridlm.engine import Engine, NonFiniteLossError, init_distributed
 from hybridlm.training import RunConfig, train_loop
+from hybridlm.training.loop import _StepPipeline
 from hybridlm.utils.readback import Readback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,6 +106,55 @@ def test_the_loop_reads_each_step_after_launching_the_next(tmp_path):
         assert r["step_seconds"] > 0 and r["tokens_per_s"] == pytest.approx(2 * (W.SEQ - 1) / r["step_seconds"])
     assert out.steps == 7 and out.tokens == 7 * 2 * (W.SEQ - 1) and math.isfinite(out.final_loss)
     assert out.final_loss == [r for r in logged if "loss" in r][-1]["loss"]
+
+
+def test_the_step_pipeline_reads_the_step_before_during_a_launch_and_again_after_a_failed_read():
+    """``_StepPipeline``: a launch reads the pending step while the new one's backward runs (after asking for the
+    next batches), ``settle()`` reads it at once, and a read that raises leaves the step pending."""
+    events, fail = [], {2}
+
+    class Pending:
+        def __init__(self, step):
+            self.step = step
+
+    class FakeEngine:
+        gradient_accumulation_steps = 3
+
+        def __init__(self):
+            self.step = 0
+
+        def launch_step(self, micro, before_optimizer_step):
+            self.step += 1
+            events.append(f"T{self.step}")
+            before_optimizer_step()
+            return Pending(self.step)
+
+    class Batches:
+        def request(self, n):
+            events.append(f"Q{n}")
+
+    class Book:
+        def settle(self, pending):
+            if pending.step in fail:
+                fail.discard(pending.step)
+                raise NonFiniteLossError(f"step {pending.step}")
+            events.append(f"R{pending.step}")
+
+    steps = _StepPipeline(FakeEngine(), Batches(), Book())
+    steps.settle()  # nothing pending: nothing read
+    assert not steps.pending
+    assert steps.launch([{}] * 3) == 1 and steps.pending
+    steps.settle()
+    assert not steps.pending
+    assert steps.launch([]) == 2
+    with pytest.raises(NonFiniteLossError):
+        steps.launch([])  # step 3's launch reads step 2, which raises
+    assert steps.pending
+    steps.settle()  # step 2 read again
+    assert not steps.pending
+    assert steps.launch([]) == 4 and steps.launch([]) == 5 and steps.pending
+    steps.settle()
+    assert events == ["T1", "Q3", "R1", "T2", "Q3", "T3", "Q3", "R2", "T4", "Q3", "T5", "Q3", "R4", "R5"], events
 
 
 @pytest.mark.parametrize("on_device", [False, True], ids=["deepspeed_step", "step_on_device"])

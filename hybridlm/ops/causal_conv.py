@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridlm.ops.gradient_slots import GradientSlot, gradient_into
-from hybridlm.ops.triton_launch import autotuned, interpreting, next_power_of_2
+from hybridlm.ops.triton_launch import autotuned, interpreting, load_triton, next_power_of_2
 
 BT = 64  # rows of time per tile (fixed: the partial-gradient buffers are sized by it)
 # time tiles per program of the backward's pass 1, whose fp32 weight-gradient partials (one row per program) are
@@ -54,8 +54,7 @@ def pass1_tiles(D: int, NT: int) -> int:
     return max(1, min(tiles, NT))
 
 
-# bound on first use (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
-tl = None
+tl = None  # triton.language, bound by load_triton(globals()) on first use (hybridlm/ops/triton_launch.py)
 _JITTED = None
 _KERNELS = None
 
@@ -248,10 +247,9 @@ def _causal_conv_bwd_input_kernel(da, w, dx, T, s_dab, s_dat, s_dxb, s_dxt,
 def _jitted():
     """``(forward, backward pass 1, backward pass 2)`` as ``triton.jit`` functions, jitted once (with the functions
     they call); the autotuners over them are rebuilt when the configurations offered change."""
-    global _JITTED, tl, _tap_sum, _tap_rows, _segment_rows, _head_rstd
+    global _JITTED, _tap_sum, _tap_rows, _segment_rows, _head_rstd
     if _JITTED is None:
-        import triton
-        import triton.language as tl  # noqa: F811 -- binds the module global the kernels' source names
+        triton = load_triton(globals())
         _tap_sum, _tap_rows, _segment_rows, _head_rstd = (triton.jit(f) for f in (_tap_sum, _tap_rows, _segment_rows,
                                                                                    _head_rstd))
         _JITTED = tuple(triton.jit(k) for k in (_causal_conv_fwd_kernel, _causal_conv_bwd_weight_kernel,
@@ -267,7 +265,7 @@ def _kernels():
     if _KERNELS is None:
         kernels = list(_jitted())
         if not interpreting():  # the interpreter runs one configuration
-            import triton
+            triton = load_triton()
             configs = [triton.Config({"BD": bd}, num_warps=nw) for bd in (32, 64, 128, 256) for nw in (4, 8)]
             # pass 1 holds [BR, WP, BD] fp32 accumulators: wide channel blocks would spill, and many rows at a time
             # leave few warps an SM (128 channels only where a head of 128 must be one block)

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from hybridlm.ops.triton_launch import interpreting
+from hybridlm.ops.triton_launch import interpreting, load_triton
 
-tl = None  # bound on first use (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
+tl = None  # triton.language, bound by load_triton(globals()) on first use (hybridlm/ops/triton_launch.py)
 _KERNEL = None
 # columns per sweep step and warps (not autotuned: the kernel writes over its input, so the autotuner's repeated
 # runs would need a copy of the chunk, GiBs at the training shapes); benchmarks/kernel_bench.py sweeps them.
@@ -77,10 +77,9 @@ def _cross_entropy_kernel(logits, target, losses, scale, V, s_row, IGNORE: tl.co
 
 
 def _kernel():
-    global _KERNEL, tl
+    global _KERNEL
     if _KERNEL is None:
-        import triton
-        import triton.language as tl  # noqa: F811 -- binds the module global the kernel's source names
+        triton = load_triton(globals())
         _KERNEL = triton.jit(_cross_entropy_kernel)
     return _KERNEL
 

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from hybridlm.ops.gradient_slots import GradientSlot, gradient_into
-from hybridlm.ops.triton_launch import autotuned, interpreting, persistent_programs, rows_view
+from hybridlm.ops.triton_launch import autotuned, interpreting, load_triton, persistent_programs, rows_view
 
-tl = None  # bound on first use (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
+tl = None  # triton.language, bound by load_triton(globals()) on first use (hybridlm/ops/triton_launch.py)
 _KERNELS = None
 PROGRAMS_PER_SM = 4  # the backward's persistent programs over all groups (each writes fp32 partials)
 
@@ -144,16 +144,15 @@ def _kernels(group_size: int):
     """``(forward, backward)``, jitted (and autotuned over rows per block and warps, on a GPU) on first use, per
     group size: a block holds ``BR x group_size`` elements, 256 to 8,192 of them (GDN's groups of 64 want more
     rows per block than Mamba2's 256)."""
-    global _KERNELS, tl, _tile
+    global _KERNELS, _tile
     if _KERNELS is None:
-        import triton
-        import triton.language as tl  # noqa: F811 -- binds the module global the kernels' source names
+        triton = load_triton(globals())
         _tile = triton.jit(_tile)
         _KERNELS = {"jit": [triton.jit(k) for k in (_gated_norm_fwd_kernel, _gated_norm_bwd_kernel)]}
     if interpreting():  # the interpreter runs one configuration
         return _KERNELS["jit"]
     if group_size not in _KERNELS:
-        import triton
+        triton = load_triton()
         rows = [br for br in (1, 2, 4, 8, 16, 32) if 256 <= br * group_size <= 8192] or [1]
         configs = [triton.Config({"BR": br}, num_warps=nw) for br in rows for nw in (2, 4, 8)]
         _KERNELS[group_size] = [autotuned(k, configs, ["NG", "HD", "GS", "WS", "NORM_FIRST", "HAS_SKIP"])

@@ -27,8 +27,9 @@ from typing import Optional
 
 import torch
 
-# bound on the first use (triton is imported lazily, as in hybridlm/ops/mamba2_step.py)
-tl = None
+from hybridlm.ops.triton_launch import load_triton
+
+tl = None  # triton.language, bound by load_triton(globals()) on first use (hybridlm/ops/triton_launch.py)
 _KERNELS = None
 
 BLOCK_KEYS = 64          # keys per inner iteration
@@ -130,10 +131,9 @@ def _combine_kernel(o_part, ml_part, out, s_ob, s_os, s_om, s_lb, s_ls, s_yb, s_
 
 
 def _kernels():
-    global tl, _KERNELS
+    global _KERNELS
     if _KERNELS is None:
-        import triton
-        import triton.language as tl  # noqa: F811 -- binds the module global the kernels' source names
+        triton = load_triton(globals())
         _KERNELS = (triton.jit(_partials_kernel), triton.jit(_combine_kernel))
     return _KERNELS
 

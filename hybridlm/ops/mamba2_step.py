@@ -49,9 +49,9 @@ import torch
 from hybridlm.ops.chunked_recurrence import gated_recurrence_with_state
 from hybridlm.ops.elementwise import gated_rms_norm, short_conv_with_state
 from hybridlm.ops.mamba2_inputs import ssd_inputs
+from hybridlm.ops.triton_launch import load_triton
 
-# bound on the first use of the kernel (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
-tl = None
+tl = None  # triton.language, bound by load_triton(globals()) on first use (hybridlm/ops/triton_launch.py)
 _KERNEL = None
 
 
@@ -215,10 +215,9 @@ def _mamba2_step_kernel(
 
 def _kernel():
     """The jitted kernel, built on first use."""
-    global _KERNEL, tl, _conv_silu
+    global _KERNEL, _conv_silu
     if _KERNEL is None:
-        import triton
-        import triton.language as tl  # noqa: F811 -- binds the module global the kernel's source names
+        triton = load_triton(globals())
         _conv_silu = triton.jit(_conv_silu)
         _KERNEL = triton.jit(_mamba2_step_kernel)
     return _KERNEL

@@ -23,9 +23,9 @@ from typing import Optional
 
 import torch
 
-from hybridlm.ops.triton_launch import autotuned, interpreting, next_power_of_2, persistent_programs
+from hybridlm.ops.triton_launch import autotuned, interpreting, load_triton, next_power_of_2, persistent_programs
 
-tl = None  # bound on first use (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
+tl = None  # triton.language, bound by load_triton(globals()) on first use (hybridlm/ops/triton_launch.py)
 _KERNELS = None
 PROGRAMS_PER_SM = 4  # the backward's persistent programs (each writes one fp32 row of weight-gradient partials)
 
@@ -86,10 +86,9 @@ def _rms_norm_bwd_kernel(s, w, rstd, dy, ds, dx, dw, R, D: tl.constexpr, BD: tl.
 
 def _kernels():
     """``(forward, backward)``, jitted (and autotuned over rows per block and warps, on a GPU) on first use."""
-    global _KERNELS, tl
+    global _KERNELS
     if _KERNELS is None:
-        import triton
-        import triton.language as tl  # noqa: F811 -- binds the module global the kernels' source names
+        triton = load_triton(globals())
         kernels = [triton.jit(k) for k in (_rms_norm_fwd_kernel, _rms_norm_bwd_kernel)]
         if not interpreting():  # the interpreter runs one configuration
             configs = [triton.Config({"BR": br}, num_warps=nw) for br in (1, 2, 4, 8, 16) for nw in (4, 8)]

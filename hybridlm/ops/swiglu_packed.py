@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridlm.ops.triton_launch import autotuned, interpreting, rows_view
+from hybridlm.ops.triton_launch import autotuned, interpreting, load_triton, rows_view
 
-tl = None  # bound on first use (triton is imported lazily, as fla is: hybridlm/ops/backend.py)
+tl = None  # triton.language, bound by load_triton(globals()) on first use (hybridlm/ops/triton_launch.py)
 _KERNELS = None
 
 
@@ -53,10 +53,9 @@ def _swiglu_packed_bwd_kernel(y, dz, dy, R, s_y, s_dz, s_dy, F_: tl.constexpr, B
 
 def _kernels():
     """``(forward, backward)``, jitted (and autotuned over the tile, on a GPU) on first use."""
-    global _KERNELS, tl, _gate_and_up
+    global _KERNELS, _gate_and_up
     if _KERNELS is None:
-        import triton
-        import triton.language as tl  # noqa: F811 -- binds the module global the kernels' source names
+        triton = load_triton(globals())
         _gate_and_up = triton.jit(_gate_and_up)
         kernels = [triton.jit(k) for k in (_swiglu_packed_fwd_kernel, _swiglu_packed_bwd_kernel)]
         if not interpreting():  # the interpreter runs one configuration

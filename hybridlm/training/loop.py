@@ -185,6 +185,41 @@ class _StepBook:
         return res
 
 
+class _StepPipeline:
+    """The optimizer steps in flight: at most one launched whose results are not read yet, and the
+    :class:`_StepBook` that takes them when read. :meth:`launch` reads the step before while the new step's
+    backward runs (so the host launches the next forward at once after the optimizer step); :meth:`settle` reads
+    the pending step now, for what needs its results first (the first step, an evaluation, a checkpoint, a stop,
+    the loop's end)."""
+
+    def __init__(self, engine: Engine, batches: Prefetcher, book: _StepBook):
+        self.engine, self.batches, self.book = engine, batches, book
+        self._pending: Optional[PendingStep] = None  # launched, its results not read yet
+
+    @property
+    def pending(self) -> bool:
+        """Whether a launched step's results are not read yet."""
+        return self._pending is not None
+
+    def launch(self, micro: List[Dict[str, Any]]) -> int:
+        """Launch an optimizer step over the micro-batches ``micro``; returns its step number."""
+        self._pending = self.engine.launch_step(micro, before_optimizer_step=self._while_the_backward_runs)
+        return self._pending.step
+
+    def settle(self) -> None:
+        """Read the pending step's results into the book, if a step is pending. A read that raises (a non-finite
+        loss counted when read) leaves the step pending, to be read again."""
+        if self._pending is not None:
+            self.book.settle(self._pending)
+            self._pending = None
+
+    def _while_the_backward_runs(self) -> None:
+        """Host work done once a step's backward is launched, while DeepSpeed's norm check waits for the GPU:
+        ask for the next batches, and read the step before (done long since)."""
+        self.batches.request(self.engine.gradient_accumulation_steps)
+        self.settle()
+
+
 def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Sequence[Dict[str, Any]] = (),
                client_state: Optional[Dict[str, Any]] = None, title: str = "",
                on_step: Optional[Callable[[StepResult], None]] = None,
@@ -220,18 +255,6 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
     # batches taken (hybridlm/data/prefetch.py)
     batches = signals.enter_context(Prefetcher(train_batches, pin_memory=engine.device.type == "cuda"))
 
-    pending: Optional[PendingStep] = None  # launched, its results not read yet
-
-    def while_the_backward_runs():
-        """Host work done once a step's backward is launched, while DeepSpeed's norm check waits for the GPU:
-        ask for the next batches, and read the step before (done long since), so that after the optimizer step
-        the host launches the next forward at once."""
-        nonlocal pending
-        batches.request(gas)
-        if pending is not None:
-            book.settle(pending)
-            pending = None
-
     def save():
         if not checkpoints:
             return
@@ -242,6 +265,7 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
     bar = _progress(run.progress and main, max_steps, engine.global_step)
     say = bar.write if bar is not None else print  # a line that does not break the progress bar
     book = _StepBook(state, logger, bar, run, max_steps, on_step, say if main else None, engine.device)
+    steps = _StepPipeline(engine, batches, book)
 
     def validation_line(step: int, val: Dict[str, float]) -> None:
         """One line per validation, the last one included, with or without the progress bar."""
@@ -258,15 +282,12 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
         try:
             while engine.global_step < max_steps:
                 micro = [next(batches) for _ in range(gas)]
-                pending = engine.launch_step(micro, before_optimizer_step=while_the_backward_runs)
-                # (the step before was read while this one's backward ran)
-                step = pending.step
+                step = steps.launch(micro)  # (the step before is read while this one's backward runs)
                 eval_due = bool(val_batches and run.eval_interval and step % run.eval_interval == 0
                                 and step < max_steps)
                 save_due = bool(run.save_interval and step % run.save_interval == 0 and step < max_steps)
                 if eval_due or save_due or book.t_steady is None:  # these need this step's results first
-                    book.settle(pending)
-                    pending = None
+                    steps.settle()
                 if eval_due:
                     val = evaluate(engine, val_batches, loss_is_nll)
                     logger.log(step, val)
@@ -279,9 +300,8 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
                 book.count_launched(step)
                 out_of_time, preempted = _should_stop(book.t_steady if book.steady_steps else None,
                                                       run.max_minutes, flag)
-                if (out_of_time or preempted) and pending is not None:
-                    book.settle(pending)
-                    pending = None
+                if out_of_time or preempted:
+                    steps.settle()
                 if preempted:
                     if step < max_steps:  # else the loop ends here anyway and exports as usual
                         save()
@@ -291,14 +311,11 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
                     if main:
                         print(f"run.max_minutes={run.max_minutes} reached at step {step} of {max_steps}", flush=True)
                     break
-            if pending is not None:
-                book.settle(pending)
-                pending = None
+            steps.settle()
         except NonFiniteLossError as e:  # raised where a step's skip is counted: launched or read
             if not checkpoints:
                 raise
-            if pending is not None:
-                book.settle(pending)
+            steps.settle()
             save()
             raise NonFiniteLossError(f"{e}; stopped at step {engine.global_step}, "
                                      f"checkpoint saved in {run.checkpoint_dir}") from None
