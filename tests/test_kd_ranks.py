@@ -23,6 +23,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from conftest import REPO, demo_file, subprocess_env
 from hybridlm.model import HybridForCausalLM
 
+pytestmark = pytest.mark.slow  # ~55 s: three launches of two ranks and the students they share
+
 STEPS, TERM_AT = 4, 2
 REL = 1e-5  # fp32: the runs differ only in the order of the gradient sums
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO, subprocess_env
 
 BIN = Path(sys.executable).parent  # the environment's bin folder, which `source .venv/bin/activate` puts first
@@ -45,6 +47,7 @@ def test_readme_has_commands_for_each_job():
     assert {"python", "upcycle", "hybrid-eval", "deepspeed"} <= firsts
 
 
+@pytest.mark.slow  # ~90 s: a fresh interpreter per command
 def test_every_readme_command_runs_as_written():
     forms = []
     for line in readme_commands():

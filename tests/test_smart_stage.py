@@ -262,6 +262,7 @@ def test_errors_are_one_line(gqa, exact, tmp_path):
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.slow  # ~35 s: a launch of two ranks
 def test_smart_on_two_ranks_measures_what_one_rank_does(gqa, data_dir, tmp_path):
     """`upcycle smart` under a launcher: each rank measures its share of the batches (0 and 2 on rank 0, 1 on rank
     1), the KL sums are added over the ranks, rank 0 alone writes the report; the same sensitivities as one rank."""
