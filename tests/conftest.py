@@ -169,6 +169,38 @@ def kernel_case_row(got, want, **fields) -> dict:
             "dtypes_ok": all(g.dtype == w.dtype and g.shape == w.shape for g, w in zip(got, want))}
 
 
+# pretrain.py overrides of a tiny model of every sublayer kind (test_pretrain, test_fault_campaign)
+TINY_MODEL = [
+    "model.hidden_size=32", "model.intermediate_size=64",
+    "model.mla={num_heads: 2, q_lora_rank: 16, kv_lora_rank: 8, qk_nope_head_dim: 8, qk_rope_head_dim: 8, v_head_dim: 16}",
+    "model.gdn={num_heads: 2, head_dim: 8, num_v_heads: 2, head_v_dim: 8}",
+    "model.kda={num_heads: 2, head_dim: 8, num_v_heads: 2, head_v_dim: 8}",
+    "model.mamba2={d_state: 8, head_dim: 16, n_groups: 2, expand: 2}",
+    "model.loss_chunks=1",  # 64 tokens a micro-batch: one chunk of the 128k-vocabulary loss, not eight
+]
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+def save_sharded_llama3_teacher(out, num_layers: int, num_heads: int, head_dim: int):
+    """A tiny random Llama as users hold Llama-3.x: untied head, 2 KV heads, llama3 RoPE scaling, saved by
+    transformers as two safetensors shards with the real Llama-3.2 tokenizer. Returns (directory, model)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from hybridlm.data import load_tokenizer
+    tok = load_tokenizer("asset:llama3.2")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                      num_key_value_heads=2, head_dim=head_dim, vocab_size=len(tok), tie_word_embeddings=False,
+                      max_position_embeddings=512, rope_theta=500000.0, rope_scaling=dict(LLAMA3),
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(out, max_shard_size="40MB")  # embeddings and head are 33 MB each in fp32
+    tok.save_pretrained(out)
+    assert len(list(Path(out).glob("model-*-of-*.safetensors"))) == 2
+    return out, model
+
+
 def save_tiny_llama(out, num_layers: int = 4):
     """A tiny random LlamaForCausalLM with the real Llama-3.2 tokenizer, saved as a teacher directory."""
     from transformers import LlamaConfig, LlamaForCausalLM

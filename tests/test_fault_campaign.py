@@ -17,17 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, TINY_MODEL, subprocess_env
 from hybridlm.config.errors import ConfigError
 
-TINY_MODEL = [
-    "model.hidden_size=32", "model.intermediate_size=64",
-    "model.mla={num_heads: 2, q_lora_rank: 16, kv_lora_rank: 8, qk_nope_head_dim: 8, qk_rope_head_dim: 8, v_head_dim: 16}",
-    "model.gdn={num_heads: 2, head_dim: 8, num_v_heads: 2, head_v_dim: 8}",
-    "model.kda={num_heads: 2, head_dim: 8, num_v_heads: 2, head_v_dim: 8}",
-    "model.mamba2={d_state: 8, head_dim: 16, n_groups: 2, expand: 2}",
-    "model.loss_chunks=1",
-]
 
 _spec = importlib.util.spec_from_file_location("engine_worker", os.path.join(REPO, "tests", "engine_worker.py"))
 W = importlib.util.module_from_spec(_spec)

@@ -13,16 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, subprocess_env, assert_chart
+from conftest import REPO, TINY_MODEL, subprocess_env, assert_chart
 
-TINY_MODEL = [
-    "model.hidden_size=32", "model.intermediate_size=64",
-    "model.mla={num_heads: 2, q_lora_rank: 16, kv_lora_rank: 8, qk_nope_head_dim: 8, qk_rope_head_dim: 8, v_head_dim: 16}",
-    "model.gdn={num_heads: 2, head_dim: 8, num_v_heads: 2, head_v_dim: 8}",
-    "model.kda={num_heads: 2, head_dim: 8, num_v_heads: 2, head_v_dim: 8}",
-    "model.mamba2={d_state: 8, head_dim: 16, n_groups: 2, expand: 2}",
-    "model.loss_chunks=1",  # 64 tokens a micro-batch: one chunk of the 128k-vocabulary loss, not eight
-]
 
 
 

@@ -9,28 +9,9 @@ import sys
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO, demo_file, subprocess_env
+from conftest import REPO, demo_file, save_sharded_llama3_teacher, subprocess_env
 from hybridlm.model import HybridForCausalLM
-
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}
-
-
-def sharded_llama3_teacher(out):
-    from hybridlm.data import load_tokenizer
-    tok = load_tokenizer("asset:llama3.2")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=len(tok), tie_word_embeddings=False,
-                      max_position_embeddings=512, rope_theta=500000.0, rope_scaling=dict(LLAMA3),
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(out, max_shard_size="40MB")  # embeddings and head: 33 MB each
-    tok.save_pretrained(out)
-    assert len(list(out.glob("model-*-of-*.safetensors"))) == 2
-    return out
-
 
 def route_cmd(tmp, out, ranks):
     small = ["optim.micro_batch_size=1", "optim.global_batch_size=2", "optim.max_steps=2", "optim.warmup_steps=1",
@@ -63,7 +44,7 @@ def losses(stage_dir):
 def test_the_route_on_two_ranks_equals_one_rank(tmp_path):
     for name in ("dpo_en_demo.json", "alpaca_en_demo.json"):
         demo_file(name)
-    sharded_llama3_teacher(tmp_path / "teacher")
+    save_sharded_llama3_teacher(tmp_path / "teacher", num_layers=4, num_heads=4, head_dim=16)
     runs = {}
     for ranks in (1, 2):  # the 1-rank run prepares the ILD data the 2-rank run reuses
         out = tmp_path / f"route{ranks}"

@@ -7,32 +7,20 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import REPO
+from conftest import LLAMA3, REPO, save_sharded_llama3_teacher
 from hybridlm.config.errors import ConfigError
 from hybridlm.model import HybridForCausalLM
 from hybridlm.teacher import load_teacher
 from upcycle.init_students import init_students
 from upcycle.student import llama_shapes
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}
 
 
 @pytest.fixture(scope="module")
 def sharded_teacher(tmp_path_factory):
     """Llama-3.1-8B's layout in miniature: untied head, 8 query / 2 KV heads, llama3 RoPE, two shards."""
-    from hybridlm.data import load_tokenizer
-    tok = load_tokenizer("asset:llama3.2")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-                      num_key_value_heads=2, head_dim=8, vocab_size=len(tok), tie_word_embeddings=False,
-                      max_position_embeddings=512, rope_theta=500000.0, rope_scaling=dict(LLAMA3),
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    model = LlamaForCausalLM(cfg).eval()
-    out = tmp_path_factory.mktemp("teacher") / "llama"
-    model.save_pretrained(out, max_shard_size="40MB")  # embeddings and head are 33 MB each in fp32
-    tok.save_pretrained(out)
-    return out, model
+    return save_sharded_llama3_teacher(tmp_path_factory.mktemp("teacher") / "llama", num_layers=2, num_heads=8,
+                                       head_dim=8)
 
 
 def test_sharded_untied_llama3_teacher_loads_exactly(sharded_teacher):

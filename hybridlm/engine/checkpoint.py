@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from hybridlm.config.errors import ConfigError
-from hybridlm.utils.atomic import TMP_PREFIX, fsync_dir, write_json
+from hybridlm.utils.atomic import TMP_PREFIX, write_json
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -62,28 +62,6 @@ def free_tag(save_dir: str, step: int) -> str:
 
 def rng_file(rank: int) -> str:
     return f"rng_state_rank{rank:05d}.pt"
-
-
-# ----------------------------------------------------------------------------------------- fsync
-
-
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: str) -> None:
-    """fsync every file below ``root`` and then every directory, deepest first."""
-    dirs = []
-    for dirpath, _dirnames, filenames in os.walk(root):
-        dirs.append(dirpath)
-        for name in filenames:
-            fsync_file(os.path.join(dirpath, name))
-    for d in reversed(dirs):
-        fsync_dir(d)
 
 
 def remove_tree(path: str) -> None:

@@ -55,7 +55,7 @@ from hybridlm.engine.device_step import ScheduleAdvancedByEngine, step_on_device
 from hybridlm.engine.config import OptimConfig
 from hybridlm.engine.distributed import DistInfo, barrier, init_distributed
 from hybridlm.engine.schedule import lr_lambda_from_config
-from hybridlm.utils.atomic import TMP_PREFIX, atomic_write_text, disk_full_error
+from hybridlm.utils.atomic import TMP_PREFIX, atomic_write_text, disk_full_error, fsync_dir, fsync_tree
 from hybridlm.utils.faults import disk_full_in, kill_in
 from hybridlm.utils.readback import Readback, Stamp
 from hybridlm.utils.tensors import map_tensors
@@ -591,12 +591,12 @@ class Engine:
             kill_in("save", step)  # reliability drills: a kill with the files written, nothing committed
             barrier()
             if self.dist.local_rank == 0:  # one process per node: covers node-local and shared filesystems
-                ckpt.fsync_tree(tmp_dir)
+                fsync_tree(tmp_dir)
             barrier()
             if rank == 0:
                 ckpt.write_manifest(tmp_dir, {"step": int(step), "world_size": self.dist.world_size, "tag": tag,
                                               "precision": self.config.precision})
-                ckpt.fsync_dir(tmp_dir)
+                fsync_dir(tmp_dir)
         except Exception as e:
             full = disk_full_error(e, tmp_dir, f"the checkpoint save of step {step}")
             if full is None:
@@ -607,7 +607,7 @@ class Engine:
 
         if rank == 0:
             os.rename(tmp_dir, final_dir)  # a name not in use: nothing that `latest` names is touched
-            ckpt.fsync_dir(save_dir)
+            fsync_dir(save_dir)
             kill_in("save-committed", step)
             atomic_write_text(os.path.join(save_dir, ckpt.LATEST), tag + "\n")  # the commit point
             kill_in("save-latest", step)

@@ -28,6 +28,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import torch
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.data.chat import common_prefix_len
 from hybridlm.data.record_sets import record_file
 
 PROMPT_SOURCE = "asset:c4_demo"
@@ -103,12 +104,7 @@ def repeated_ngrams(seq: Sequence[int], n: int = NGRAM) -> tuple:
 
 def leading_agreement(seq: Sequence[int], ref: Sequence[int]) -> int:
     """Leading tokens of ``seq`` equal to ``ref`` (the index of the first difference)."""
-    k = 0
-    for a, b in zip(seq, ref):
-        if a != b:
-            break
-        k += 1
-    return k
+    return common_prefix_len(seq, ref)
 
 
 def score_continuations(teacher, prompts: torch.Tensor, conts: torch.Tensor, teacher_conts: torch.Tensor,

@@ -99,10 +99,7 @@ def atomic_directory(final: Path, overwrite: bool = False, *, marker: bool = Fal
         yield tmp
         if marker:
             (tmp / COMPLETE_MARKER).write_text("complete\n")
-        for dirpath, _dirnames, filenames in os.walk(tmp):
-            for name in filenames:
-                _fsync_path(os.path.join(dirpath, name))
-            fsync_dir(dirpath)
+        fsync_tree(str(tmp))
         hook("written")
         if final.exists():
             old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
@@ -125,12 +122,23 @@ def is_complete_directory(path) -> bool:
     return (Path(path) / COMPLETE_MARKER).is_file()
 
 
-def _fsync_path(path: str) -> None:
+def fsync_file(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+    """fsync every file below ``root`` and then every directory, deepest first (checkpoints and exports)."""
+    dirs = []
+    for dirpath, _dirnames, filenames in os.walk(root):
+        dirs.append(dirpath)
+        for name in filenames:
+            fsync_file(os.path.join(dirpath, name))
+    for d in reversed(dirs):
+        fsync_dir(d)
 
 
 def fsync_dir(path: str) -> None:
