@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Generation throughput and memory (BENCHMARKS.md, "Generation throughput", "Memory"): the upcycled hybrid's decode
-# speed against its Llama teacher (python -m hybridlm.bench.generation): random prompts, exactly NEW_TOKENS tokens
+# speed against its Llama teacher (python -m benchmarks.harness.generation): random prompts, exactly NEW_TOKENS tokens
 # per sequence, every batch x prompt length; decode tokens/s, ms per step, end-to-end tokens/s, peak memory and
 # cache bytes, and the hybrid / teacher ratios.
 #
@@ -69,7 +69,7 @@ failed=()
 bench() {  # GPU PASS [bench args...]: one pass into OUT/gen_PASS
   local gpu=$1 name=$2; shift 2
   say "generation $name on GPU $gpu"
-  CUDA_VISIBLE_DEVICES=$gpu "$PY" -m hybridlm.bench.generation "${ARGS[@]}" "$@" --out "$OUT/gen_$name" \
+  CUDA_VISIBLE_DEVICES=$gpu "$PY" -m benchmarks.harness.generation "${ARGS[@]}" "$@" --out "$OUT/gen_$name" \
     > "$OUT/generation_$name.log" 2>&1
   local rc=$?
   say "generation $name: exit $rc ($OUT/generation_$name.log)"
@@ -109,7 +109,7 @@ for pass in graph eager generate; do  # the hybrid's pass next to the teacher's:
   parts=()
   teacher=gen_teacher; [ $pass = generate ] && teacher=gen_teacher_generate
   for f in "$OUT/$teacher/generation.json" "$OUT/gen_hybrid_$pass/generation.json"; do [ -f "$f" ] && parts+=("$f"); done
-  [ ${#parts[@]} -eq 2 ] && "$PY" -m hybridlm.bench.generation --merge "${parts[@]}" --out "$OUT/generation_$pass" > /dev/null \
+  [ ${#parts[@]} -eq 2 ] && "$PY" -m benchmarks.harness.generation --merge "${parts[@]}" --out "$OUT/generation_$pass" > /dev/null \
     && say "joined: $OUT/generation_$pass/generation.{json,png}"
 done
 grep -h "tok/s" "$OUT"/generation_*.log 2>/dev/null | tail -n 40

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Loss parity (BENCHMARKS.md, "Loss parity"): our model and a peer of the same shape trained side by side on the
-# very same batches (python -m hybridlm.bench.loss_parity), at the 300M shapes: micro-batch 8 x 2048 tokens, 300
+# very same batches (python -m benchmarks.harness.loss_parity), at the 300M shapes: micro-batch 8 x 2048 tokens, 300
 # steps, lr 6e-4 -> 6e-5 (warmup 30, cosine), bf16 autocast over fp32 weights.
 #
 #   bash benchmarks/loss_parity.sh OUT_DIR [FAMILY ...]
@@ -23,7 +23,7 @@
 #
 # Settings (environment):
 #   SEEDS="0 1"                 peer seeds; ours runs with the first
-#   OURS_INIT="fla peer"        init variants of ours, one run each (python -m hybridlm.bench.loss_parity --help:
+#   OURS_INIT="fla peer"        init variants of ours, one run each (python -m benchmarks.harness.loss_parity --help:
 #                               fla, legacy, legacy:PART+PART, peer, peer:NAME+NAME)
 #   ABLATION=1                  instead of OURS_INIT, the ablation's variants: gdn / kda "fla peer legacy", mamba2
 #                               "fla legacy:mamba2_conv_fla peer"
@@ -41,7 +41,7 @@ bench_start "bash benchmarks/loss_parity.sh OUT_DIR [gdn|kda|mamba2|hybrid ...]"
 shift
 declare -A CONFIG=([gdn]=gdn_300m [kda]=kda_300m [mamba2]=mamba2_300m [hybrid]=gdn_300m_hybrid)
 declare -A ABLATE=([gdn]="fla peer legacy" [kda]="fla peer legacy" [mamba2]="fla legacy:mamba2_conv_fla peer")
-# fla's Mamba2 without mamba_ssm wires B / C groups to heads in another order than ours (hybridlm/bench/
+# fla's Mamba2 without mamba_ssm wires B / C groups to heads in another order than ours (benchmarks/harness/
 # peer_weights.py): with mamba2_300m's 8 groups of 4 heads it is not the same model; transformers' Mamba2 is
 declare -A PEER=([gdn]=fla [kda]=fla [mamba2]=hf [hybrid]=ours)
 declare -A FAMILY_ARG=([hybrid]=gdn)
@@ -64,7 +64,7 @@ run_family() {  # family gpu
   say "loss_parity $fam on GPU $gpu (ours init: $init${SPLIT:+; ours and the peer at once})"
   parity() {  # out-dir [--only side]
     # shellcheck disable=SC2046,SC2086  # the settings split into words on purpose
-    CUDA_VISIBLE_DEVICES=$gpu "$PY" -m hybridlm.bench.loss_parity --family "${FAMILY_ARG[$fam]:-$fam}" \
+    CUDA_VISIBLE_DEVICES=$gpu "$PY" -m benchmarks.harness.loss_parity --family "${FAMILY_ARG[$fam]:-$fam}" \
       --config "${CONFIG[$fam]}" --out "$1" --data "$DATA" --steps "${!steps_var:-${STEPS:-300}}" \
       $([ "${RESUME:-0}" = 1 ] && echo --resume) --micro-batch "${MB:-8}" --seq "${SEQ:-2048}" \
       --lr 6e-4 --min-lr 6e-5 --warmup 30 ${ENGINE:+--ours-engine $ENGINE} ${EXTRA[$fam]:-} \
@@ -77,13 +77,13 @@ run_family() {  # family gpu
     parity "$OUT/parity_${fam}_ours" --only ours & local a=$!
     parity "$OUT/parity_${fam}_peer" --only peer & local b=$!
     wait $a; rc=$?; wait $b; rc=$(( rc | $? ))
-    "$PY" -m hybridlm.bench.loss_parity --merge "$OUT/parity_${fam}_ours/loss_parity.json" \
+    "$PY" -m benchmarks.harness.loss_parity --merge "$OUT/parity_${fam}_ours/loss_parity.json" \
       "$OUT/parity_${fam}_peer/loss_parity.json" --out "$OUT/parity_$fam" >> "$OUT/parity_$fam.log" 2>&1 || rc=1
   else
     parity "$OUT/parity_$fam"; rc=$?
   fi
   say "loss_parity $fam: exit $rc ($OUT/parity_$fam.log)"
-  [ -f "$OUT/parity_$fam/loss_parity.png" ] || "$PY" -m hybridlm.bench.loss_parity --replot \
+  [ -f "$OUT/parity_$fam/loss_parity.png" ] || "$PY" -m benchmarks.harness.loss_parity --replot \
     --out "$OUT/parity_$fam" > /dev/null 2>&1
   cat "$OUT/parity_$fam"*.log | grep -E "params|val loss after|Error|error" | tail -n 8
   return $rc

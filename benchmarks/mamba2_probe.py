@@ -13,14 +13,19 @@ fp32 bound of tests/gpu/test_triton_paths.py rests on the first).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 
-from hybridlm.bench.mixers import SHAPES_300M
-from hybridlm.bench.parity import relative_errors, run_path
-from hybridlm.model import HybridConfig
-from hybridlm.model.layers import SUBLAYERS
-from hybridlm.utils.atomic import json_text
+# run as a script (sys.path holds benchmarks/, not the checkout): the checkout importable for benchmarks.harness
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.harness.mixers import SHAPES_300M  # noqa: E402
+from benchmarks.harness.parity import relative_errors, run_path  # noqa: E402
+from hybridlm.model import HybridConfig  # noqa: E402
+from hybridlm.model.layers import SUBLAYERS  # noqa: E402
+from hybridlm.utils.atomic import json_text  # noqa: E402
 
 
 def tf32_answer(kind: str, T: int = 300) -> dict:

@@ -4,7 +4,7 @@ and the decode probe: the route's hybrid (8 MLA layers spread evenly from layer 
 twin measures what the trained model would, without training it (or, for the teacher, without its weights).
 
     python benchmarks/route_twin.py --save DIR [--save-teacher DIR] [--config TEACHER_CONFIG_JSON]
-        [--n-mla 8 --kv-rank 128 --rope-dim 16] [--shapes 16x1024,8x777]
+        [--n-mla 8 --kv-lora-rank 128 --qk-rope-head-dim 16] [--shapes 16x1024,8x777]
 
 Without ``--config`` the teacher's shapes are SmolLM2-135M-Instruct's (``asset:smollm2``: 30 layers, width 576,
 9 heads, 3 KV heads, vocabulary 49,152), so no teacher needs to be fetched. ``--shapes`` also runs two forward +
@@ -21,7 +21,7 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
                tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192)
 
 
-def route_config(teacher_config=None, n_mla: int = 8, kv_rank: int = 128, rope_dim: int = 16):
+def route_config(teacher_config=None, n_mla: int = 8, kv_lora_rank: int = 128, qk_rope_head_dim: int = 16):
     """The route's hybrid config from the teacher's config.json (None: SmolLM2-135M's): ``n_mla`` MLA layers spread
     evenly from layer 0, Mamba2 elsewhere. Returns (the teacher's LlamaConfig, the hybrid's config)."""
     from transformers import LlamaConfig
@@ -30,8 +30,8 @@ def route_config(teacher_config=None, n_mla: int = 8, kv_rank: int = 128, rope_d
     llama = LlamaConfig(**SMOLLM2) if teacher_config is None else \
         LlamaConfig.from_dict(json.load(open(teacher_config)))
     L = llama.num_hidden_layers
-    kinds = ["mla" if i % (L // n_mla) == 0 and i // (L // n_mla) < n_mla else "mamba2" for i in range(L)]
-    return llama, student_config(llama, kinds, kv_lora_rank=kv_rank, rope_dim=rope_dim)
+    layer_kinds = ["mla" if i % (L // n_mla) == 0 and i // (L // n_mla) < n_mla else "mamba2" for i in range(L)]
+    return llama, student_config(llama, layer_kinds, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
 
 
 def main():
@@ -40,8 +40,8 @@ def main():
     p.add_argument("--config", default=None, metavar="JSON",
                    help="the teacher's config.json (default: SmolLM2-135M-Instruct's shapes)")
     p.add_argument("--n-mla", type=int, default=8)
-    p.add_argument("--kv-rank", type=int, default=128)
-    p.add_argument("--rope-dim", type=int, default=16)
+    p.add_argument("--kv-lora-rank", type=int, default=128)
+    p.add_argument("--qk-rope-head-dim", type=int, default=16)
     p.add_argument("--shapes", default="", help="BATCHxLENGTH pairs (comma-separated) to run forward + backward on "
                                                  "the GPU before saving (autotunes them); default none")
     p.add_argument("--save", default=None, metavar="DIR", help="save the random-weight hybrid here")
@@ -57,7 +57,7 @@ def main():
     if args.shapes and not torch.cuda.is_available():
         raise SystemExit("error: route_twin.py --shapes needs a CUDA GPU: torch.cuda.is_available() is False")
     torch.manual_seed(0)
-    llama, cfg = route_config(args.config, args.n_mla, args.kv_rank, args.rope_dim)
+    llama, cfg = route_config(args.config, args.n_mla, args.kv_lora_rank, args.qk_rope_head_dim)
     model = HybridForCausalLM(cfg)
     if args.shapes:
         model.cuda()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Training throughput (BENCHMARKS.md, "Training throughput"; with PROFILE / TRACE "Training step breakdown"; the
 # peak memory of each entry, "Memory"; the first step on an empty Triton cache, "Cold start"): our pre-training
-# step (python -m pretrain.train_speed: the engine, loader and loop of pretrain.py) against peers of the same
+# step (python -m benchmarks.train_speed: the engine, loader and loop of pretrain.py) against peers of the same
 # shapes in a plain PyTorch loop, one process per family, on the first visible GPU.
 #
 #   bash benchmarks/train_speed.sh OUT_DIR [FAMILY ...]
@@ -14,7 +14,8 @@
 #   1b      gdn_1b, micro-batch 16
 # Writes per family OUT_DIR/speed_<family>/train_speed.{json,png} (+ profile_<entry>.json, trace_<entry>.json.gz)
 # and its output in OUT_DIR/speed_<family>.log; this script's summary in OUT_DIR/train_speed.log; Triton's autotune
-# results in OUT_DIR/autotune.tar.xz. Join reports with python -m pretrain.train_speed --merge A.json B.json --out DIR.
+# results in OUT_DIR/autotune.tar.xz. Join reports with
+# python -m benchmarks.train_speed --merge A.json B.json --out DIR.
 # Data: DATA (default data_cache/janeausten-llama3.2, prepared from Jane Austen's novels with Llama-3.2's
 # tokenizer when missing).
 #
@@ -25,10 +26,11 @@
 #   CONV_X_ONCE=on             the conv backward's autotuner also offered X_ONCE (--conv-x-once; _xonce)
 #   NORM_KERNEL=fla            ours' RMSNorms through fla's rms_norm (--norm-kernel; _flanorm)
 #   LOSS_KERNEL=fla            ours' LM-head cross-entropy through fla's kernel (--loss-kernel; _flaloss)
-#   OVERRIDES="k=v ..."        model keys for ours (--model-override), e.g. "fuse_projections=false
+#   OVERRIDES="k=v ..."        model keys for ours and the peers' shapes (--model-override), e.g. "num_layers=6"
+#   RUNTIME_OVERRIDES="k=v ..." runtime keys for ours (--runtime-override), e.g. "fuse_projections=false
 #                              fuse_residual_norm=false" for the step without the training fusions
 #   OPTIM_OVERRIDES="k=v ..."  optim keys for ours (--optim-override), e.g. "immediate_grad_update=true"
-#   TAG=_suffix                appended to the report's folder name (for a run with OVERRIDES / OPTIM_OVERRIDES)
+#   TAG=_suffix                appended to the report's folder name (for a run with any of the three above)
 #   CONFIGS="gdn_300m"         only these of ours; a config may carry overrides of its own, measured in the same
 #                              run: CONFIGS="gdn_300m gdn_300m:optim.step_on_device=true"
 #   PEERS="fla_gdn"            these peers instead of the family's (PEERS= , empty: none)
@@ -36,7 +38,7 @@
 #   PROFILE=3                  steps under torch.profiler after the measured ones: kernel time by category and
 #                              GEMM time by shape (profile_<entry>.json; 0: none)
 #   TRACE=1                    also a Chrome trace with Python stacks of the profiled steps (trace_<entry>.json.gz;
-#                              python -m hybridlm.bench.trace_gaps reads it)
+#                              python -m benchmarks.harness.trace_gaps reads it)
 #   SEQ=2048                   tokens per sequence
 #   PEAK_TFLOPS=989.5          the GPU's dense bf16 peak for MFU (H100 SXM and H200: 989.5; A100: 312)
 #   NGPU=N                     then ours again (peers run in one process only) data-parallel on the first N visible
@@ -72,6 +74,7 @@ speed_args() {  # the arguments every run of one family shares
     --mamba2-compile-inputs "${MAMBA2_COMPILE:-off}" --conv-kernel "${CONV_KERNEL:-project}" \
     --conv-x-once "${CONV_X_ONCE:-off}" --norm-kernel "${NORM_KERNEL:-project}" --loss-kernel "${LOSS_KERNEL:-project}" \
     ${OVERRIDES:+--model-override $OVERRIDES} ${OPTIM_OVERRIDES:+--optim-override $OPTIM_OVERRIDES} \
+    ${RUNTIME_OVERRIDES:+--runtime-override $RUNTIME_OVERRIDES} \
     $([ "${TRACE:-0}" = 1 ] && echo --trace)
 }
 failed=()
@@ -79,7 +82,7 @@ for fam in "${FAMILIES[@]}"; do
   tag=$fam${PRECISION:+_$PRECISION}$([ "${MAMBA2_COMPILE:-off}" = on ] && echo _compiled)$([ "${CONV_KERNEL:-project}" = fla ] && echo _flaconv)$([ "${CONV_X_ONCE:-off}" = on ] && echo _xonce)$([ "${NORM_KERNEL:-project}" = fla ] && echo _flanorm)$([ "${LOSS_KERNEL:-project}" = fla ] && echo _flaloss)${TAG:-}
   say "train_speed $tag"
   # shellcheck disable=SC2046  # speed_args and the family's arguments split into words on purpose
-  CUDA_VISIBLE_DEVICES=${GPUS[0]} "$PY" -m pretrain.train_speed --out "$OUT/speed_$tag" --keep-going $(speed_args) \
+  CUDA_VISIBLE_DEVICES=${GPUS[0]} "$PY" -m benchmarks.train_speed --out "$OUT/speed_$tag" --keep-going $(speed_args) \
     ${FAMILY[$fam]} ${CONFIGS:+--configs $CONFIGS} ${PEERS+--peers $PEERS} > "$OUT/speed_$tag.log" 2>&1
   rc=$?
   say "train_speed $tag: exit $rc ($OUT/speed_$tag.log)"
@@ -90,7 +93,7 @@ for fam in "${FAMILIES[@]}"; do
     [ -f "$OUT/speed_$tag/train_speed.json" ] && compare=(--compare-to "$OUT/speed_$tag/train_speed.json")
     say "train_speed $tag on $NGPU GPUs"
     # shellcheck disable=SC2046
-    launch "$NGPU" --module pretrain.train_speed --out "$OUT/speed_${tag}_${NGPU}gpu" $(speed_args) ${FAMILY[$fam]} \
+    launch "$NGPU" --module benchmarks.train_speed --out "$OUT/speed_${tag}_${NGPU}gpu" $(speed_args) ${FAMILY[$fam]} \
       ${CONFIGS:+--configs $CONFIGS} --peers "${compare[@]}" > "$OUT/speed_${tag}_${NGPU}gpu.log" 2>&1
     rc=$?
     say "train_speed $tag on $NGPU GPUs: exit $rc ($OUT/speed_${tag}_${NGPU}gpu.log)"

@@ -39,7 +39,7 @@ from hybridlm.engine import init_distributed
 from hybridlm.engine.config import COMPUTE_DTYPES
 from hybridlm.model import HybridForCausalLM
 
-DPO_SECTIONS = ("student", "data", "optim", "run", "dpo")
+DPO_SECTIONS = ("student", "data", "optim", "run", "runtime", "dpo")
 EVAL_KEYS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
 
 
@@ -120,7 +120,8 @@ def run_dpo(configs: Dict[str, Any]) -> Dict[str, Any]:
     def make_loss(_none):
         dist = init_distributed()
         dtype = getattr(torch, COMPUTE_DTYPES[optim.precision])
-        reference = HybridForCausalLM.from_pretrained(student.path).to(device=dist.device, dtype=dtype).eval()
+        reference = HybridForCausalLM.from_pretrained(student.path, runtime=configs["runtime"])
+        reference = reference.to(device=dist.device, dtype=dtype).eval()
         reference.requires_grad_(False)
         return DPOLoss(reference, cfg.beta)
 

@@ -31,7 +31,7 @@ from hybridlm.data import DataConfig
 from hybridlm.data.sft import SFTDataConfig, make_sft_batches
 
 IGNORE_INDEX = -100
-KD_SECTIONS = ("teacher", "student", "data", "optim", "run", "kd")
+KD_SECTIONS = ("teacher", "student", "data", "optim", "run", "runtime", "kd")
 
 
 # ------------------------------------------------------------------------------------- config

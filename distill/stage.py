@@ -22,11 +22,12 @@ from hybridlm.data import DataConfig, ensure_prepared, load_tokenizer, open_spli
 from hybridlm.engine import Engine, OptimConfig, barrier, init_distributed, is_main
 from hybridlm.engine.config import COMPUTE_DTYPES
 from hybridlm.model import HybridForCausalLM
+from hybridlm.model.runtime import RuntimeSettings
 from hybridlm.teacher import check_tokenizer_matches, load_teacher, load_teacher_tokenizer
 from hybridlm.training import RunConfig, train_loop
 from hybridlm.utils.atomic import atomic_directory, json_text, write_json
 
-STAGE_SECTIONS = ("teacher", "student", "data", "optim", "run")
+STAGE_SECTIONS = ("teacher", "student", "data", "optim", "run", "runtime")
 
 
 @dataclass
@@ -63,7 +64,7 @@ def stage_configs(sections: Dict[str, Any], data_class: type = DataConfig, extra
     ``dpo``); ``where``: the prefix of error messages (``"kd."`` in a route)."""
     # the stage's own sections first: their errors are the ones a user of that stage looks for
     schema = {**(extra or {}), **({"teacher": TeacherConfig} if teacher else {}), "student": StudentConfig,
-              "data": data_class, "optim": OptimConfig, "run": RunConfig}
+              "data": data_class, "optim": OptimConfig, "run": RunConfig, "runtime": RuntimeSettings}
     check_known_keys(where.rstrip(".") or "config", sections, schema)
     return {key: build_dataclass(cls, sections.get(key) or {}, f"{where}{key}") for key, cls in schema.items()}
 
@@ -103,7 +104,7 @@ def run_stage(name: str, configs: Dict[str, Any],
         teacher = load_teacher(teacher_cfg.path, dtype=dtype).to(dist.device)
         teacher.requires_grad_(False)
     try:
-        student = HybridForCausalLM.from_pretrained(student_dir)
+        student = HybridForCausalLM.from_pretrained(student_dir, runtime=configs["runtime"])
     except weight_load_errors() as e:
         raise ConfigError(f"student.path: {student_dir} cannot be loaded as a hybrid ({last_line(e)})") from None
     loss_fn = make_loss(teacher)

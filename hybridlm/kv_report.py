@@ -3,11 +3,13 @@
 Values cached per token per decoder layer:
 
 * Llama (GQA) attention: ``2 * n_kv * d_h`` (a key and a value per KV head);
-* MLA: ``r_kv + d_rope`` (the compressed joint KV latent plus the one shared decoupled RoPE key);
+* MLA: ``kv_lora_rank + qk_rope_head_dim`` (the compressed joint KV latent plus the one shared decoupled RoPE
+  key);
 * Mamba2: 0 -- its recurrent state has a constant size, independent of the sequence length.
 
-``ratio = sum over MLA layers (r_kv + d_rope) / (L * 2 * n_kv * d_h)`` and ``compression = 1 / ratio``.
-Check values (published): Llama-3.2-1B with 8 MLA layers at r_kv 128, d_rope 32 -> 7.81% = 12.8x.
+``ratio = sum over MLA layers (kv_lora_rank + qk_rope_head_dim) / (L * 2 * n_kv * d_h)`` and
+``compression = 1 / ratio``. Check values (published): Llama-3.2-1B with 8 MLA layers at kv_lora_rank 128,
+qk_rope_head_dim 32 -> 7.81% = 12.8x.
 
 The three public teachers' architecture shapes ship as ``configs/llama/*.json``; ``load_teacher_config``
 reads those, any HF ``config.json`` or a model directory holding one.
@@ -62,18 +64,19 @@ def kv_layers(layer_kinds: Sequence[str]) -> List[int]:
     return [i for i, kind in enumerate(layer_kinds) if cache_of(kind) == KV]
 
 
-def kv_report(teacher_cfg, mla_layers: Iterable[int], kv_lora_rank: int, rope_dim: int,
+def kv_report(teacher_cfg, mla_layers: Iterable[int], kv_lora_rank: int, qk_rope_head_dim: int,
               bytes_per_value: int = 2, layer_kinds: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """KV-cache accounting of the hybrid whose MLA layers are ``mla_layers`` (all others Mamba2, or the kinds
     ``layer_kinds`` names, one per teacher layer: then ``mla_layers`` must be :func:`kv_layers` of them).
 
-    Returns a dict: ``num_layers``, ``mla_layers``, ``teacher_values_per_token``,
-    ``hybrid_values_per_token``, ``ratio`` (hybrid / teacher), ``compression`` (teacher / hybrid; None
-    when the hybrid caches nothing), ``teacher_bytes_per_token``, ``hybrid_bytes_per_token``,
-    ``bytes_per_value`` and ``per_layer`` (one ``{layer, kind, teacher_values, hybrid_values}`` a layer).
+    Returns a dict: ``num_layers``, ``mla_layers``, ``kv_lora_rank``, ``qk_rope_head_dim``,
+    ``teacher_values_per_token``, ``hybrid_values_per_token``, ``ratio`` (hybrid / teacher), ``compression``
+    (teacher / hybrid; None when the hybrid caches nothing), ``teacher_bytes_per_token``,
+    ``hybrid_bytes_per_token``, ``bytes_per_value`` and ``per_layer`` (one ``{layer, kind, teacher_values,
+    hybrid_values}`` a layer).
     """
     s = teacher_shapes(teacher_cfg)
-    for name, v, lo in (("kv_lora_rank", kv_lora_rank, 1), ("rope_dim", rope_dim, 0),
+    for name, v, lo in (("kv_lora_rank", kv_lora_rank, 1), ("qk_rope_head_dim", qk_rope_head_dim, 0),
                         ("bytes_per_value", bytes_per_value, 1)):
         if not _is_int(v) or v < lo:
             raise ConfigError(f"{name}: expected an integer >= {lo}, got {v!r}")
@@ -86,7 +89,7 @@ def kv_report(teacher_cfg, mla_layers: Iterable[int], kv_lora_rank: int, rope_di
             raise ConfigError(f"layer_kinds: expected {L} mixer kinds whose KV-cache layers are {mla}, "
                               f"got {layer_kinds!r}")
     llama_layer = 2 * s["n_kv"] * s["d_h"]
-    mla_layer = kv_lora_rank + rope_dim
+    mla_layer = kv_lora_rank + qk_rope_head_dim
     kinds = layer_kinds or ["mla" if i in mla_set else "mamba2" for i in range(L)]
     per_layer = [dict(layer=i, kind=kinds[i], teacher_values=llama_layer,
                       hybrid_values=mla_layer if i in mla_set else 0) for i in range(L)]
@@ -94,7 +97,7 @@ def kv_report(teacher_cfg, mla_layers: Iterable[int], kv_lora_rank: int, rope_di
     hybrid = len(mla) * mla_layer
     return dict(
         num_layers=L, num_key_value_heads=s["n_kv"], head_dim=s["d_h"],
-        mla_layers=mla, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+        mla_layers=mla, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
         teacher_values_per_token=teacher, hybrid_values_per_token=hybrid,
         ratio=hybrid / teacher, compression=(teacher / hybrid) if hybrid else None,
         bytes_per_value=bytes_per_value,
@@ -121,7 +124,7 @@ def format_kv_report(report: Mapping[str, Any]) -> str:
             ("hybrid", f"{report['hybrid_values_per_token']:,}", _fmt_bytes(report["hybrid_bytes_per_token"]))]
     w = [max(len(r[c]) for r in rows) for c in range(3)]
     lines = [f"KV cache: {n_mla} MLA + {L - n_mla} Mamba2 of {L} layers "
-             f"(MLA r_kv {report['kv_lora_rank']} + rope {report['rope_dim']}; "
+             f"(MLA kv_lora_rank {report['kv_lora_rank']} + qk_rope_head_dim {report['qk_rope_head_dim']}; "
              f"teacher 2 x {report['num_key_value_heads']} KV heads x {report['head_dim']})"]
     lines += ["  " + "  ".join(r[c].ljust(w[c]) if c == 0 else r[c].rjust(w[c]) for c in range(3)) for r in rows]
     lines.append(f"  ratio {100 * report['ratio']:.2f}%  compression {comp_s}  "

@@ -9,11 +9,12 @@ from hybridlm.config.structured import build_dataclass
 from hybridlm.data import DataConfig, load_tokenizer
 from hybridlm.engine import OptimConfig
 from hybridlm.model.configuration import HybridConfig
+from hybridlm.model.runtime import RuntimeSettings
 from hybridlm.model.summary import model_summary
 from hybridlm.training import RunConfig
 from hybridlm.training.exits import run_cli
 from hybridlm.utils.atomic import json_text
-from pretrain.train import run_pretraining
+from pretrain.train import PRETRAIN_SECTIONS, run_pretraining
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -30,7 +31,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def dry_run(sections) -> dict:
     """The model's summary, built on the meta device; the data / optim / run sections that are given are checked
     too (keys and values, not the data on disk; a bare model file has none)."""
-    for name, cls in (("data", DataConfig), ("optim", OptimConfig), ("run", RunConfig)):
+    for name, cls in (("data", DataConfig), ("optim", OptimConfig), ("run", RunConfig), ("runtime", RuntimeSettings)):
         if sections.get(name):
             build_dataclass(cls, sections[name], name)
     model = dict(sections["model"])
@@ -43,7 +44,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
 
     def run() -> None:
-        sections = load_config(args.config, args.overrides)
+        sections = load_config(args.config, args.overrides, sections=PRETRAIN_SECTIONS)
         if args.dry_run:
             print(json_text(dry_run(sections)))
             return

@@ -3,7 +3,7 @@
 Composes: the data layer (prepare if needed, packed resumable batches), the model definition, the
 engine (loss = chunked fused cross-entropy), the shared training loop, then export + a sample.
 :func:`prepare_pretraining` and :func:`build_engine` are the first two steps on their own, so that
-``pretrain.train_speed`` times exactly this job's training steps.
+``benchmarks.train_speed`` times exactly this job's training steps.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from hybridlm.engine import DistInfo, Engine, OptimConfig, barrier, init_distrib
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.configuration import resolve_model_config
 from hybridlm.model.generate import save_tokenizer, set_generation_defaults
+from hybridlm.model.runtime import RuntimeSettings
 from hybridlm.model.summary import model_summary
 from hybridlm.training import RunConfig, train_loop
 from hybridlm.config.errors import ConfigError
@@ -30,6 +31,15 @@ from hybridlm.training.lock import RunLock
 from hybridlm.utils.faults import disk_full_in, kill_in, with_nan_faults
 from hybridlm.utils.atomic import (DiskFullError, atomic_directory, disk_full_error, is_complete_directory, json_text,
                                    write_json)
+
+
+# a pre-training config's sections; ``runtime`` (optional): how the model runs (hybridlm/model/runtime.py)
+PRETRAIN_SECTIONS = ("model", "data", "optim", "run", "runtime")
+
+
+def runtime_section(sections: Dict[str, Any]) -> RuntimeSettings:
+    """The ``runtime`` section built and checked (the defaults when absent)."""
+    return build_dataclass(RuntimeSettings, sections.get("runtime") or {}, "runtime")
 
 
 def lm_loss(model, batch):
@@ -66,6 +76,7 @@ def prepare_pretraining(sections: Dict[str, Any]) -> PretrainingSetup:
     data_path = Path(data_cfg.path).expanduser()
     meta = read_meta(data_path)
     config = resolve_model_config(sections["model"], meta, data_path)
+    config.runtime = runtime_section(sections)
     train_batches, val_batches = open_splits(data_path, data_cfg.seq_len, optim.micro_batch_size,
                                              data_cfg.val_max_batches, dist.rank, dist.world_size, data_cfg.seed)
     return PretrainingSetup(data_cfg, optim, run, dist, data_path, meta, config, train_batches, val_batches)
@@ -88,6 +99,7 @@ def check_sections(sections: Dict[str, Any]) -> Tuple[DataConfig, OptimConfig, R
     optim = build_dataclass(OptimConfig, sections["optim"], "optim")
     run = build_dataclass(RunConfig, sections["run"], "run")
     data_cfg.validate("data")
+    runtime_section(sections)
     out = Path(run.output_dir).expanduser()
     probe = out
     while not probe.exists() and probe != probe.parent:
@@ -199,7 +211,8 @@ def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None)
     if main:
         out.mkdir(parents=True, exist_ok=True)
         summary = model_summary(config)
-        resolved = {"model": config.to_dict(), "data": to_dict(data_cfg), "optim": to_dict(optim), "run": to_dict(run)}
+        resolved = {"model": config.to_dict(), "data": to_dict(data_cfg), "optim": to_dict(optim), "run": to_dict(run),
+                    "runtime": to_dict(config.runtime)}
         write_json(out / "config.resolved.json", resolved, default=str)
         print(json_text({"params": summary["params"], "non_embedding_params": summary["non_embedding_params"],
                           "layer_plan": summary["layer_plan"], "world_size": dist.world_size,

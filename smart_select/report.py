@@ -1,8 +1,10 @@
-"""The SMART report: per-layer KL, sensitivity and choice as JSON, a Markdown table and a bar chart."""
+"""The SMART report: per-layer KL, sensitivity and choice as JSON, a Markdown table and a bar chart; and the MLA
+layers read back from it (:func:`layers_from_report`, for ``upcycle compose --from-smart`` and the route)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.utils.atomic import save_figure, write_json
@@ -11,6 +13,7 @@ from hybridlm.config.layers import validate_layers
 
 from .selection import KLValues, _finite, _kl_list
 
+REPORT_JSON = "smart_report.json"
 FIG_SIZE_IN = (8.0, 4.5)  # width, height in inches
 FIG_DPI = 100  # -> an 800 x 450 pixel PNG
 CHOSEN_COLOR = "#d62728"
@@ -21,7 +24,7 @@ def _kv_summary(kv: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
     if kv is None:
         return None
     keys = ("ratio", "compression", "teacher_values_per_token", "hybrid_values_per_token",
-            "teacher_bytes_per_token", "hybrid_bytes_per_token", "kv_lora_rank", "rope_dim", "mla_layers")
+            "teacher_bytes_per_token", "hybrid_bytes_per_token", "kv_lora_rank", "qk_rope_head_dim", "mla_layers")
     missing = [k for k in ("ratio", "compression") if k not in kv]
     if missing:
         raise ConfigError(f"kv_report: expected the dict returned by hybridlm.kv_report.kv_report, missing {missing}")
@@ -60,7 +63,7 @@ def write_smart_report(out_dir: Union[str, Path], kl_all: float, kl_per_layer: K
     rows = [dict(layer=i, kl=kl[i], sensitivity=sens[i], chosen=i in chosen_set) for i in range(L)]
     payload = dict(num_layers=L, n_mla=len(chosen_sorted), kl_all=base, chosen=chosen_sorted,
                    sensitivity_sum=sum(sens[i] for i in chosen_sorted), layers=rows, kv=kv)
-    paths = dict(json=out / "smart_report.json", md=out / "smart_report.md", png=out / "smart_report.png")
+    paths = dict(json=out / REPORT_JSON, md=out / "smart_report.md", png=out / "smart_report.png")
     write_json(paths["json"], payload)
 
     lines = [f"# SMART layer selection: {len(chosen_sorted)} MLA of {L} layers", "",
@@ -114,4 +117,22 @@ def _bar_chart(path: Path, sens: Sequence[float], chosen: set, kv: Optional[Mapp
     save_figure(fig, path, dpi=FIG_DPI)
 
 
-__all__ = ["write_smart_report", "FIG_SIZE_IN", "FIG_DPI"]
+def layers_from_report(path: Union[str, Path]) -> Tuple[List[int], Optional[int]]:
+    """(the chosen MLA layers, num_layers) of a ``smart_report.json`` (or a directory holding one)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / REPORT_JSON
+    if not p.is_file():
+        raise ConfigError(f"--from-smart: {p} does not exist (expected the {REPORT_JSON} of `upcycle smart`)")
+    try:
+        rep = json.loads(p.read_text(encoding="utf-8"))
+        chosen = rep["chosen"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--from-smart: {p} is not a SMART report ({type(e).__name__}: {e})") from None
+    if not isinstance(chosen, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in chosen):
+        raise ConfigError(f"--from-smart: {p}: 'chosen' is not a list of layer indices")
+    n = rep.get("num_layers")
+    return chosen, n if isinstance(n, int) else None
+
+
+__all__ = ["write_smart_report", "layers_from_report", "REPORT_JSON", "FIG_SIZE_IN", "FIG_DPI"]

@@ -100,19 +100,19 @@ def is_valid_selection(chosen: Sequence[int], sensitivity: Sequence[float], n_ml
     return all(b - a in (rule["gap_lo"], rule["gap_hi"]) for a, b in zip(chosen, chosen[1:]))
 
 
-def select_layers(sensitivity: Optional[Sequence[float]], n_mla: int, layers: Optional[Sequence[int]] = None,
+def select_layers(sensitivity: Optional[Sequence[float]], n_mla: int, mla_layers: Optional[Sequence[int]] = None,
                   num_layers: Optional[int] = None) -> List[int]:
     """The ``n_mla`` layers to make MLA, sorted.
 
-    With ``layers`` given, that explicit list is validated (in range, unique, ``n_mla`` long) and
+    With ``mla_layers`` given, that explicit list is validated (in range, unique, ``n_mla`` long) and
     returned sorted; ``sensitivity`` may then be None if ``num_layers`` is given. Otherwise the
     selection rule of this module's docstring is applied: first layer 0, last ``L - 2`` or ``L - 1``
     by sensitivity, gaps floor/ceil of the even spacing, maximum summed sensitivity (dynamic program,
     ties to the lexicographically smallest selection).
     """
     if sensitivity is None:
-        if layers is None or num_layers is None:
-            raise ConfigError("sensitivity: required unless an explicit `layers` list and `num_layers` are given")
+        if mla_layers is None or num_layers is None:
+            raise ConfigError("sensitivity: required unless an explicit `mla_layers` list and `num_layers` are given")
         L = num_layers
     else:
         if isinstance(sensitivity, (str, bytes)) or not isinstance(sensitivity, Sequence):
@@ -120,9 +120,9 @@ def select_layers(sensitivity: Optional[Sequence[float]], n_mla: int, layers: Op
         L = len(sensitivity)
         if num_layers is not None and num_layers != L:
             raise ConfigError(f"sensitivity: {L} values for a {num_layers}-layer model")
-    if layers is not None:
+    if mla_layers is not None:
         _check_n(n_mla, L)
-        return validate_layers(layers, n_mla, L)
+        return validate_layers(mla_layers, n_mla, L, field="mla_layers")
 
     rule = selection_rule(sensitivity, n_mla)
     s = [float(v) for v in sensitivity]

@@ -102,9 +102,11 @@ def austen_data(tmp_path_factory):
 def tiny_config(pattern="*-G-K-S-", mixer="gdn", **overrides):
     """A small hybrid with every sublayer kind; shapes only, random weights."""
     from hybridlm.model import HybridConfig
+    from hybridlm.model.runtime import RUNTIME_KEYS
+    runtime = {"backend": "torch", **{k: overrides.pop(k) for k in list(overrides) if k in RUNTIME_KEYS}}
     values = dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, hybrid_override_pattern=pattern, mixer=mixer,
-        backend="torch",
+        runtime=runtime,
         mla=dict(num_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
                  v_head_dim=16, rope_theta=10000.0),
         gdn=dict(num_heads=2, head_dim=16, num_v_heads=4, head_v_dim=8),
@@ -176,7 +178,7 @@ TINY_MODEL = [
     "model.gdn={num_heads: 2, head_dim: 8, num_v_heads: 2, head_v_dim: 8}",
     "model.kda={num_heads: 2, head_dim: 8, num_v_heads: 2, head_v_dim: 8}",
     "model.mamba2={d_state: 8, head_dim: 16, n_groups: 2, expand: 2}",
-    "model.loss_chunks=1",  # 64 tokens a micro-batch: one chunk of the 128k-vocabulary loss, not eight
+    "runtime.loss_chunks=1",  # 64 tokens a micro-batch: one chunk of the 128k-vocabulary loss, not eight
 ]
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

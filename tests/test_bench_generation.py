@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import save_tiny_llama, assert_chart
-from hybridlm.bench import generation as G
+from benchmarks.harness import generation as G
 from hybridlm.model import HybridForCausalLM
 from hybridlm.model.generate import greedy_generate
 
@@ -35,7 +35,7 @@ def models(tmp_path_factory):
     from upcycle.student import student_config
     root = tmp_path_factory.mktemp("bench_gen")
     teacher = save_tiny_llama(root / "teacher", num_layers=len(KINDS))
-    cfg = student_config(LlamaConfig.from_pretrained(teacher), KINDS, kv_lora_rank=KV_RANK, rope_dim=ROPE)
+    cfg = student_config(LlamaConfig.from_pretrained(teacher), KINDS, kv_lora_rank=KV_RANK, qk_rope_head_dim=ROPE)
     torch.manual_seed(0)
     HybridForCausalLM(cfg).save_pretrained(root / "hybrid")
     return root, teacher, root / "hybrid"

@@ -28,7 +28,7 @@ from conftest import interpreter_rounds_like_gpu, interpreter_run_of, kernel_cas
 
 # Code generation differs between Triton releases. Triton 3.7.x (the one torch 2.13 requires, constraints.txt, and
 # the one every GPU figure was measured with) compiles three configurations past the bounds below, each recorded
-# here with what it gives (python -m hybridlm.bench.kernel_compile --kernels conv); any other excess fails.
+# here with what it gives (python -m benchmarks.harness.kernel_compile --kernels conv); any other excess fails.
 TRITON_37 = __import__("triton").__version__.startswith("3.7.")
 KNOWN_37 = {
     # the 128-channel split forward: 246 registers against one output's 173, no spills
@@ -371,9 +371,9 @@ def test_split_rejects_mismatched_weights_and_widths():
 
 
 def test_split_kernels_compile_for_an_h200_as_the_single_output_ones():
-    """Compiled for sm_90 here (no GPU: hybridlm/bench/kernel_compile.py): choosing the output tensor per channel
+    """Compiled for sm_90 here (no GPU: benchmarks/harness/kernel_compile.py): choosing the output tensor per channel
     block keeps the rows' vector stores and loads, no spills, and about the registers of one output."""
-    from hybridlm.bench.kernel_compile import conv_cases
+    from benchmarks.harness.kernel_compile import conv_cases
     rows = list(conv_cases())
     key = lambda r: (r["kernel"], r["BD"], r["num_warps"], r.get("tiles"), r.get("BR"), r.get("X_ONCE"))  # noqa: E731
     single = {key(r): r for r in rows if r["segments"] == 1}
@@ -390,7 +390,7 @@ def test_pass1_with_x_once_loads_the_taps_rows_once_and_does_not_spill():
     """``X_ONCE`` (the pre-activation from the products' x tile) compiled for sm_90: where the autotuner may pick
     it, no spills, and fewer global loads than the same configuration loading each tap's rows again (at 32 or
     more channels those were 2-byte scalar loads, 16-32 a thread)."""
-    from hybridlm.bench.kernel_compile import conv_cases
+    from benchmarks.harness.kernel_compile import conv_cases
     rows = [r for r in conv_cases() if r["kernel"] == "causal_conv backward pass 1"]
     key = lambda r: (r["segments"], r["head_norm"], r["BD"], r["num_warps"], r["tiles"], r["BR"])  # noqa: E731
     per_tap = {key(r): r for r in rows if not r["X_ONCE"]}
@@ -425,7 +425,7 @@ def test_head_norm_kernels_compile_for_an_h200_without_spills():
     """q and k's heads normalised and repeated in the split conv, compiled for sm_90 here: no spills; the forward
     stores the repeated heads with the same 16-byte vectors (twice the stores of the plain split at its block), and
     pass 1 loads the copies' gradients as vectors too, in about the plain split's registers."""
-    from hybridlm.bench.kernel_compile import conv_cases
+    from benchmarks.harness.kernel_compile import conv_cases
     rows = list(conv_cases())
     key = lambda r: (r["kernel"], r["BD"], r["num_warps"], r.get("tiles"), r.get("BR"), r.get("X_ONCE"))  # noqa: E731
     plain = {key(r): r for r in rows if r["segments"] == 3 and not r["head_norm"]}

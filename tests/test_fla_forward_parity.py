@@ -1,12 +1,12 @@
 """Our GDN / KDA causal LM (torch path, its training path: residual adds in the norms) against fla 0.6's
 ``GatedDeltaNetForCausalLM`` / ``KDAForCausalLM`` on the same weights: every activation of fla's paired with ours
-(hybridlm/bench/fla_interpret.py ``ACTIVATION_MAP``; an fla activation with neither a counterpart nor a listed
+(tests/support/fla_interpret.py ``ACTIVATION_MAP``; an fla activation with neither a counterpart nor a listed
 reason for none is an error), logits, loss and every parameter's gradient.
 
 fla's models run Triton kernels only; here they run on the CPU through the Triton interpreter with two patches
-(hybridlm/bench/fla_interpret.py: autotuning to the first config, ``range`` loop variables as interpreter
+(tests/support/fla_interpret.py: autotuning to the first config, ``range`` loop variables as interpreter
 tensors). The interpreter and the patches hold for the whole process, so each family runs in a subprocess
-(``python -m hybridlm.bench.fla_interpret FAMILY``, both at once). fla takes its training path: the chunk
+(``python -m tests.support.fla_interpret FAMILY``, both at once). fla takes its training path: the chunk
 kernels (grad enabled) and its default criterion (GDN: the fused cross-entropy kernel; KDA in training: the
 fused linear cross-entropy), fp32.
 
@@ -45,7 +45,7 @@ PERTURB_BY = 1e-2
 
 def _script(family):
     kwargs = dict(CASES[family], perturb=PERTURB[family][0], perturb_by=PERTURB_BY)
-    return ("import json\nfrom hybridlm.bench import fla_interpret as F\nF.enable()\n"
+    return ("import json\nfrom tests.support import fla_interpret as F\nF.enable()\n"
             f"print(json.dumps(F.compare_causal_lm({family!r}, **{kwargs!r})))\n")
 
 
@@ -112,7 +112,7 @@ def test_the_comparison_notices_one_moved_weight(results, family):
 
 
 def test_an_fla_activation_without_a_counterpart_is_an_error():
-    from hybridlm.bench import fla_interpret as F
+    from tests.support import fla_interpret as F
     assert F.counterpart("model.layers.1.mlp_norm[1]", "gdn", 2) == ("model.layers.3.norm.add_and_normalise[1]", None)
     assert F.counterpart("model.layers.1[0]", "kda", 2) == ("model.norm.add_and_normalise[1]", None)
     assert F.counterpart("model.layers.0[0]", "kda", 2) == ("model.layers.2.norm.add_and_normalise[1]", None)

@@ -22,7 +22,7 @@ def tiny_teacher(n_kv=1, vocab=128):
 
 
 def student_of(teacher, kinds, **kw):
-    cfg = student_config(teacher.config, kinds, **{"rope_dim": 8, **kw})
+    cfg = student_config(teacher.config, kinds, **{"kv_lora_rank": 128, "qk_rope_head_dim": 8, **kw})
     student = HybridForCausalLM(cfg)
     init_student_from_teacher(student, teacher, kinds)
     return student
@@ -43,7 +43,7 @@ def test_exact_student_has_zero_ild_loss_and_a_random_one_does_not():
     gets ~0 loss; an all-Mamba2 student does not; gradients reach only the student's layers."""
     teacher = tiny_teacher(n_kv=1)
     ids = torch.randint(0, 128, (2, 17))
-    exact = student_of(teacher, ["mla"] * 3, q_lora_rank=64, kv_lora_rank=32, rope_dim=16)
+    exact = student_of(teacher, ["mla"] * 3, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16)
     loss, metrics = ild_loss(exact, teacher, ids)
     assert loss.item() < 1e-4 * 3 and metrics["layer_l2"] < 1e-4
     mamba = student_of(teacher, ["mamba2"] * 3)
@@ -55,12 +55,12 @@ def test_exact_student_has_zero_ild_loss_and_a_random_one_does_not():
 
 
 def test_proxy_swapped_perplexity_against_direct_computations(tmp_path):
-    """upcycle.ild_proxy.swapped_perplexity: no layers swapped is the teacher's own perplexity; a swapped-in
+    """benchmarks.harness.ild_proxy.swapped_perplexity: no layers swapped is the teacher's own perplexity; a swapped-in
     block whose mixer is silent (out_proj = 0) equals the teacher with that layer's attention output zeroed
     (computed here by a hook on the attention); the hooks are gone afterwards. The chart draws both panels."""
     import math
 
-    from upcycle.ild_proxy import plot_curves, swapped_perplexity
+    from benchmarks.harness.ild_proxy import plot_curves, swapped_perplexity
 
     teacher = tiny_teacher()
     ids = torch.randint(0, 128, (2, 17))
@@ -92,7 +92,8 @@ def test_ild_stage_trains_exports_and_skips_when_done(tmp_path, teacher_dir):
     alpaca = demo_file("alpaca_en_demo.json")
     env = subprocess_env()
     init = subprocess.run([sys.executable, "-m", "upcycle.cli", "init", "--teacher", str(teacher_dir), "--out",
-                           str(tmp_path / "init"), "--kv-rank", "32", "--rope-dim", "8", "--calib-tokens", "0"],
+                           str(tmp_path / "init"), "--kv-lora-rank", "32", "--qk-rope-head-dim", "8",
+                           "--calib-tokens", "0"],
                           cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert init.returncode == 0, init.stderr[-2000:]

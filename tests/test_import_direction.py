@@ -1,5 +1,6 @@
 """Imports run one way (docs/design.md): the library never imports a stage, a stage imports another only
-downward, no module circles, and imports inside functions only for optional or measurably costly packages.
+downward, the toolkit (library and stages) never imports the benchmarks or the tests, no module circles, and
+imports inside functions only for optional or measurably costly packages.
 
 The check reads the source (ast), so it sees imports hidden in functions that running the code would not."""
 import ast
@@ -12,8 +13,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = "hybridlm"
 STAGES = ("pretrain", "distill", "smart_select", "upcycle")
-# stage -> the stages it may build on (the route composes the distillation stages and SMART's selection)
-STAGE_DEPENDS = {"pretrain": set(), "distill": set(), "smart_select": set(), "upcycle": {"distill", "smart_select"}}
+# stage -> the stages it may build on (SMART measures its KL with the distillation loss; the route composes the
+# distillation stages and the SMART stage)
+STAGE_DEPENDS = {"pretrain": set(), "distill": set(), "smart_select": {"distill"}, "upcycle": {"distill", "smart_select"}}
+# above the stages, outside the installed wheel: they may import the toolkit, the toolkit never imports them
+BENCHMARKS = "benchmarks"
+OUTSIDE_THE_TOOLKIT = (BENCHMARKS, "tests", "conftest")
 # packages a function may import on use, and why (the import costs measured after torch + transformers on the
 # CI machine; the optional ones are extras or GPU-only)
 LAZY_OK = {
@@ -115,6 +120,42 @@ def test_stages_import_each_other_only_downward():
                 if other in STAGES and other != stage and other not in STAGE_DEPENDS[stage]:
                     bad.append(f"{m}:{line} -> {t}")
     assert not bad, "a stage imports a stage it does not build on:\n" + "\n".join(bad)
+
+
+def test_the_toolkit_never_imports_benchmarks_or_tests():
+    # benchmarks/ and tests/ are not in the wheel: an import of them works in a checkout and fails once installed
+    bad = [f"{m}:{line} imports {imported}" for m, line, imported, _, _ in IMPORTS
+           if imported.split(".")[0] in OUTSIDE_THE_TOOLKIT]
+    assert not bad, "the toolkit imports benchmarks/ or tests/:\n" + "\n".join(bad)
+
+
+def _benchmark_imports():
+    """(file, line, module) for each import of a project module in benchmarks/ (``from M import name`` -> M)."""
+    rows = []
+    for f in sorted((REPO / BENCHMARKS).rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            rows += [(f.relative_to(REPO), node.lineno, n) for n in names
+                     if n.split(".")[0] in (LIBRARY, *STAGES, BENCHMARKS)]
+    return rows
+
+
+def _exists(module: str) -> bool:
+    path = REPO.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def test_benchmarks_import_modules_that_exist():
+    # the benchmarks sit on top of the toolkit; a module moved or removed there shows here, not on a GPU host
+    rows = _benchmark_imports()
+    assert any(m.startswith(f"{BENCHMARKS}.harness.") for _, _, m in rows), "the scan sees no benchmark import"
+    bad = [f"{f}:{line} imports {m}" for f, line, m in rows if not _exists(m)]
+    assert not bad, "benchmarks/ imports modules that do not exist:\n" + "\n".join(bad)
 
 
 def _cycles(edges):

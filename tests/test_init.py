@@ -16,7 +16,7 @@ import torch
 from conftest import tiny_config
 from hybridlm.model import HybridForCausalLM
 from hybridlm.model.layers.conv import ShortConv
-from hybridlm.model.legacy_init import LEGACY_PARTS, apply_legacy_init
+from benchmarks.harness.legacy_init import LEGACY_PARTS, apply_legacy_init
 
 WIDTH = 4
 

@@ -249,7 +249,8 @@ def stages(tmp_path_factory):
     tok.save_pretrained(teacher)
     env = subprocess_env()
     init = subprocess.run([sys.executable, "-m", "upcycle.cli", "init", "--teacher", str(teacher), "--out",
-                           str(tmp / "init"), "--kv-rank", "32", "--rope-dim", "8", "--calib-tokens", "0"],
+                           str(tmp / "init"), "--kv-lora-rank", "32", "--qk-rope-head-dim", "8",
+                           "--calib-tokens", "0"],
                           cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert init.returncode == 0, init.stderr[-2000:]

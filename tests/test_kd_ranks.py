@@ -86,8 +86,8 @@ def runs(tmp_path_factory):
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     LlamaForCausalLM(cfg).save_pretrained(tmp / "teacher")
     tok.save_pretrained(tmp / "teacher")
-    finish(launch(["init", "--teacher", str(tmp / "teacher"), "--out", str(tmp / "init"), "--kv-rank", "32",
-                   "--rope-dim", "8", "--calib-tokens", "0"], 1))
+    finish(launch(["init", "--teacher", str(tmp / "teacher"), "--out", str(tmp / "init"), "--kv-lora-rank", "32",
+                   "--qk-rope-head-dim", "8", "--calib-tokens", "0"], 1))
     one = launch(kd_argv(tmp, tmp / "one", 4), 1)
     two = launch(kd_argv(tmp, tmp / "two", 2), 2)
     finish(one)

@@ -1,6 +1,6 @@
-"""hybridlm/bench/kernel_compile.py: its reading of PTX, and a kernel compiled for sm_90 without a GPU (the conv
+"""benchmarks/harness/kernel_compile.py: its reading of PTX, and a kernel compiled for sm_90 without a GPU (the conv
 kernels' own compile check is in tests/test_causal_conv.py)."""
-from hybridlm.bench.kernel_compile import compile_for_gpu, count_accesses, main
+from benchmarks.harness.kernel_compile import compile_for_gpu, count_accesses, main
 
 
 def test_accesses_are_counted_by_their_vector_width_first():

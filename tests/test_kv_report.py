@@ -16,19 +16,19 @@ def spread(L, n):
     return list(range(0, L, L // n))[:n]
 
 
-@pytest.mark.parametrize("name, n_mla, r_kv, d_rope, expected", [
+@pytest.mark.parametrize("name, n_mla, kv_lora_rank, qk_rope_head_dim, expected", [
     ("llama-3.2-1b", 8, 128, 32, 12.8), ("llama-3.2-1b", 4, 128, 32, 25.6),
     ("llama-3.2-3b", 14, 128, 64, 21.3), ("llama-3.2-3b", 6, 128, 64, 49.8),
     ("llama-3.1-8b", 16, 160, 64, 18.3), ("llama-3.1-8b", 8, 160, 64, 36.6),
 ])
-def test_published_ratios(name, n_mla, r_kv, d_rope, expected):
+def test_published_ratios(name, n_mla, kv_lora_rank, qk_rope_head_dim, expected):
     cfg = load_teacher_config(LLAMA_DIR / f"{name}.json")
-    rep = kv_report(cfg, spread(cfg.num_hidden_layers, n_mla), r_kv, d_rope)
+    rep = kv_report(cfg, spread(cfg.num_hidden_layers, n_mla), kv_lora_rank, qk_rope_head_dim)
     assert round(rep["compression"], 1) == expected
     assert rep["ratio"] == pytest.approx(1 / rep["compression"])
     L, n_kv, d_h = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     assert rep["teacher_values_per_token"] == L * 2 * n_kv * d_h
-    assert rep["hybrid_values_per_token"] == n_mla * (r_kv + d_rope)
+    assert rep["hybrid_values_per_token"] == n_mla * (kv_lora_rank + qk_rope_head_dim)
     assert rep["teacher_bytes_per_token"] == 2 * rep["teacher_values_per_token"]
     assert rep["hybrid_bytes_per_token"] == 2 * rep["hybrid_values_per_token"]
     assert len(rep["per_layer"]) == L

@@ -14,7 +14,7 @@ TINY = ["hidden_size=64", "intermediate_size=128", "hybrid_override_pattern=M-M-
 
 
 def test_cpu_run_same_batches_same_lrs(tmp_path, austen_data):
-    from hybridlm.bench import loss_parity as LP
+    from benchmarks.harness import loss_parity as LP
     from hybridlm.data import DataConfig, PackedBatches, PackedTokens
     from hybridlm.engine.schedule import lr_at
 
@@ -66,7 +66,7 @@ def _run(role, hashes, lrs, val=None, seed=0, init="fla"):
 
 
 def test_summary_peer_spread_and_ablation_rows():
-    from hybridlm.bench.loss_parity import summarize
+    from benchmarks.harness.loss_parity import summarize
     h, lr = ["a", "b"], [1.0, 2.0]
     report = {"runs": [_run("ours", h, lr, 4.60), _run("ours", h, lr, 4.70, init="legacy"),
                        _run("peer", h, lr, 4.50, seed=0), _run("peer", h, lr, 4.54, seed=1)]}
@@ -79,7 +79,7 @@ def test_summary_peer_spread_and_ablation_rows():
 
 
 def test_checks_catch_different_batches_or_lrs():
-    from hybridlm.bench.loss_parity import summarize
+    from benchmarks.harness.loss_parity import summarize
     run = _run
 
     report = {"runs": [run("ours", ["a", "b"], [1.0, 2.0]), run("peer", ["a", "c"], [1.0, 2.0])]}
@@ -103,7 +103,7 @@ def test_peers_have_our_parameter_count(family, peer, overrides, austen_data):
     """The peers built for the GPU runs (fla's need CUDA only to run) have exactly our parameter count; for
     mamba2 the pattern becomes one mixer per sublayer (the peers' blocks have no MLP)."""
     pytest.importorskip("fla.models")
-    from hybridlm.bench import loss_parity as LP
+    from benchmarks.harness import loss_parity as LP
 
     args = LP.parse_args(["--family", family, "--out", "unused", "--peer", peer, "--seq", "32",
                           "--model-override", *overrides])
@@ -129,7 +129,7 @@ def test_peer_init_follows_the_transformers_mamba2_step_by_step(tmp_path, austen
     """``--ours-init peer``: ours starts from the weights of transformers' Mamba2 built with the same seed; the
     two compute the same function (tests/test_peer_weights.py), so on a CPU in fp32 they train alike."""
     pytest.importorskip("transformers.models.mamba2")
-    from hybridlm.bench import loss_parity as LP
+    from benchmarks.harness import loss_parity as LP
 
     out = tmp_path / "parity"
     LP.main(["--family", "mamba2", "--steps", "3", "--out", str(out), "--data", str(austen_data), "--peer", "hf",
@@ -151,7 +151,7 @@ def test_peer_init_follows_the_transformers_mamba2_step_by_step(tmp_path, austen
 
 def test_peer_init_against_peer_ours_is_the_peers_weights(austen_data):
     """With ``--peer ours`` the ``peer`` variant is the peer run's initial model, tensor for tensor."""
-    from hybridlm.bench import loss_parity as LP
+    from benchmarks.harness import loss_parity as LP
 
     args = LP.parse_args(["--family", "gdn", "--out", "unused", "--peer", "ours", "--peer-init", "legacy",
                           "--ours-init", "fla", "peer", "--seq", "32", "--model-override", *TINY])
@@ -171,7 +171,7 @@ def test_peer_init_against_peer_ours_is_the_peers_weights(austen_data):
 def test_engine_runs_see_the_same_batches_and_fp32_matches_the_plain_loop(tmp_path, austen_data):
     """--ours-engine trains ours through the engine every stage uses, on the same batches with the same lrs;
     in fp32 it is the plain loop's training (same AdamW, clipping and schedule), so the curves agree."""
-    from hybridlm.bench import loss_parity as LP
+    from benchmarks.harness import loss_parity as LP
 
     steps, out = 4, tmp_path / "engine"
     LP.main(["--family", "gdn", "--steps", str(steps), "--out", str(out), "--data", str(austen_data),
@@ -195,7 +195,7 @@ def test_engine_runs_see_the_same_batches_and_fp32_matches_the_plain_loop(tmp_pa
 
 def test_two_architectures_of_ours_on_the_same_batches(tmp_path, austen_data):
     """--peer-config: the 75 % GDN hybrid against pure GDN (tiny shapes), one recipe, one plot."""
-    from hybridlm.bench import loss_parity as LP
+    from benchmarks.harness import loss_parity as LP
 
     out = tmp_path / "hybrid"
     mla = ("mla={num_heads: 2, q_lora_rank: 16, kv_lora_rank: 8, qk_nope_head_dim: 8, qk_rope_head_dim: 8, "
@@ -215,7 +215,7 @@ def test_two_architectures_of_ours_on_the_same_batches(tmp_path, austen_data):
 
 def test_resume_keeps_finished_runs_and_refuses_other_settings(tmp_path, austen_data):
     """--resume: a command cut off by a time limit continues with the runs it had not finished."""
-    from hybridlm.bench import loss_parity as LP
+    from benchmarks.harness import loss_parity as LP
 
     out = tmp_path / "parity"
     argv = ["--family", "gdn", "--steps", "2", "--out", str(out), "--data", str(austen_data), "--peer", "ours",
@@ -241,7 +241,7 @@ def test_a_time_limits_sigterm_keeps_the_cut_runs_curve_and_resume_finishes(tmp_
     JSON and chart, no further run starts, the command says how to go on; ``--resume`` then reruns the cut run."""
     import signal
 
-    from hybridlm.bench import loss_parity as LP
+    from benchmarks.harness import loss_parity as LP
 
     out = tmp_path / "parity"
     argv = ["--family", "gdn", "--steps", "3", "--out", str(out), "--data", str(austen_data), "--peer", "ours",
@@ -278,7 +278,7 @@ def test_peer_parts_copy_only_the_named_tensors(austen_data):
     """``peer:out_proj+A_log``: those tensors are the peer's initial weights, every other tensor is our own init
     with the same seed (the peer's init ablated part by part); a name that matches nothing is an error."""
     pytest.importorskip("transformers.models.mamba2")
-    from hybridlm.bench import loss_parity as LP
+    from benchmarks.harness import loss_parity as LP
 
     args = LP.parse_args(["--family", "mamba2", "--out", "unused", "--peer", "hf", "--seq", "32",
                           "--ours-init", "fla", "peer:out_proj+A_log", "--model-override", *MAMBA2_TINY])
@@ -303,7 +303,7 @@ def test_peer_parts_copy_only_the_named_tensors(austen_data):
 def test_only_ours_and_only_peer_merge_into_the_full_report(tmp_path, austen_data):
     """``--only ours`` and ``--only peer`` (two processes sharing a GPU) joined by ``--merge`` give the report of
     one process that ran both: the same runs, curves, gap and checks; other settings or a run twice are refused."""
-    from hybridlm.bench import loss_parity as LP
+    from benchmarks.harness import loss_parity as LP
 
     argv = ["--family", "gdn", "--steps", "2", "--data", str(austen_data), "--peer", "ours", "--seeds", "1",
             "--ours-seeds", "0", "--micro-batch", "2", "--seq", "32", "--warmup", "1", "--val-interval", "2",

@@ -37,7 +37,7 @@ def test_pattern_plan_and_ratio():
     (dict(mamba2=dict(head_dim=24)), "mamba2.head_dim: head_dim 24 does not divide d_inner 128"),
     (dict(mixer="rwkv"), "mixer: unknown mixer 'rwkv'"),
     (dict(gdn=dict(num_heads=2, heads=4)), "gdn: unknown key 'heads'"),
-    (dict(backend="cuda"), "backend: unknown backend 'cuda'"),
+    (dict(backend="cuda"), "runtime.backend: expected one of 'auto', 'torch', 'triton', got 'cuda'"),
     (dict(hybrid_override_pattern="----"), "hybrid_override_pattern: has no sequence mixer"),
     # sizes of 0 or below: named, not a ZeroDivisionError, a negative-dimension error or a silent default
     (dict(gdn=dict(num_heads=0)), "gdn.num_heads: must be a positive integer, got 0"),
@@ -47,8 +47,9 @@ def test_pattern_plan_and_ratio():
     (dict(mamba2=dict(expand=0)), "mamba2.expand: must be a positive integer, got 0"),
     (dict(mamba2=dict(d_state=0)), "mamba2.d_state: must be a positive integer, got 0"),
     (dict(rms_norm_eps=-1.0), "rms_norm_eps: must be a positive number, got -1.0"),
-    (dict(split_conv_outputs="yes"), "split_conv_outputs: must be true or false, got 'yes'"),
-    (dict(projection_grads_in_place=1), "projection_grads_in_place: must be true or false, got 1"),
+    (dict(split_conv_outputs="yes"), "runtime.split_conv_outputs: expected true or false, got 'yes'"),
+    (dict(projection_grads_in_place=1), "runtime.projection_grads_in_place: expected true or false, got 1"),
+    (dict(loss_chunks=0), "runtime.loss_chunks: expected an integer >= 1, got 0"),
 ])
 def test_bad_config_is_one_clear_line(values, field):
     with pytest.raises(ConfigError) as e:

@@ -1,5 +1,5 @@
 """transformers' Mamba2 peer normalises as ``--peer-norm`` says, whatever transformers is installed
-(hybridlm/bench/peer_norm.py).
+(benchmarks/harness/peer_norm.py).
 
 transformers before 5.24 normalised the gated RMSNorm over all of d_inner; mamba_ssm, ours and transformers 5.24 over
 groups of d_inner / n_groups. With n_groups > 1 the two are different functions of the same weights.
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from hybridlm.bench import loss_parity as LP
-from hybridlm.bench.peer_norm import grouped_gated_rms_norm, set_gated_norms
-from hybridlm.bench.peer_weights import load_peer_weights
+from benchmarks.harness import loss_parity as LP
+from benchmarks.harness.peer_norm import grouped_gated_rms_norm, set_gated_norms
+from benchmarks.harness.peer_weights import load_peer_weights
 from hybridlm.model import HybridForCausalLM
 from hybridlm.ops.elementwise import gated_rms_norm
 

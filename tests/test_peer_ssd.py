@@ -1,4 +1,4 @@
-"""The Mamba2 peer's chunked SSD (hybridlm/bench/peer_ssd.py) computes what transformers' reference SSD does."""
+"""The Mamba2 peer's chunked SSD (benchmarks/harness/peer_ssd.py) computes what transformers' reference SSD does."""
 import math
 
 import pytest
@@ -8,7 +8,7 @@ pytest.importorskip("transformers.models.mamba2")
 from transformers import Mamba2Config, Mamba2ForCausalLM  # noqa: E402
 from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
 
-from hybridlm.bench import peer_ssd  # noqa: E402
+from benchmarks.harness import peer_ssd  # noqa: E402
 
 
 @pytest.mark.parametrize("groups,with_state", [(1, False), (2, True), (4, False)])

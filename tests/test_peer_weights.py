@@ -1,4 +1,4 @@
-"""The loss-parity peers' weights on our model (hybridlm/bench/peer_weights.py): every tensor copied, and where
+"""The loss-parity peers' weights on our model (benchmarks/harness/peer_weights.py): every tensor copied, and where
 the peer runs on a CPU, the same logits.
 
 fla's GatedDeltaNet / KDA models run Triton kernels only (no forward here). Both Mamba2 peers take their naive
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import tiny_config
-from hybridlm.bench import loss_parity as LP
-from hybridlm.bench.peer_weights import load_peer_weights, mapped_peer_state
+from benchmarks.harness import loss_parity as LP
+from benchmarks.harness.peer_weights import load_peer_weights, mapped_peer_state
 from hybridlm.model import HybridForCausalLM
 
 PEER_ARGS = SimpleNamespace(seq=64, peer_chunk_size=16, peer_init="fla", peer_norm="grouped")
@@ -159,8 +159,8 @@ def test_fla_mamba2_torch_ssd_matches_ours_unless_groups_are_shared(n_groups, sa
     model; 2 or 4 groups are not, and with trained-like weights (dt ~ 1) the logits differ by ~15-25 %
     (at init, dt ~ 0.001-0.1 and the D skip hides it: ~1e-5). Giving every group the same B / C rows closes
     the gap, so the group order is the whole difference. If this starts failing for 2 / 4 groups, fla changed
-    its torch SSD: update hybridlm/bench/peer_weights.py's docstring and the bench's note."""
-    from hybridlm.bench.peer_weights import fla_mamba2_reads_groups_tiled
+    its torch SSD: update benchmarks/harness/peer_weights.py's docstring and the bench's note."""
+    from benchmarks.harness.peer_weights import fla_mamba2_reads_groups_tiled
 
     ours, peer = _pair("fla", "mamba2", mamba2=dict(d_state=16, head_dim=16, n_groups=n_groups, expand=2))
     assert peer.config.num_heads == 8

@@ -107,6 +107,6 @@ def test_fla_fused_norm_decodes_the_same_in_the_interpreter():
 
 
 if __name__ == "__main__":  # python tests/test_residual_in_norms.py -> one JSON line (TRITON_INTERPRET=1)
-    from hybridlm.bench import fla_interpret
+    from tests.support import fla_interpret
     fla_interpret.enable()
     print(json.dumps(run_fla_norms()))

@@ -22,7 +22,7 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
     # one step a stage, one validation batch, a small calibration: each stage runs and hands on a loadable model
     small = ["optim.micro_batch_size=2", "optim.global_batch_size=2", "optim.max_steps=1", "optim.warmup_steps=1",
              "run.progress=false", "run.eval_interval=0", "run.save_interval=0", "data.val_max_batches=1"]
-    overrides = [f"output_dir={out}", f"teacher={teacher}", "init.kv_rank=32", "init.rope_dim=8",
+    overrides = [f"output_dir={out}", f"teacher={teacher}", "init.kv_lora_rank=32", "init.qk_rope_head_dim=8",
                  "init.calib_tokens=512", "init.calib_seq_len=64",
                  f"ild.data.path={tmp_path / 'data'}", "ild.data.sources=[asset:alpaca_en_demo]",
                  "ild.data.seq_len=32", "smart.n_mla=2", "smart.batches=1", "smart.batch_size=2",
@@ -127,6 +127,7 @@ def test_route_smoke_on_real_smollm2(tmp_path):
 
 @pytest.mark.parametrize("override,message", [
     ("init.kv_rnk=64", "error: init: unknown key 'kv_rnk'"),
+    ("init.kv_rank=64", "error: init: unknown key 'kv_rank'"),  # the MLA student's name is kv_lora_rank
     ("smart.batchsize=4", "error: smart: unknown key 'batchsize'"),
     ("dpo.optim.lrr=1e-6", "error: dpo.optim: unknown key 'lrr'"),
     ("kd.kd.temprature=2", "error: kd.kd: unknown key 'temprature'"),

@@ -17,7 +17,7 @@ def route_cmd(tmp, out, ranks):
     small = ["optim.micro_batch_size=1", "optim.global_batch_size=2", "optim.max_steps=2", "optim.warmup_steps=1",
              "optim.precision=fp32", "run.progress=false", "run.eval_interval=0", "run.save_interval=0",
              f"data.val_max_batches={2 // ranks}"]  # counts global batches: the same 2 examples either way
-    overrides = [f"output_dir={out}", f"teacher={tmp / 'teacher'}", "init.kv_rank=32", "init.rope_dim=8",
+    overrides = [f"output_dir={out}", f"teacher={tmp / 'teacher'}", "init.kv_lora_rank=32", "init.qk_rope_head_dim=8",
                  "init.calib_tokens=512", "init.calib_seq_len=64", f"ild.data.path={tmp / 'data'}",
                  "ild.data.sources=[asset:alpaca_en_demo]", "ild.data.seq_len=32", "smart.n_mla=2",
                  "smart.batches=2", "smart.batch_size=2", "kd.data.path=asset:alpaca_en_demo",

@@ -108,16 +108,16 @@ def test_edge_counts():
 
 def test_explicit_layers_validated():
     s = [0.0] * 16
-    assert select_layers(s, 3, layers=[10, 0, 5]) == [0, 5, 10]
-    assert select_layers(None, 2, layers=[3, 1], num_layers=4) == [1, 3]
-    with pytest.raises(ConfigError, match="layers: index 16 out of range for a 16-layer model"):
-        select_layers(s, 2, layers=[0, 16])
-    with pytest.raises(ConfigError, match="layers: layer 5 is listed more than once"):
-        select_layers(s, 3, layers=[0, 5, 5])
-    with pytest.raises(ConfigError, match=r"layers: expected 4 layers \(n_mla\), got 3"):
-        select_layers(s, 4, layers=[0, 5, 10])
-    with pytest.raises(ConfigError, match="layers: expected integer"):
-        select_layers(s, 1, layers=[1.0])
+    assert select_layers(s, 3, mla_layers=[10, 0, 5]) == [0, 5, 10]
+    assert select_layers(None, 2, mla_layers=[3, 1], num_layers=4) == [1, 3]
+    with pytest.raises(ConfigError, match="mla_layers: index 16 out of range for a 16-layer model"):
+        select_layers(s, 2, mla_layers=[0, 16])
+    with pytest.raises(ConfigError, match="mla_layers: layer 5 is listed more than once"):
+        select_layers(s, 3, mla_layers=[0, 5, 5])
+    with pytest.raises(ConfigError, match=r"mla_layers: expected 4 layers \(n_mla\), got 3"):
+        select_layers(s, 4, mla_layers=[0, 5, 10])
+    with pytest.raises(ConfigError, match="mla_layers: expected integer"):
+        select_layers(s, 1, mla_layers=[1.0])
 
 
 def test_errors():

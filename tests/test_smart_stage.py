@@ -23,7 +23,7 @@ def _env():
     return subprocess_env()
 
 
-def _make_upcycled(root: Path, n_kv: int, rope_dim: int) -> dict:
+def _make_upcycled(root: Path, n_kv: int, qk_rope_head_dim: int) -> dict:
     """A tiny random Llama (real Llama-3.2 tokenizer) and its two students from `upcycle init`."""
     from hybridlm.data import load_tokenizer
     tok = load_tokenizer("asset:llama3.2")
@@ -35,7 +35,7 @@ def _make_upcycled(root: Path, n_kv: int, rope_dim: int) -> dict:
     LlamaForCausalLM(cfg).save_pretrained(teacher)
     tok.save_pretrained(teacher)
     init = subprocess.run([sys.executable, "-m", "upcycle.cli", "init", "--teacher", str(teacher), "--out",
-                           str(root / "init"), "--kv-rank", "32", "--rope-dim", str(rope_dim),
+                           str(root / "init"), "--kv-lora-rank", "32", "--qk-rope-head-dim", str(qk_rope_head_dim),
                            "--calib-tokens", "0"],  # SMART's subject is the swap, not calibrated students
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert init.returncode == 0, init.stderr[-2000:]
@@ -45,13 +45,13 @@ def _make_upcycled(root: Path, n_kv: int, rope_dim: int) -> dict:
 @pytest.fixture(scope="module")
 def gqa(tmp_path_factory):
     """2 KV heads, rope 8: an inexact MLA student (as in real use)."""
-    return _make_upcycled(tmp_path_factory.mktemp("gqa"), n_kv=2, rope_dim=8)
+    return _make_upcycled(tmp_path_factory.mktemp("gqa"), n_kv=2, qk_rope_head_dim=8)
 
 
 @pytest.fixture(scope="module")
 def exact(tmp_path_factory):
     """1 KV head, every head dim rotating, full ranks: the MLA student reproduces the teacher."""
-    return _make_upcycled(tmp_path_factory.mktemp("exact"), n_kv=1, rope_dim=16)
+    return _make_upcycled(tmp_path_factory.mktemp("exact"), n_kv=1, qk_rope_head_dim=16)
 
 
 @pytest.fixture(scope="module")
@@ -70,16 +70,18 @@ def _batches(data_dir, n=1, bs=2):
 
 
 def _load(paths):
-    from upcycle.compose import load_student
+    from hybridlm.students import load_student
     from hybridlm.teacher import load_teacher
     return load_teacher(paths["teacher"]), load_student(paths["mla"], "mla"), load_student(paths["mamba"], "mamba")
 
 
 def _parser():
-    from upcycle.smart_stage import add_subcommands
+    from smart_select.stage import add_subcommand as add_smart
+    from upcycle.compose import add_subcommand as add_compose
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="command")
-    add_subcommands(sub)
+    add_smart(sub)
+    add_compose(sub)
     return p
 
 
@@ -95,7 +97,7 @@ def _run_main(argv):
 # ----------------------------------------------------------------------------------------------- tests
 def test_swap_equals_explicit_composition_and_restores_the_student(gqa, data_dir):
     from upcycle.compose import compose_hybrid
-    from upcycle.smart_stage import layer_sensitivities, model_kl
+    from smart_select.stage import layer_sensitivities, model_kl
     teacher, mla, mamba = _load(gqa)
     batches = _batches(data_dir)
     before = list(mamba.model.layers)
@@ -153,7 +155,7 @@ def test_compose_round_trips_through_save_and_from_pretrained(gqa, tmp_path):
     for folder in (gqa["mla"], gqa["mamba"], tmp_path / "hybrid"):  # `upcycle init` and compose write no code
         assert not list(folder.glob("*.py")) and "auto_map" not in json.loads((folder / "config.json").read_text())
     args = _parser().parse_args(["compose", "--mla-student", str(gqa["mla"]), "--mamba-student", str(gqa["mamba"]),
-                                 "--layers", "0", "--out", str(tmp_path / "shared"), "--remote-code"])
+                                 "--mla-layers", "0", "--out", str(tmp_path / "shared"), "--remote-code"])
     args.fn(args)  # the opt-in
     assert (tmp_path / "shared" / "hybrid_lm_auto.py").is_file()
     assert "auto_map" in json.loads((tmp_path / "shared" / "config.json").read_text())
@@ -165,7 +167,7 @@ def test_exact_mla_student_has_zero_kl_and_smart_composes_it(exact, data_dir, tm
     layers by the selection rule, and the hybrid composed from its report is the one composed here."""
     from smart_select.selection import select_layers
     from upcycle.compose import compose_hybrid
-    from upcycle.smart_stage import model_kl
+    from smart_select.stage import model_kl
     teacher, mla, mamba = _load(exact)
     batches = _batches(data_dir)
     assert model_kl(teacher, mla, batches) < 1e-6
@@ -205,7 +207,7 @@ def test_smart_cli_end_to_end_writes_the_report(gqa, tmp_path, capsys):
     assert chosen[1] == (3 if s[3] > s[2] else 2)
     rep = json.loads((tmp_path / "smart" / "smart_report.json").read_text())
     assert rep["chosen"] == chosen and rep["num_layers"] == 4 and abs(rep["kl_all"] - result["kl_all"]) < 1e-12
-    assert rep["kv"]["kv_lora_rank"] == 32 and rep["kv"]["rope_dim"] == 8
+    assert rep["kv"]["kv_lora_rank"] == 32 and rep["kv"]["qk_rope_head_dim"] == 8
     # KV: 2 MLA layers * (32 + 8) values vs 4 layers * 2 * 2 kv heads * 16
     assert abs(rep["kv"]["ratio"] - 2 * 40 / (4 * 2 * 2 * 16)) < 1e-12
     assert "| layer |" in (tmp_path / "smart" / "smart_report.md").read_text()
@@ -217,7 +219,7 @@ def test_smart_cli_end_to_end_writes_the_report(gqa, tmp_path, capsys):
     # an explicit list is measured and reported as given
     args = p.parse_args(["smart", "--teacher", str(gqa["teacher"]), "--mla-student", str(gqa["mla"]),
                          "--mamba-student", str(gqa["mamba"]), "--data-path", str(tmp_path / "data"),
-                         "--seq-len", str(SEQ_LEN), "--batches", "1", "--batch-size", "2", "--layers", "1,3",
+                         "--seq-len", str(SEQ_LEN), "--batches", "1", "--batch-size", "2", "--mla-layers", "1,3",
                          "--out", str(tmp_path / "explicit")])
     assert args.fn(args)["chosen"] == [1, 3]
 
@@ -245,9 +247,10 @@ def test_errors_are_one_line(gqa, exact, tmp_path):
 
     base = ["--mla-student", str(gqa["mla"]), "--mamba-student", str(gqa["mamba"])]
     for argv, needle in [
-        (["compose", *base, "--layers", "0,9", "--out", str(tmp_path / "a")], "error: mla_layers: index 9 out of range"),
-        (["compose", *base, "--layers", "0,x", "--out", str(tmp_path / "a")], "error: --layers:"),
-        (["compose", "--mla-student", str(tmp_path / "nope"), "--mamba-student", str(gqa["mamba"]), "--layers", "0",
+        (["compose", *base, "--mla-layers", "0,9", "--out", str(tmp_path / "a")],
+         "error: mla_layers: index 9 out of range"),
+        (["compose", *base, "--mla-layers", "0,x", "--out", str(tmp_path / "a")], "error: --mla-layers:"),
+        (["compose", "--mla-student", str(tmp_path / "nope"), "--mamba-student", str(gqa["mamba"]), "--mla-layers", "0",
           "--out", str(tmp_path / "a")], "error: --mla-student:"),
         (["compose", *base, "--from-smart", str(tmp_path / "none.json"), "--out", str(tmp_path / "a")],
          "error: --from-smart:"),

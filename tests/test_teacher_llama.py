@@ -11,7 +11,7 @@ from conftest import LLAMA3, REPO, save_sharded_llama3_teacher
 from hybridlm.config.errors import ConfigError
 from hybridlm.model import HybridForCausalLM
 from hybridlm.teacher import load_teacher
-from upcycle.init_students import init_students
+from upcycle.init_students import InitConfig, init_students
 from upcycle.student import llama_shapes
 
 
@@ -36,7 +36,8 @@ def test_sharded_untied_llama3_teacher_loads_exactly(sharded_teacher):
 
 def test_init_students_from_a_sharded_llama3_teacher(sharded_teacher, tmp_path):
     path, model = sharded_teacher
-    summary = init_students(path, tmp_path / "init", kv_rank=16, rope_dim=4, calib_tokens=256, calib_seq_len=64)
+    summary = init_students(InitConfig(kv_lora_rank=16, qk_rope_head_dim=4, calib_tokens=256, calib_seq_len=64), path,
+                            tmp_path / "init")
     s = llama_shapes(model.config)
     for kind in ("mla", "mamba2"):
         student = HybridForCausalLM.from_pretrained(tmp_path / "init" / f"{kind}_student")

@@ -1,10 +1,10 @@
-"""The idle-gap reader of Chrome traces (hybridlm/bench/trace_gaps.py) on a hand-made trace."""
+"""The idle-gap reader of Chrome traces (benchmarks/harness/trace_gaps.py) on a hand-made trace."""
 import gzip
 import json
 
 import pytest
 
-from hybridlm.bench.trace_gaps import analyse, load_events, main, merged_busy, short_frame
+from benchmarks.harness.trace_gaps import analyse, load_events, main, merged_busy, short_frame
 
 ROOT = "/opt/env/lib/python3.12/site-packages/"
 
@@ -94,7 +94,7 @@ def test_short_frame_and_errors(tmp_path, capsys):
 
 
 def test_the_other_views_of_a_trace():
-    from hybridlm.bench.trace_gaps import (Trace, frame_times, gaps_by_step, host_frames_at_gaps, host_waits,
+    from benchmarks.harness.trace_gaps import (Trace, frame_times, gaps_by_step, host_frames_at_gaps, host_waits,
                                            kernel_sources)
     events = _trace() + [_x("cuda_runtime", "cudaStreamSynchronize", 300, 35, correlation=99)]
     tr = Trace(events)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from conftest import REPO, subprocess_env, assert_chart
-from hybridlm.bench import flops as F
+from benchmarks.harness import flops as F
 
 
 class MLPOnly(nn.Module):
@@ -49,7 +49,8 @@ def test_hybrid_gdn_layer_by_hand():
     from hybridlm.model import HybridConfig
     from hybridlm.model.summary import build_on_meta
     cfg = HybridConfig(vocab_size=100, hidden_size=16, intermediate_size=24, hybrid_override_pattern="G-",
-                       backend="torch", gdn=dict(num_heads=2, head_dim=8, num_v_heads=2, head_v_dim=8, conv_size=4))
+                       runtime={"backend": "torch"},
+                       gdn=dict(num_heads=2, head_dim=8, num_v_heads=2, head_v_dim=8, conv_size=4))
     d = 16
     gdn = d * (16 + 16 + 16 + 2 + 2 + 16) + 16 * d + 3 * 16 * 4  # q k v b a g, o_proj, three conv kernels
     n = gdn + 3 * d * 24 + 100 * d                                 # + SwiGLU + tied LM head
@@ -65,7 +66,7 @@ def test_hybrid_gdn_layer_by_hand():
 def test_attention_and_chunk_terms_by_hand():
     from hybridlm.model import HybridConfig
     cfg = HybridConfig(vocab_size=100, hidden_size=32, intermediate_size=24, hybrid_override_pattern="*-S-",
-                       backend="torch", mla=dict(num_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,
+                       runtime={"backend": "torch"}, mla=dict(num_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,
                                                  qk_rope_head_dim=4, v_head_dim=8),
                        mamba2=dict(d_state=4, head_dim=16, n_groups=1, expand=2))
     mla, ssd = F.hybrid_mixers(cfg)
@@ -82,7 +83,7 @@ def test_attention_and_chunk_terms_by_hand():
 
 def test_find_max_batch_takes_the_largest_that_fits():
     from types import SimpleNamespace
-    from pretrain.train_speed import OOM, measure
+    from benchmarks.train_speed import OOM, measure
 
     def fn(mb):
         if mb > 16:
@@ -103,24 +104,26 @@ def test_find_max_batch_takes_the_largest_that_fits():
 
 
 
-VARIANT = "model.intermediate_size=64:optim.grad_clip=0.5"
+VARIANT = "model.intermediate_size=64:optim.grad_clip=0.5:runtime.loss_chunks=2"
 
 
 def test_config_variants_parse_and_bad_ones_say_what_is_expected():
-    from pretrain.train_speed import file_stem, split_variant
-    assert split_variant("gdn_300m") == ("gdn_300m", [], [])
-    assert split_variant("gdn_300m:optim.step_on_device=true:model.split_conv_outputs=true") == (
-        "gdn_300m", ["split_conv_outputs=true"], ["step_on_device=true"])
+    from benchmarks.train_speed import file_stem, split_variant
+    assert split_variant("gdn_300m") == ("gdn_300m", {"model": [], "optim": [], "runtime": []})
+    assert split_variant("gdn_300m:optim.step_on_device=true:runtime.split_conv_outputs=true:model.mixer=kda") == (
+        "gdn_300m", {"model": ["mixer=kda"], "optim": ["step_on_device=true"],
+                     "runtime": ["split_conv_outputs=true"]})
     assert file_stem("gdn_300m:optim.step_on_device=true") == "gdn_300m_optim.step_on_device_true"
     assert file_stem("fla_gdn+late") == "fla_gdn_late" and file_stem("configs/models/gdn_300m.yaml") == "gdn_300m"
     for bad in ("gdn_300m:step_on_device=true", "gdn_300m:run.x=1", "gdn_300m:optim.lr"):
-        with pytest.raises(SystemExit, match=r"each override after ':' must be model.KEY=VALUE or optim.KEY=VALUE"):
+        with pytest.raises(SystemExit, match=r"each override after ':' must be model.KEY=VALUE, optim.KEY=VALUE "
+                                             r"or runtime.KEY=VALUE"):
             split_variant(bad)
 
 
 def test_keep_going_reports_a_failed_entry_and_runs_the_next(tmp_path, austen_data):
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "pretrain.train_speed", "--out", str(out), "--data", str(austen_data),
+    cmd = [sys.executable, "-m", "benchmarks.train_speed", "--out", str(out), "--data", str(austen_data),
            "--configs", "tiny_hybrid:model.rms_norm_eps=-1", "tiny_hybrid", "--peers", "--micro-batch", "2",
            "--seq", "32", "--steps", "1", "--warmup", "1", "--keep-going"]
     proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
@@ -134,7 +137,7 @@ def test_keep_going_reports_a_failed_entry_and_runs_the_next(tmp_path, austen_da
 def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     out = tmp_path / "bench"
     env = subprocess_env()
-    cmd = [sys.executable, "-m", "pretrain.train_speed", "--out", str(out), "--data", str(austen_data),
+    cmd = [sys.executable, "-m", "benchmarks.train_speed", "--out", str(out), "--data", str(austen_data),
            "--configs", "tiny_hybrid", f"tiny_hybrid:{VARIANT}", "--peers", "llama:tiny_hybrid", "fla_gdn", "llama:tiny_hybrid+late",
            "--micro-batch", "2",
            "--seq", "32", "--steps", "2", "--warmup", "1", "--profile", "2", "--trace",
@@ -149,14 +152,15 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
                              "llama:tiny_hybrid+late"]
     # a variant of a config with overrides of its own, in the same run
     variant = entries[f"tiny_hybrid:{VARIANT}"]
-    assert variant["overrides"] == {"model": ["intermediate_size=64"], "optim": ["grad_clip=0.5"]}
-    assert entries["tiny_hybrid"]["overrides"] == {"model": [], "optim": []}
+    assert variant["overrides"] == {"model": ["intermediate_size=64"], "optim": ["grad_clip=0.5"],
+                                    "runtime": ["loss_chunks=2"]}
+    assert entries["tiny_hybrid"]["overrides"] == {"model": [], "optim": [], "runtime": []}
     assert variant["status"] == "ok" and variant["params"] < entries["tiny_hybrid"]["params"]
     assert entries["fla_gdn"]["status"] == "skipped" and "CUDA" in entries["fla_gdn"]["reason"]
 
     from hybridlm.data import read_meta
     from hybridlm.model.summary import build_on_meta
-    from hybridlm.bench.common import model_section
+    from benchmarks.harness.common import model_section
     from hybridlm.model.configuration import resolve_model_config
     cfg = resolve_model_config(model_section("tiny_hybrid", []), read_meta(austen_data), austen_data)
     expected = F.train_flops_per_token(F.matmul_params(build_on_meta(cfg)), F.hybrid_mixers(cfg), 32)["total"]
@@ -184,14 +188,15 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     assert_chart(out / "train_speed.png")
     assert "ours tiny_hybrid" in proc.stdout and "tok/s" in proc.stdout
     # --trace: each profiled entry's steps as a Chrome trace with Python stacks (a CPU run has no kernels)
-    from hybridlm.bench.trace_gaps import load_events
-    for name in ("tiny_hybrid", "tiny_hybrid_model.intermediate_size_64_optim.grad_clip_0.5", "llama_tiny_hybrid",
+    from benchmarks.harness.trace_gaps import load_events
+    from benchmarks.train_speed import file_stem
+    for name in ("tiny_hybrid", file_stem(f"tiny_hybrid:{VARIANT}"), "llama_tiny_hybrid",
                  "llama_tiny_hybrid_late"):
         events = load_events(out / f"trace_{name}.json.gz")
         frames = [e["name"] for e in events if e.get("cat") == "python_function"]
         assert any("hybridlm/" in f for f in frames), frames[:5]
 
-    from pretrain.train_speed import merge
+    from benchmarks.train_speed import merge
     merged = merge([str(out / "train_speed.json"), str(out / "train_speed.json")], tmp_path / "merged")
     assert [e["name"] for e in merged["entries"]] == list(entries)
     assert_chart(tmp_path / "merged" / "train_speed.png")
@@ -205,7 +210,7 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
 
 
 def test_profile_categories():
-    from hybridlm.bench.profile_step import categorize
+    from benchmarks.harness.profile_step import categorize
     assert categorize("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul (GEMM)"
     assert categorize("chunk_gated_delta_rule_fwd_kernel_h_blockdim64") == "linear recurrence (fla chunk / recurrent)"
     assert categorize("ncclDevKernel_AllReduce_Sum_f32") == "nccl / communication"
@@ -215,7 +220,7 @@ def test_profile_categories():
 
 
 def test_gemm_flops_from_the_profilers_shapes():
-    from hybridlm.bench.profile_step import gemm_flops
+    from benchmarks.harness.profile_step import gemm_flops
     assert gemm_flops("aten::mm", [[16, 8], [8, 4]]) == 2 * 16 * 8 * 4
     assert gemm_flops("aten::addmm", [[4], [16, 8], [8, 4]]) == 2 * 16 * 8 * 4  # the added term is not a factor
     assert gemm_flops("aten::bmm", [[3, 16, 8], [3, 8, 4]]) == 3 * 2 * 16 * 8 * 4
@@ -227,7 +232,7 @@ def test_gemm_table_groups_the_step_gemms_by_shape():
     """Two profiled steps of a forward + backward through a linear and a GEMM accumulating in place: one row a
     GEMM op and shapes (the backward's weight-gradient mm included, the ``linear`` that called the forward's
     not), once a step, with the FLOPs of its shapes."""
-    from hybridlm.bench.profile_step import StepProfiler
+    from benchmarks.harness.profile_step import StepProfiler
     prof = StepProfiler(skip=1, active=2, device=torch.device("cpu"))
     a, w, acc = torch.randn(96, 32), torch.randn(48, 32, requires_grad=True), torch.zeros(48, 32)
     for _ in range(3):
@@ -252,7 +257,7 @@ def test_gemm_table_on_a_gpu_counts_each_calls_own_gemm_kernels():
     not counted. Profiler events as torch builds them from a CUDA trace."""
     from torch.autograd.profiler_util import FunctionEvent
 
-    from hybridlm.bench.profile_step import gemm_table
+    from benchmarks.harness.profile_step import gemm_table
     events = []
     for i in range(4):  # two profiled steps, two calls a step
         evt = FunctionEvent(id=i, name="aten::mm", thread=0, start_us=0, end_us=10,
@@ -267,7 +272,7 @@ def test_gemm_table_on_a_gpu_counts_each_calls_own_gemm_kernels():
 
 def test_profile_counts_kernels_only():
     """The GPU-side ``ProfilerStep#N`` range spans a whole step; counted as a kernel it doubled the total."""
-    from hybridlm.bench.profile_step import is_kernel_row
+    from benchmarks.harness.profile_step import is_kernel_row
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     assert is_kernel_row("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN", cuda)
     assert not is_kernel_row("ProfilerStep*", cuda)
@@ -279,8 +284,8 @@ def test_saved_activations_counts_what_autograd_keeps():
     """SwiGLU MLP on the torch path, bf16: the input x [d] for the two projections, gate and up [ffn] each, silu(gate)
     [ffn] for the product, and the product [ffn] for down_proj: 2 bytes x (d + 4 ffn) per token, weights excluded;
     per step, whatever the length, the concatenated gate | up weight of the fused projection, 2 bytes x 2 ffn x d."""
-    from hybridlm.bench.mixers import SHAPES_300M
-    from hybridlm.bench.saved_activations import saved_bytes_per_token
+    from benchmarks.harness.mixers import SHAPES_300M
+    from benchmarks.harness.saved_activations import saved_bytes_per_token
     d, ffn = SHAPES_300M["hidden_size"], SHAPES_300M["intermediate_size"]
     counted = saved_bytes_per_token("mlp", seq=64)
     assert counted["bytes_per_token"] == 2 * (d + 4 * ffn)

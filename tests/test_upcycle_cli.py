@@ -24,14 +24,14 @@ def tiny_llama(tmp_path_factory):
 
 def test_kv_report_reproduces_a_published_ratio():
     proc = upcycle("kv-report", "--teacher", "configs/llama/llama-3.1-8b.json", "--mla-layers",
-                   ",".join(str(i) for i in range(0, 32, 4)), "--kv-rank", 160, "--rope-dim", 64)
+                   ",".join(str(i) for i in range(0, 32, 4)), "--kv-lora-rank", 160, "--qk-rope-head-dim", 64)
     assert proc.returncode == 0, proc.stderr
     assert "compression 36.6x" in proc.stdout
 
 
 def test_init_writes_loadable_students_and_reports_kv(tmp_path, tiny_llama):
     out = tmp_path / "init"
-    proc = upcycle("init", "--teacher", tiny_llama, "--out", out, "--kv-rank", 32, "--rope-dim", 8)
+    proc = upcycle("init", "--teacher", tiny_llama, "--out", out, "--kv-lora-rank", 32, "--qk-rope-head-dim", 8)
     assert proc.returncode == 0, proc.stderr
     report = json.loads((out / "init_report.json").read_text())
     assert report["students"]["mla"]["kv_values_per_token"] == 4 * (32 + 8)
@@ -47,8 +47,8 @@ def test_init_writes_loadable_students_and_reports_kv(tmp_path, tiny_llama):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--kv-rank", 4096, "--rope-dim", 8], "error: kv_lora_rank: 4096 exceeds what the"),
-    (["--rope-dim", 7], "error: rope_dim: 7 must be even"),
+    (["--kv-lora-rank", 4096, "--qk-rope-head-dim", 8], "error: kv_lora_rank: 4096 exceeds what the"),
+    (["--qk-rope-head-dim", 7], "error: qk_rope_head_dim: 7 must be even"),
 ])
 def test_init_bad_ranks_are_one_line_and_write_nothing(tmp_path, tiny_llama, args, message):
     out = tmp_path / "init"
@@ -67,7 +67,7 @@ def test_init_refuses_a_non_llama_teacher(tmp_path):
 
 def test_kv_report_layer_out_of_range():
     proc = upcycle("kv-report", "--teacher", "configs/llama/llama-3.2-1b.json", "--mla-layers", "0,16",
-                   "--kv-rank", 128, "--rope-dim", 32)
+                   "--kv-lora-rank", 128, "--qk-rope-head-dim", 32)
     assert proc.returncode == 2 and "index 16 out of range for a 16-layer teacher" in proc.stderr
 
 

@@ -29,8 +29,8 @@ def tiny_student(teacher, kinds):
     from hybridlm.model import HybridForCausalLM
     from upcycle.student import student_config
     torch.manual_seed(1)
-    cfg = student_config(teacher.config, kinds, kv_lora_rank=32, rope_dim=8)
-    cfg.backend = "torch"
+    cfg = student_config(teacher.config, kinds, kv_lora_rank=32, qk_rope_head_dim=8)
+    cfg.runtime = dict(backend="torch")
     return HybridForCausalLM(cfg).eval()
 
 

@@ -40,9 +40,9 @@ def teacher_attention(model, x, positions=True):
     return out[0]
 
 
-def student_attention(model, q_rank, kv_rank, rope_dim, rope_init="frequency_matched"):
-    cfg = student_config(model.config, ["mla", "mla"], q_lora_rank=q_rank, kv_lora_rank=kv_rank,
-                         rope_dim=rope_dim, rope_init=rope_init)
+def student_attention(model, q_lora_rank, kv_lora_rank, qk_rope_head_dim, rope_init="frequency_matched"):
+    cfg = student_config(model.config, ["mla", "mla"], q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+                         qk_rope_head_dim=qk_rope_head_dim, rope_init=rope_init)
     mla = HybridForCausalLM(cfg).model.layers[0].mixer
     init_mla_from_attention(mla, model.model.layers[0].self_attn, n_kv=model.config.num_key_value_heads,
                             rope_init=rope_init)
@@ -53,7 +53,7 @@ def student_attention(model, q_rank, kv_rank, rope_dim, rope_init="frequency_mat
 def test_full_rank_without_positions_is_exact(n_kv):
     model = teacher(n_kv)
     x = torch.randn(2, 23, 64)
-    mla = student_attention(model, q_rank=64, kv_rank=64, rope_dim=0)
+    mla = student_attention(model, q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=0)
     assert rel_err(mla(x), teacher_attention(model, x, positions=False)) < 1e-5
 
 
@@ -61,7 +61,8 @@ def test_error_falls_monotonically_with_rank():
     model = teacher(2)
     x = torch.randn(2, 23, 64)
     ref = teacher_attention(model, x, positions=False)
-    errors = [rel_err(student_attention(model, q_rank=r, kv_rank=r, rope_dim=0)(x), ref) for r in (8, 16, 32, 48, 64)]
+    errors = [rel_err(student_attention(model, q_lora_rank=r, kv_lora_rank=r, qk_rope_head_dim=0)(x), ref)
+              for r in (8, 16, 32, 48, 64)]
     assert all(a > b for a, b in zip(errors, errors[1:])), errors
     assert errors[-1] < 1e-5 < errors[0]
 
@@ -72,7 +73,7 @@ def test_frequency_matched_rope_is_exact_for_one_kv_head_when_all_dims_rotate():
     model = teacher(1)
     x = torch.randn(2, 40, 64)
     ref = teacher_attention(model, x, positions=True)
-    assert rel_err(student_attention(model, 64, 64, rope_dim=16)(x), ref) < 1e-5
+    assert rel_err(student_attention(model, 64, 64, qk_rope_head_dim=16)(x), ref) < 1e-5
 
 
 def test_frequency_matched_rope_keeps_positions_better_than_published():
@@ -81,8 +82,8 @@ def test_frequency_matched_rope_keeps_positions_better_than_published():
     model = teacher(1)
     x = torch.randn(2, 40, 64)
     ref = teacher_attention(model, x, positions=True)
-    ours = rel_err(student_attention(model, 64, 64, rope_dim=8)(x), ref)
-    published = rel_err(student_attention(model, 64, 64, rope_dim=8, rope_init="published")(x), ref)
+    ours = rel_err(student_attention(model, 64, 64, qk_rope_head_dim=8)(x), ref)
+    published = rel_err(student_attention(model, 64, 64, qk_rope_head_dim=8, rope_init="published")(x), ref)
     assert ours * 5 < published, (ours, published)
 
 
@@ -90,15 +91,15 @@ def test_frequency_matched_beats_published_with_gqa():
     model = teacher(2)
     x = torch.randn(2, 40, 64)
     ref = teacher_attention(model, x, positions=True)
-    ours = rel_err(student_attention(model, 64, 64, rope_dim=8)(x), ref)
-    published = rel_err(student_attention(model, 64, 64, rope_dim=8, rope_init="published")(x), ref)
+    ours = rel_err(student_attention(model, 64, 64, qk_rope_head_dim=8)(x), ref)
+    published = rel_err(student_attention(model, 64, 64, qk_rope_head_dim=8, rope_init="published")(x), ref)
     assert ours < published, (ours, published)
 
 
 def test_rank_larger_than_the_matrix_is_a_clear_error():
     model = teacher(2)
     with pytest.raises(ConfigError, match="kv_lora_rank: 72 exceeds what the"):
-        student_attention(model, q_rank=64, kv_rank=72, rope_dim=0)
+        student_attention(model, q_lora_rank=64, kv_lora_rank=72, qk_rope_head_dim=0)
 
 
 def test_energy_rank_rounds_up_to_eight():
@@ -135,11 +136,11 @@ def test_llama3_pairs_a_base_alone_cannot_reproduce():
     """Without per-pair frequencies in the model, a llama3 teacher's blended and divided pairs rotate
     differently in the student; with them, none do. An unscaled teacher never needs them."""
     plain = llama_shapes(teacher(1).config)
-    cfg = student_config(teacher(1).config, ["mla", "mla"], kv_lora_rank=64, rope_dim=16)
+    cfg = student_config(teacher(1).config, ["mla", "mla"], kv_lora_rank=64, qk_rope_head_dim=16)
     assert rope_mismatch(plain, cfg.mla)["mismatched"] == 0 and cfg.mla.get("rope_inv_freq") is None
     model = teacher(1, rope_scaling=SCALINGS["llama3"])
     s = llama_shapes(model.config)
-    cfg = student_config(model.config, ["mla", "mla"], kv_lora_rank=64, rope_dim=16)
+    cfg = student_config(model.config, ["mla", "mla"], kv_lora_rank=64, qk_rope_head_dim=16)
     assert rope_mismatch(s, cfg.mla)["mismatched"] == 0
     base_only = {k: v for k, v in cfg.mla.items() if k != "rope_inv_freq"}  # what a single base would give
     assert rope_mismatch(s, base_only)["mismatched"] == 7
@@ -156,7 +157,7 @@ def test_yarn_attention_scaling_goes_into_the_queries():
     cos, sin = model.model.rotary_emb(x, torch.arange(T)[None])
     ref = model.model.layers[0].self_attn(x, position_embeddings=(torch.full_like(cos, factor), torch.zeros_like(sin)),
                                           attention_mask=None)[0]
-    assert rel_err(student_attention(model, q_rank=64, kv_rank=64, rope_dim=0)(x), ref) < 1e-5
+    assert rel_err(student_attention(model, q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=0)(x), ref) < 1e-5
 
 
 @pytest.mark.parametrize("kind", sorted(SCALINGS))
@@ -166,4 +167,4 @@ def test_frequency_matched_rope_is_exact_for_a_scaled_teacher(kind):
     model = teacher(1, rope_scaling=SCALINGS[kind])
     x = torch.randn(2, 96, 64)  # past original_max_position_embeddings 64 (still inside 512 for dynamic)
     ref = teacher_attention(model, x, positions=True)
-    assert rel_err(student_attention(model, 64, 64, rope_dim=16)(x), ref) < 1e-5
+    assert rel_err(student_attention(model, 64, 64, qk_rope_head_dim=16)(x), ref) < 1e-5

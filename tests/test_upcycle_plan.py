@@ -13,10 +13,10 @@ from hybridlm.config.loader import load_config
 from hybridlm.config.structured import build_dataclass
 from hybridlm.kv_report import kv_report, load_teacher_config
 from hybridlm.model import HybridForCausalLM
+from smart_select.stage import SmartConfig
 from upcycle.init_students import InitConfig
 from upcycle.plan import BF16, FP32, activation_bytes, activation_widths, plan_route, student_kinds
 from upcycle.route import ROUTE_SECTIONS, _stage_sections, check_route
-from upcycle.smart_stage import SmartConfig
 from upcycle.student import student_config
 
 LLAMA_ROUTES = sorted((REPO / "configs" / "upcycle").glob("llama*.yaml"))
@@ -31,7 +31,7 @@ def tiny_teacher_config(tie):
 def tiny_route(ckpt=False):
     optim = {"micro_batch_size": 2, "global_batch_size": 16, "max_steps": 10, "lr": 1e-4,
              "activation_checkpointing": ckpt}
-    return {"init": {"q_rank": 48, "kv_rank": 24, "rope_dim": 8, "calib_tokens": 128},
+    return {"init": {"q_lora_rank": 48, "kv_lora_rank": 24, "qk_rope_head_dim": 8, "calib_tokens": 128},
             "ild": {"data": {"seq_len": 32}, "optim": dict(optim)},
             "smart": {"n_mla": 2, "batches": 2, "batch_size": 2},
             "kd": {"data": {"seq_len": 32}, "kd": {"chunk_tokens": 16}, "optim": dict(optim)},
@@ -39,7 +39,7 @@ def tiny_route(ckpt=False):
 
 
 def direct(cfg, kinds):
-    model = HybridForCausalLM(student_config(cfg, kinds, q_lora_rank=48, kv_lora_rank=24, rope_dim=8))
+    model = HybridForCausalLM(student_config(cfg, kinds, q_lora_rank=48, kv_lora_rank=24, qk_rope_head_dim=8))
     layers = sum(p.numel() for p in model.model.layers.parameters())
     return model, sum(p.numel() for p in model.parameters()), layers
 
@@ -73,7 +73,7 @@ def test_plan_bytes_match_a_direct_computation(tie):
 
 def test_activation_model_by_hand():
     cfg = student_config(tiny_teacher_config(True), ["mla", "mamba2"] * 2, q_lora_rank=48, kv_lora_rank=24,
-                         rope_dim=8)
+                         qk_rope_head_dim=8)
     d, f, H = 64, 96, 4
     mla = 2 * d + 48 + H * 16 + 24 + 8 + H * (8 + 16) + 2 * H * 16 + H * 16 + 2 * H
     # MambaInLlama shapes: d_inner 64, d_xb 32, d_state 16, 4 heads of 16, 4 groups
@@ -95,6 +95,9 @@ def test_plan_refuses_what_it_does_not_model():
         plan_route(route, tiny_teacher_config(True), 8)
     with pytest.raises(ConfigError, match="smart: the plan needs n_mla"):
         plan_route({**tiny_route(), "smart": {}}, tiny_teacher_config(True), 8)
+    # the route's own schemas: a key the route would refuse, the plan refuses too
+    with pytest.raises(ConfigError, match="init: unknown key 'kv_rank'"):
+        plan_route({**tiny_route(), "init": {"kv_rank": 24}}, tiny_teacher_config(True), 8)
 
 
 @pytest.mark.parametrize("path", LLAMA_ROUTES, ids=lambda p: p.stem)
@@ -116,7 +119,7 @@ def test_llama_routes_pass_the_route_schema_and_state_their_numbers(path):
     teacher = load_teacher_config(REPO / "configs" / "llama" / f"{TEACHERS[path.stem.split('_')[0]]}.json")
     L = teacher.num_hidden_layers
     assert f"into {smart.n_mla} MLA + {L - smart.n_mla} Mamba2 layers" in text
-    kv = kv_report(teacher, range(smart.n_mla), init.kv_rank, init.rope_dim)
+    kv = kv_report(teacher, range(smart.n_mla), init.kv_lora_rank, init.qk_rope_head_dim)
     assert f"ratio {100 * kv['ratio']:.2f}%, compression {kv['compression']:.1f}x" in text
     for stage, cfg_stage in (("ILD", built["ild"]), ("KD", built["kd"])):
         o = cfg_stage["optim"]

@@ -1,7 +1,8 @@
 """``upcycle``: turn a pretrained Llama into MLA / Mamba2 students and report KV-cache sizes.
 
-    upcycle init --teacher asset:smollm2 --out runs/upcycle/init [--kv-rank 128 --rope-dim 32 ...]
-    upcycle kv-report --teacher configs/llama/llama-3.2-1b.json --mla-layers 0,5,10,14 --kv-rank 128 --rope-dim 32
+    upcycle init --teacher asset:smollm2 --out runs/upcycle/init [--kv-lora-rank 128 --qk-rope-head-dim 32 ...]
+    upcycle kv-report --teacher configs/llama/llama-3.2-1b.json --mla-layers 0,5,10,14 --kv-lora-rank 128 \\
+        --qk-rope-head-dim 32
     upcycle plan --config configs/upcycle/llama3.2-1b_8mla_route.yaml --gpus 8 --teacher configs/llama/llama-3.2-1b.json
 
 Every stage reads and writes transformers-format directories; outputs appear atomically.
@@ -9,43 +10,40 @@ Every stage reads and writes transformers-format directories; outputs appear ato
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import List, Optional
 
 from distill.cli import add_subcommands as add_distill_stages
 from hybridlm.config.errors import ConfigError
+from hybridlm.config.layers import parse_layers
 from hybridlm.model.configuration import REMOTE_CODE_HELP
 from hybridlm.config.loader import load_config
 from hybridlm.kv_report import format_kv_report, kv_report, load_teacher_config
 from hybridlm.teacher import resolve_teacher
 from hybridlm.training.exits import run_cli
+from smart_select.stage import add_subcommand as add_smart
+from upcycle.compose import add_subcommand as add_compose
+from upcycle.init_mamba import LINEAR_KINDS
 from upcycle.init_students import InitConfig, init_students  # flags default to the route's init section
 from upcycle.plan import add_subcommand as add_plan
 from upcycle.route import ROUTE_SECTIONS, run_route
 from upcycle.route_report import route_report
-from upcycle.smart_stage import add_subcommands as add_smart_and_compose
-
-
-def _layers(text: str) -> List[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise ConfigError(f"--mla-layers: expected comma-separated layer indices, got {text!r}") from None
+from upcycle.student import ROPE_INITS
 
 
 def cmd_kv_report(args) -> dict:
     source = args.teacher if str(args.teacher).endswith(".json") else resolve_teacher(args.teacher)
-    report = kv_report(load_teacher_config(source), _layers(args.mla_layers), args.kv_rank, args.rope_dim)
+    report = kv_report(load_teacher_config(source), parse_layers(args.mla_layers, "--mla-layers"), args.kv_lora_rank,
+                       args.qk_rope_head_dim)
     print(format_kv_report(report))
     return report
 
 
 def cmd_init(args) -> dict:
-    return init_students(args.teacher, args.out, q_rank=args.q_rank, kv_rank=args.kv_rank, energy=args.energy,
-                         rope_dim=args.rope_dim, rope_init=args.rope_init, linear_mixer=args.linear_mixer,
-                         seed=args.seed, calib_sources=args.calib_sources, calib_tokens=args.calib_tokens,
-                         overwrite=args.overwrite, remote_code=args.remote_code)
+    cfg = InitConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(InitConfig)})
+    return init_students(cfg, args.teacher, args.out, overwrite=args.overwrite)
 
 
 def cmd_run(args) -> dict:
@@ -79,19 +77,24 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("init", help="build the pure-MLA (SVD) and pure linear-mixer (MambaInLlama) students")
     i.add_argument("--teacher", required=True, help="Llama directory, .gguf file, or asset:smollm2")
     i.add_argument("--out", required=True)
-    i.add_argument("--q-rank", type=int, default=None, help="q latent rank (default: full, n_heads * head_dim)")
-    i.add_argument("--kv-rank", type=int, default=InitConfig.kv_rank, help="kv latent rank r_kv")
-    i.add_argument("--energy", type=float, default=None, help="choose ranks by kept sigma^2 energy instead (0-1]")
-    i.add_argument("--rope-dim", type=int, default=InitConfig.rope_dim, help="decoupled RoPE dims per head")
-    i.add_argument("--rope-init", choices=("frequency_matched", "published"), default=InitConfig.rope_init)
-    i.add_argument("--linear-mixer", choices=("mamba2", "gdn", "kda"), default=InitConfig.linear_mixer)
+    i.add_argument("--q-lora-rank", type=int, default=InitConfig.q_lora_rank,
+                   help="q latent rank (default: full, n_heads * head_dim)")
+    i.add_argument("--kv-lora-rank", type=int, default=InitConfig.kv_lora_rank, help="kv latent rank")
+    i.add_argument("--energy", type=float, default=InitConfig.energy,
+                   help="choose ranks by kept sigma^2 energy instead (0-1]")
+    i.add_argument("--qk-rope-head-dim", type=int, default=InitConfig.qk_rope_head_dim,
+                   help="decoupled RoPE dims per head")
+    i.add_argument("--rope-init", choices=ROPE_INITS, default=InitConfig.rope_init)
+    i.add_argument("--linear-mixer", choices=LINEAR_KINDS, default=InitConfig.linear_mixer)
     i.add_argument("--seed", type=int, default=InitConfig.seed, help="seed of the default-initialised parameters (z, dt, conv)")
     i.add_argument("--calib-sources", nargs="+", default=InitConfig().calib_sources,
                    help="text (asset:<name>, .txt files or folders) whose teacher activations fit the linear "
                         "mixers' output scales")
     i.add_argument("--calib-tokens", type=int, default=InitConfig.calib_tokens, help="calibration tokens (0: no calibration)")
+    i.add_argument("--calib-seq-len", type=int, default=InitConfig.calib_seq_len,
+                   help="tokens per calibration window")
     i.add_argument("--overwrite", action="store_true")
-    i.add_argument("--remote-code", action="store_true",
+    i.add_argument("--remote-code", action="store_true", default=InitConfig.remote_code,
                    help=REMOTE_CODE_HELP)
     i.set_defaults(fn=cmd_init)
     r = sub.add_parser("run", help="the whole route: init, ILD of both students, SMART, compose, KD, DPO")
@@ -100,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. smart.n_mla=8")
     r.set_defaults(fn=cmd_run)
     add_distill_stages(sub)
-    add_smart_and_compose(sub)
+    add_smart(sub)
+    add_compose(sub)
     rp = sub.add_parser("report", help="perplexity of the teacher and of the hybrid after each stage of a route")
     rp.add_argument("--route-dir", required=True, help="the output_dir of `upcycle run`")
     rp.add_argument("--data", default=None, help="packed data whose validation split is the held-out text "
@@ -120,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("kv-report", help="KV-cache size of a hybrid against its Llama teacher, without weights")
     k.add_argument("--teacher", required=True, help="config.json, model directory, or asset:smollm2")
     k.add_argument("--mla-layers", required=True, help="comma-separated MLA layer indices, e.g. 0,5,10,14")
-    k.add_argument("--kv-rank", type=int, required=True)
-    k.add_argument("--rope-dim", type=int, required=True)
+    k.add_argument("--kv-lora-rank", type=int, required=True)
+    k.add_argument("--qk-rope-head-dim", type=int, required=True)
     k.set_defaults(fn=cmd_kv_report)
     add_plan(sub)
     return p

@@ -11,9 +11,9 @@ Which weights come from where, and why:
   MLP and norms of layer i co-adapted with that student's mixer of layer i; mixing an MLA mixer with a
   Mamba2-tuned MLP would pair parts that were never trained together.
 * **Embeddings, final norm, LM head**: ILD keeps them frozen, and both students were initialised from
-  the same teacher, so they must be identical in the two students. This is verified (bitwise); a
-  difference is a :class:`ConfigError` (the students do not come from the same teacher / run). The
-  linear-mixer student's copies are used.
+  the same teacher, so they must be identical in the two students. This is verified (bitwise,
+  :func:`hybridlm.students.check_shared_weights`); a difference is a :class:`ConfigError` (the students do not
+  come from the same teacher / run). The linear-mixer student's copies are used.
 
 The config follows :func:`upcycle.student.student_config`: pattern ``*`` for MLA layers and the other
 student's mixer symbol elsewhere (``pattern_for``), the ``mla`` arguments of the MLA student and every
@@ -21,63 +21,31 @@ other field (widths, vocab, norms eps, tying, the ``mamba2`` / ``gdn`` / ``kda``
 ids) from the linear-mixer student.
 
 ``compose_from_dirs`` does the same on saved student directories and writes the hybrid atomically (with
-the tokenizer of the linear-mixer student's directory and a ``compose.json`` of its provenance).
+the tokenizer of the linear-mixer student's directory and a ``compose.json`` of its provenance); ``upcycle compose``
+(:func:`add_subcommand`) runs it on the MLA layers of ``--mla-layers`` or of a SMART report (``--from-smart``).
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Sequence, Union
 
 import torch
 
 from hybridlm.config.errors import ConfigError
-from hybridlm.config.layers import validate_layers
+from hybridlm.config.layers import parse_layers
 from hybridlm.model import HybridConfig, HybridForCausalLM
+from hybridlm.model.configuration import REMOTE_CODE_HELP
 from hybridlm.model.generate import save_tokenizer, set_generation_defaults
-from hybridlm.model.pattern import student_kinds
+from hybridlm.students import check_layers, check_shared_weights, check_students, load_student, load_student_config
 from hybridlm.teacher import check_tokenizer_matches, load_teacher_tokenizer
 from hybridlm.utils.atomic import atomic_directory, write_json
+from smart_select.report import layers_from_report
 from upcycle.student import pattern_for
 
 PathLike = Union[str, os.PathLike]
-SHARED_KEYS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")  # frozen in ILD
 COMPOSE_INFO = "compose.json"
-
-
-def check_students(mla_cfg: HybridConfig, mamba_cfg: HybridConfig) -> Tuple[int, str]:
-    """ConfigError unless the two students fit together; returns (number of layers, linear mixer kind)."""
-    mla_kinds = student_kinds(mla_cfg, "mla student")
-    lin_kinds = student_kinds(mamba_cfg, "mamba student")
-    if set(mla_kinds) != {"mla"}:
-        raise ConfigError(f"mla student: expected MLA in every layer, got pattern {mla_cfg.hybrid_override_pattern!r}")
-    kinds = set(lin_kinds)
-    if len(kinds) != 1 or "mla" in kinds:
-        raise ConfigError(f"mamba student: expected one linear mixer (mamba2, gdn or kda) in every layer, "
-                          f"got pattern {mamba_cfg.hybrid_override_pattern!r}")
-    if len(mla_kinds) != len(lin_kinds):
-        raise ConfigError(f"students: the MLA student has {len(mla_kinds)} layers, the mamba student {len(lin_kinds)}")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "tie_word_embeddings"):
-        a, b = getattr(mla_cfg, key), getattr(mamba_cfg, key)
-        if a != b:
-            raise ConfigError(f"students: {key} differs (MLA student {a}, mamba student {b})")
-    return len(lin_kinds), lin_kinds[0]
-
-
-def check_layers(mla_layers: Any, num_layers: int) -> List[int]:
-    """Sorted, unique, in-range layer indices (ConfigError otherwise)."""
-    return validate_layers(mla_layers, None, num_layers, field="mla_layers")
-
-
-def check_shared_weights(mla_student, mamba_student) -> None:
-    """Embeddings, final norm and LM head must be bitwise equal in both students (frozen in ILD)."""
-    a, b = mla_student.state_dict(), mamba_student.state_dict()
-    for key in SHARED_KEYS:
-        if key not in a or key not in b:
-            raise ConfigError(f"students: {key} missing from a student's weights")
-        if a[key].shape != b[key].shape or not torch.equal(a[key].to(b[key].device, b[key].dtype), b[key]):
-            raise ConfigError(f"students: {key} differs between the MLA and mamba students (ILD keeps it frozen; "
-                              f"were both students initialised from the same teacher?)")
 
 
 # ---------------------------------------------------------------------------------------- composing
@@ -86,11 +54,11 @@ def composed_config(mla_cfg: HybridConfig, mamba_cfg: HybridConfig, mla_layers: 
 
     L, linear = check_students(mla_cfg, mamba_cfg)
     chosen = set(check_layers(mla_layers, L))
-    kinds = ["mla" if i in chosen else linear for i in range(L)]
+    layer_kinds = ["mla" if i in chosen else linear for i in range(L)]
     values = mamba_cfg.to_dict()
     for key in ("model_type", "transformers_version", "architectures", "num_hidden_layers", "_name_or_path"):
         values.pop(key, None)
-    values.update(hybrid_override_pattern=pattern_for(kinds), num_layers=2 * L, hybrid_attention_ratio=None,
+    values.update(hybrid_override_pattern=pattern_for(layer_kinds), num_layers=2 * L, hybrid_attention_ratio=None,
                   mixer=linear, mla=dict(mla_cfg.mla))
     return HybridConfig.from_dict(values)
 
@@ -132,35 +100,6 @@ def compose_hybrid(mla_student: HybridForCausalLM, mamba_student: HybridForCausa
 
 
 # ----------------------------------------------------------------------------------------- on disk
-def _student_dir(path: PathLike, who: str) -> Path:
-    p = Path(path).expanduser()
-    if not (p / "config.json").is_file():
-        raise ConfigError(f"{who}: {p} has no config.json (expected a student directory from `upcycle init` "
-                          f"or an ILD stage's final/)")
-    return p
-
-
-def load_student_config(path: PathLike, who: str) -> HybridConfig:
-    """Only the config of a student directory (cheap: for validating before loading weights)."""
-    p = _student_dir(path, who)
-    try:
-        return HybridConfig.from_pretrained(str(p))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"{who}: {p}/config.json is not a hybrid config ({msg})") from None
-
-
-def load_student(path: PathLike, who: str) -> HybridForCausalLM:
-    """A student directory (``upcycle init`` / ``ild`` output) loaded strictly; one-line errors."""
-    p = _student_dir(path, who)
-    try:
-        model = HybridForCausalLM.from_pretrained(str(p))
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"{who}: {p} cannot be loaded as a hybrid student ({msg})") from None
-    return model.eval()
-
-
 def compose_from_dirs(mla_dir: PathLike, mamba_dir: PathLike, mla_layers: Sequence[int], out_dir: PathLike,
                       overwrite: bool = False, remote_code: bool = False) -> Dict[str, Any]:
     """Load both students, compose, write ``out_dir`` atomically (weights, config, the linear student's
@@ -172,16 +111,16 @@ def compose_from_dirs(mla_dir: PathLike, mamba_dir: PathLike, mla_layers: Sequen
         raise ConfigError(f"--out: {out} already exists (pass --overwrite to replace it)")
     L, linear = check_students(load_student_config(mla_dir, "mla student"),
                                load_student_config(mamba_dir, "mamba student"))
-    layers = check_layers(mla_layers, L)  # fail before loading any weights
+    mla_layers = check_layers(mla_layers, L)  # fail before loading any weights
     mla = load_student(mla_dir, "mla student")
     mamba = load_student(mamba_dir, "mamba student")
     tokenizer = load_teacher_tokenizer(mamba_dir)
     check_tokenizer_matches(load_teacher_tokenizer(mla_dir), tokenizer)
-    hybrid = compose_hybrid(mla, mamba, layers)
+    hybrid = compose_hybrid(mla, mamba, mla_layers)
     info = {"mla_student": str(Path(mla_dir).resolve()), "mamba_student": str(Path(mamba_dir).resolve()),
-            "mla_layers": layers, "num_layers": L, "linear_mixer": linear,
+            "mla_layers": mla_layers, "num_layers": L, "linear_mixer": linear,
             "pattern": hybrid.config.hybrid_override_pattern,
-            "layer_sources": layer_sources(L, layers),
+            "layer_sources": layer_sources(L, mla_layers),
             "shared_weights_from": "mamba student (checked equal to the MLA student's)",
             "mla": {k: hybrid.config.mla[k] for k in ("kv_lora_rank", "qk_rope_head_dim")}}
     with atomic_directory(out, overwrite=overwrite) as tmp:
@@ -192,5 +131,42 @@ def compose_from_dirs(mla_dir: PathLike, mamba_dir: PathLike, mla_layers: Sequen
     return {**info, "out": str(out)}
 
 
-__all__ = ["compose_hybrid", "compose_from_dirs", "composed_config", "check_students", "check_layers",
-           "check_shared_weights", "load_student", "load_student_config", "layer_sources"]
+# ---------------------------------------------------------------------------------------------- CLI
+def cmd_compose(args) -> Dict[str, Any]:
+    for flag, d in (("--mla-student", args.mla_student), ("--mamba-student", args.mamba_student)):
+        if not Path(d).expanduser().is_dir():
+            raise ConfigError(f"{flag}: {d} is not a directory")
+    if (args.mla_layers is None) == (args.from_smart is None):
+        raise ConfigError("compose: give exactly one of --mla-layers or --from-smart")
+    if args.mla_layers is not None:
+        mla_layers = parse_layers(args.mla_layers, "--mla-layers")
+    else:
+        mla_layers, n = layers_from_report(args.from_smart)
+        cfg_file = Path(args.mamba_student).expanduser() / "config.json"
+        if n is not None and cfg_file.is_file():
+            plan_len = len(json.loads(cfg_file.read_text(encoding="utf-8")).get("hybrid_override_pattern", ""))
+            if plan_len and plan_len != 2 * n:
+                raise ConfigError(f"--from-smart: the report is for {n} layers, the students have {plan_len // 2}")
+    info = compose_from_dirs(args.mla_student, args.mamba_student, mla_layers, args.out, overwrite=args.overwrite,
+                             remote_code=args.remote_code)
+    print(f"hybrid {info['pattern']} (MLA layers {','.join(map(str, info['mla_layers'])) or 'none'}) -> {info['out']}",
+          flush=True)
+    return info
+
+
+def add_subcommand(subparsers) -> None:
+    """Register ``compose`` on an ``argparse`` subparsers object (``fn`` takes the namespace)."""
+    c = subparsers.add_parser("compose", help="compose the MLA + Mamba2 hybrid from the two students")
+    c.add_argument("--mla-student", required=True)
+    c.add_argument("--mamba-student", required=True)
+    g = c.add_mutually_exclusive_group(required=True)
+    g.add_argument("--mla-layers", default=None, help="comma-separated MLA layers, e.g. 0,5,10,14")
+    g.add_argument("--from-smart", default=None, help="smart_report.json (or its directory) of `upcycle smart`")
+    c.add_argument("--out", required=True)
+    c.add_argument("--overwrite", action="store_true")
+    c.add_argument("--remote-code", action="store_true",
+                   help=REMOTE_CODE_HELP)
+    c.set_defaults(fn=cmd_compose)
+
+
+__all__ = ["compose_hybrid", "compose_from_dirs", "composed_config", "layer_sources", "add_subcommand"]

@@ -23,16 +23,16 @@ from upcycle.student import teacher_rope
 from upcycle.teacher_attention import attention_weights
 
 
-def rope_rows(d_h: int, rope_dim: int, rope_init: str) -> List[int]:
+def rope_rows(d_h: int, qk_rope_head_dim: int, rope_init: str) -> List[int]:
     """Teacher head-dim rows that become the student's rope dims, in the student's rotate-half order."""
-    if rope_init == "frequency_matched":  # pairs (i, i + d_h/2) for the rope_dim/2 highest frequencies
-        half = rope_dim // 2
+    if rope_init == "frequency_matched":  # pairs (i, i + d_h/2) for the qk_rope_head_dim/2 highest frequencies
+        half = qk_rope_head_dim // 2
         return list(range(half)) + list(range(d_h // 2, d_h // 2 + half))
-    return list(range(rope_dim))
+    return list(range(qk_rope_head_dim))
 
 
-def _split_rows(d_h: int, rope_dim: int, rope_init: str):
-    rope = rope_rows(d_h, rope_dim, rope_init)
+def _split_rows(d_h: int, qk_rope_head_dim: int, rope_init: str):
+    rope = rope_rows(d_h, qk_rope_head_dim, rope_init)
     nope = [i for i in range(d_h) if i not in set(rope)]
     return nope, rope
 
@@ -59,11 +59,11 @@ def _factor(matrix: torch.Tensor, rank: int, field: str):
     return U[:, :rank], S[:rank, None] * Vh[:rank], float(energy[:rank].sum() / energy.sum())
 
 
-def mla_matrices(attn, n_h: int, n_kv: int, d_h: int, rope_dim: int, rope_init: str):
+def mla_matrices(attn, n_h: int, n_kv: int, d_h: int, qk_rope_head_dim: int, rope_init: str):
     """The three matrices the SVDs factor: W_q (reordered), stacked [K nope; V] per query head, shared K rope."""
     w = attention_weights(attn)
     d = w["q"].shape[1]
-    nope, rope = _split_rows(d_h, rope_dim, rope_init)
+    nope, rope = _split_rows(d_h, qk_rope_head_dim, rope_init)
     order = nope + rope
     wq = w["q"].view(n_h, d_h, d)[:, order].reshape(n_h * d_h, d)
     wk = w["k"].view(n_kv, d_h, d)
@@ -108,12 +108,13 @@ def teacher_attention_scaling(attn) -> float:
     return teacher_rope(cfg)["attention_scaling"]
 
 
-def energy_ranks(attns: Sequence, n_h: int, n_kv: int, d_h: int, rope_dim: int, delta: float,
+def energy_ranks(attns: Sequence, n_h: int, n_kv: int, d_h: int, qk_rope_head_dim: int, delta: float,
                  rope_init: str = "frequency_matched") -> Dict[str, int]:
-    """q / kv ranks reaching energy ``delta`` in every given layer (one MLA shape serves all layers)."""
-    q, kv = 8, 8
+    """``q_lora_rank`` / ``kv_lora_rank`` reaching energy ``delta`` in every given layer (one MLA shape serves all
+    layers)."""
+    q_lora_rank, kv_lora_rank = 8, 8
     for attn in attns:
-        wq, m, _, _ = mla_matrices(attn, n_h, n_kv, d_h, rope_dim, rope_init)
-        q = max(q, energy_rank(torch.linalg.svdvals(wq.double()), delta))
-        kv = max(kv, energy_rank(torch.linalg.svdvals(m.double()), delta))
-    return {"q_lora_rank": q, "kv_lora_rank": kv}
+        wq, m, _, _ = mla_matrices(attn, n_h, n_kv, d_h, qk_rope_head_dim, rope_init)
+        q_lora_rank = max(q_lora_rank, energy_rank(torch.linalg.svdvals(wq.double()), delta))
+        kv_lora_rank = max(kv_lora_rank, energy_rank(torch.linalg.svdvals(m.double()), delta))
+    return {"q_lora_rank": q_lora_rank, "kv_lora_rank": kv_lora_rank}

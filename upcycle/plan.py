@@ -42,9 +42,12 @@ import torch
 import yaml
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.config.structured import build_dataclass
 from hybridlm.kv_report import load_teacher_config
 from hybridlm.model import HybridForCausalLM
 from hybridlm.teacher import resolve_teacher
+from smart_select.stage import SmartConfig
+from upcycle.init_students import InitConfig
 from upcycle.student import llama_shapes, student_config
 
 GIB = 1024 ** 3
@@ -71,19 +74,19 @@ def student_kinds(L: int, n_mla: int, linear: str) -> List[str]:
     return ["mla" if i in mla else linear for i in range(L)]
 
 
-def models(teacher_cfg, init: Dict[str, Any], n_mla: int) -> Dict[str, Dict[str, Any]]:
+def models(teacher_cfg, init: InitConfig, n_mla: int) -> Dict[str, Dict[str, Any]]:
     """Parameter counts and config of the teacher, both ILD students and the composed hybrid."""
     from transformers import LlamaForCausalLM
 
     s = llama_shapes(teacher_cfg)
-    L, linear = s["L"], init.get("linear_mixer", "mamba2")
-    ranks = dict(q_lora_rank=init.get("q_rank"), kv_lora_rank=init.get("kv_rank", 128),
-                 rope_dim=init.get("rope_dim", 32), rope_init=init.get("rope_init", "frequency_matched"))
+    L, linear = s["L"], init.linear_mixer
     out = {"teacher": {"params": param_counts(_meta(lambda: LlamaForCausalLM(teacher_cfg))), "shapes": s}}
-    for name, kinds in (("mla_student", ["mla"] * L), (f"{linear}_student", [linear] * L),
-                        ("hybrid", student_kinds(L, n_mla, linear))):
-        cfg = student_config(teacher_cfg, kinds, **ranks)
-        out[name] = {"params": param_counts(_meta(lambda: HybridForCausalLM(cfg))), "kinds": kinds, "config": cfg}
+    for name, layer_kinds in (("mla_student", ["mla"] * L), (f"{linear}_student", [linear] * L),
+                              ("hybrid", student_kinds(L, n_mla, linear))):
+        cfg = student_config(teacher_cfg, layer_kinds, q_lora_rank=init.q_lora_rank, kv_lora_rank=init.kv_lora_rank,
+                             qk_rope_head_dim=init.qk_rope_head_dim, rope_init=init.rope_init)
+        out[name] = {"params": param_counts(_meta(lambda: HybridForCausalLM(cfg))), "layer_kinds": layer_kinds,
+                     "config": cfg}
     return out
 
 
@@ -110,19 +113,19 @@ def activation_widths(cfg, kind: str) -> Dict[str, float]:
     return {"mixer": mixer, "mlp": mlp}
 
 
-def activation_bytes(cfg, kinds: Sequence[str], tokens: int, checkpointing: bool) -> int:
+def activation_bytes(cfg, layer_kinds: Sequence[str], tokens: int, checkpointing: bool) -> int:
     """Bytes the backward keeps for one micro-batch of ``tokens`` tokens (b x s) through the decoder layers."""
-    per_layer = [sum(activation_widths(cfg, k).values()) for k in kinds]
+    per_layer = [sum(activation_widths(cfg, k).values()) for k in layer_kinds]
     if checkpointing:
-        return int(tokens * BF16 * (len(kinds) * cfg.hidden_size + max(per_layer)))
+        return int(tokens * BF16 * (len(layer_kinds) * cfg.hidden_size + max(per_layer)))
     return int(tokens * BF16 * sum(per_layer))
 
 
 # -------------------------------------------------------------------------------------------- FLOPs
-def forward_flops_per_token(cfg, kinds: Sequence[str], params: int, seq_len: int) -> float:
+def forward_flops_per_token(cfg, layer_kinds: Sequence[str], params: int, seq_len: int) -> float:
     """2 per parameter, causal attention of the MLA layers, and the Mamba2 scan (see the module docstring)."""
     flops = 2.0 * params
-    for k in kinds:
+    for k in layer_kinds:
         if k == "mla":
             a = cfg.mixer_args("mla")
             flops += 2 * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * a.num_heads * seq_len / 2
@@ -177,25 +180,24 @@ def plan_route(cfg: Dict[str, Any], teacher_cfg, gpus: int) -> List[StagePlan]:
     """One :class:`StagePlan` per stage of the route config ``cfg`` on ``gpus`` ranks."""
     if gpus < 1:
         raise ConfigError(f"--gpus: expected at least 1, got {gpus}")
-    init = dict(cfg.get("init") or {})
-    smart = dict(cfg.get("smart") or {})
-    n_mla = len(smart["layers"]) if smart.get("layers") else int(smart.get("n_mla") or 0)
+    init = build_dataclass(InitConfig, cfg.get("init") or {}, "init")
+    smart = build_dataclass(SmartConfig, cfg.get("smart") or {}, "smart")
+    n_mla = len(smart.mla_layers) if smart.mla_layers else int(smart.n_mla or 0)
     if not n_mla:
-        raise ConfigError("smart: the plan needs n_mla or layers (how many layers the hybrid keeps as MLA)")
+        raise ConfigError("smart: the plan needs n_mla or mla_layers (how many layers the hybrid keeps as MLA)")
     m = models(teacher_cfg, init, n_mla)
     shapes, T = m["teacher"]["shapes"], m["teacher"]["params"]["total"]
     V, d, L = shapes["vocab"], shapes["d"], shapes["L"]
     lookup = 0 if shapes["tie"] else V * d  # an untied input embedding is a lookup, not a matmul
     T_mm = T - lookup
-    linear = init.get("linear_mixer", "mamba2")
+    linear = init.linear_mixer
     plans: List[StagePlan] = []
 
     # init: rank 0, fp32 teacher and one fp32 student at a time (the calibration runs both on its GPU)
     biggest = max(m["mla_student"]["params"]["total"], m[f"{linear}_student"]["params"]["total"])
-    calib_len = int(init.get("calib_seq_len", 512))
-    plans.append(StagePlan("init", 1, 1, calib_len, int(init.get("calib_tokens", 4096)),
+    plans.append(StagePlan("init", 1, 1, init.calib_seq_len, init.calib_tokens,
                            {"teacher weights (fp32)": FP32 * T, "student weights (fp32)": FP32 * biggest},
-                           2.0 * (T + biggest) * int(init.get("calib_tokens", 4096)),
+                           2.0 * (T + biggest) * init.calib_tokens,
                            "rank 0 only; calibration forwards, no optimizer"))
 
     ild = dict(cfg.get("ild") or {})
@@ -208,23 +210,22 @@ def plan_route(cfg: Dict[str, Any], teacher_cfg, gpus: int) -> List[StagePlan]:
             st = m[f"{kind}_student"]
             p = st["params"]
             by = {"teacher weights (bf16)": BF16 * T, **trained_bytes(p["total"], p["layers"], gpus),
-                  "activations": activation_bytes(st["config"], st["kinds"], b * s, ckpt),
+                  "activations": activation_bytes(st["config"], st["layer_kinds"], b * s, ckpt),
                   "teacher trace / logits": BF16 * 3 * L * b * s * d}
             fl = (6.0 * p["layers"] + (2.0 if ckpt else 0.0) * p["layers"]
-                  + forward_flops_per_token(st["config"], st["kinds"], 0, s) * 3
+                  + forward_flops_per_token(st["config"], st["layer_kinds"], 0, s) * 3
                   + teacher_forward_flops(shapes, T_mm, s))
             plans.append(StagePlan(f"ild_{kind}", gpus, b, s, tokens, by, fl * tokens,
                                    "decoder layers train; embeddings and head frozen"))
 
-    if smart:
-        s = int((ild.get("data") or {}).get("seq_len", 1024))
-        b = int(smart.get("batch_size", 4))
-        tokens = int(smart.get("batches", 8)) * b * s
-        mla_p, lin_p = m["mla_student"]["params"]["total"], m[f"{linear}_student"]["params"]["total"]
-        by = {"teacher weights (bf16)": BF16 * T, "student weights (bf16)": BF16 * (mla_p + lin_p),
-              "teacher trace / logits": 3 * FP32 * b * s * V}
-        plans.append(StagePlan("smart", 1, b, s, tokens, by, 2.0 * (T_mm + (L + 1) * (lin_p - lookup)) * tokens,
-                               f"rank 0 only; forward only: the teacher and {L + 1} hybrids"))
+    s = int((ild.get("data") or {}).get("seq_len", 1024))
+    b = smart.batch_size
+    tokens = smart.batches * b * s
+    mla_p, lin_p = m["mla_student"]["params"]["total"], m[f"{linear}_student"]["params"]["total"]
+    by = {"teacher weights (bf16)": BF16 * T, "student weights (bf16)": BF16 * (mla_p + lin_p),
+          "teacher trace / logits": 3 * FP32 * b * s * V}
+    plans.append(StagePlan("smart", 1, b, s, tokens, by, 2.0 * (T_mm + (L + 1) * (lin_p - lookup)) * tokens,
+                           f"rank 0 only; forward only: the teacher and {L + 1} hybrids"))
 
     kd = dict(cfg.get("kd") or {})
     hy = m["hybrid"]
@@ -237,10 +238,11 @@ def plan_route(cfg: Dict[str, Any], teacher_cfg, gpus: int) -> List[StagePlan]:
         chunk = int((kd.get("kd") or {}).get("chunk_tokens", 1024))
         tokens = int(optim["max_steps"]) * int(optim["global_batch_size"]) * s
         by = {"teacher weights (bf16)": BF16 * T, **trained_bytes(hp, hp, gpus),
-              "activations": activation_bytes(hy["config"], hy["kinds"], b * s, ckpt) + BF16 * b * s * d,
+              "activations": activation_bytes(hy["config"], hy["layer_kinds"], b * s, ckpt) + BF16 * b * s * d,
               "teacher trace / logits": 3 * FP32 * min(chunk, b * s) * V}
         fl = (6.0 * hp_mm + (2.0 if ckpt else 0.0) * hp_mm
-              + 3 * forward_flops_per_token(hy["config"], hy["kinds"], 0, s) + teacher_forward_flops(shapes, T_mm, s))
+              + 3 * forward_flops_per_token(hy["config"], hy["layer_kinds"], 0, s)
+              + teacher_forward_flops(shapes, T_mm, s))
         plans.append(StagePlan("kd", gpus, b, s, tokens, by, fl * tokens, "every parameter trains"))
 
     dpo = dict(cfg.get("dpo") or {})
@@ -251,10 +253,10 @@ def plan_route(cfg: Dict[str, Any], teacher_cfg, gpus: int) -> List[StagePlan]:
         seqs = 2 * b  # chosen and rejected
         tokens = int(optim["max_steps"]) * int(optim["global_batch_size"]) * 2 * s
         by = {"reference weights (bf16)": BF16 * hp, **trained_bytes(hp, hp, gpus),
-              "activations": activation_bytes(hy["config"], hy["kinds"], seqs * s, ckpt),
+              "activations": activation_bytes(hy["config"], hy["layer_kinds"], seqs * s, ckpt),
               "teacher trace / logits": (BF16 + FP32 + FP32) * seqs * s * V}
         fl = (6.0 * hp_mm + (2.0 if ckpt else 0.0) * hp_mm
-              + 3 * forward_flops_per_token(hy["config"], hy["kinds"], 0, s) + 2.0 * hp_mm)
+              + 3 * forward_flops_per_token(hy["config"], hy["layer_kinds"], 0, s) + 2.0 * hp_mm)
         plans.append(StagePlan("dpo", gpus, b, s, tokens, by, fl * tokens,
                                "b pairs = 2b sequences padded to max_length"))
     return plans

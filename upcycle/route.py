@@ -7,7 +7,6 @@ that stage's ``data`` / ``optim`` / ``run`` (and ``kd`` / ``dpo``) settings, as 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Dict
@@ -21,12 +20,13 @@ from hybridlm.data import ensure_prepared
 from hybridlm.engine import barrier, init_distributed
 from hybridlm.teacher import load_teacher_tokenizer
 from hybridlm.utils.atomic import write_json
+from smart_select.report import layers_from_report
+from smart_select.stage import SmartConfig, run_smart
 from upcycle.compose import compose_from_dirs
 from upcycle.init_students import InitConfig, init_students
 from upcycle.route_inputs import check_route_inputs
 from upcycle.route_progress import RouteProgress, training_plan
 from upcycle.route_report import route_report
-from upcycle.smart_stage import SmartConfig, layers_from_report, run_smart
 
 ROUTE_SECTIONS = ("output_dir", "teacher", "init", "ild", "smart", "kd", "dpo", "report")
 
@@ -76,7 +76,7 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     out = Path(cfg["output_dir"])
     teacher = cfg.get("teacher") or "asset:smollm2"
     init_cfg = build_dataclass(InitConfig, cfg.get("init") or {}, "init")
-    smart = build_dataclass(SmartConfig, cfg.get("smart") or {}, "smart")
+    smart_cfg = build_dataclass(SmartConfig, cfg.get("smart") or {}, "smart")
     linear = init_cfg.linear_mixer
     report_opts = dict(cfg.get("report") or {})
     check_known_keys("report", report_opts, ("seq_len", "max_tokens", "heldout_sources", "targets", "cloze_items",
@@ -111,7 +111,7 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     progress.start("init")
     prepare_calibration_data(ild_data, teacher, calib, dist.rank)
     if dist.rank == 0 and not (init_dir / "init_report.json").is_file():
-        init_students(teacher, init_dir, overwrite=True, **dataclasses.asdict(init_cfg))
+        init_students(init_cfg, teacher, init_dir, overwrite=True)
     barrier()
     summary["init"] = json.loads((init_dir / "init_report.json").read_text())
 
@@ -125,16 +125,15 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     # every rank measures its share of the calibration batches; rank 0 writes the report only after the ranks'
     # sums are added, so each rank has looked for a finished report before any can be written
     if not (smart_dir / "smart_report.json").is_file():
-        run_smart(teacher, out / "ild_mla" / "final", out / f"ild_{linear}" / "final", ild_data,
-                  n_mla=smart.n_mla, layers=smart.layers, out_dir=smart_dir, batches=smart.batches,
-                  batch_size=smart.batch_size, dist=dist)
+        run_smart(smart_cfg, teacher, out / "ild_mla" / "final", out / f"ild_{linear}" / "final", ild_data, smart_dir,
+                  dist=dist)
     barrier()
-    chosen, _ = layers_from_report(smart_dir)
-    summary["smart"] = {"mla_layers": chosen}
+    mla_layers, _ = layers_from_report(smart_dir)
+    summary["smart"] = {"mla_layers": mla_layers}
 
     progress.start("compose")
     if dist.rank == 0 and not (hybrid / "config.json").is_file():
-        compose_from_dirs(out / "ild_mla" / "final", out / f"ild_{linear}" / "final", chosen, hybrid,
+        compose_from_dirs(out / "ild_mla" / "final", out / f"ild_{linear}" / "final", mla_layers, hybrid,
                           overwrite=True)
     barrier()
 

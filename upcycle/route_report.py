@@ -33,9 +33,10 @@ from hybridlm.eval.perplexity import token_windows
 from hybridlm.model import HybridForCausalLM
 from hybridlm.teacher import load_teacher, load_teacher_tokenizer
 from hybridlm.utils.atomic import atomic_write_text, json_text, save_figure, write_json
+from smart_select.report import layers_from_report
 from upcycle.calibrate import calibration_text
 from upcycle.compose import compose_from_dirs
-from upcycle.smart_stage import layers_from_report
+from upcycle.init_students import InitConfig
 
 STAGE_DIRS = (("ild_mla", "ILD (MLA student)"), ("ild_mamba2", "ILD (Mamba2 student)"),
               ("ild_gdn", "ILD (GDN student)"), ("ild_kda", "ILD (KDA student)"),
@@ -107,7 +108,7 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
     if generation_prompts:
         check_prompt_source_heldout(cfg)
         prompts = heldout_prompts(tokenizer, generation_prompts, generation_prompt_tokens)
-    linear = (cfg.get("init") or {}).get("linear_mixer", "mamba2")
+    linear = (cfg.get("init") or {}).get("linear_mixer", InitConfig.linear_mixer)
     teacher = load_teacher(teacher_spec).to(device=device, dtype=torch.float32).eval()
     generation = GenerationScorer(teacher, prompts, generation_tokens) if generation_prompts else None
 
@@ -116,11 +117,11 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
     ild_tokens = sum(v for k, v in tokens_by.items() if k.startswith("ILD"))
     models: List[tuple] = [("teacher", 0, lambda: teacher)]
     if (out / "smart" / "smart_report.json").is_file():
-        chosen, _ = layers_from_report(out / "smart")
+        mla_layers, _ = layers_from_report(out / "smart")
         init_hybrid = out / "hybrid_init"
         if not (init_hybrid / "config.json").is_file():
-            compose_from_dirs(out / "init" / "mla_student", out / "init" / f"{linear}_student", chosen, init_hybrid,
-                              overwrite=True)
+            compose_from_dirs(out / "init" / "mla_student", out / "init" / f"{linear}_student", mla_layers,
+                              init_hybrid, overwrite=True)
         models.append(("hybrid, init only", 0, lambda: HybridForCausalLM.from_pretrained(init_hybrid)))
     kd_tokens = ild_tokens + tokens_by.get("KD-SFT", 0)
     for label, trained, path in (("hybrid after ILD", ild_tokens, out / "hybrid"),

@@ -49,51 +49,54 @@ def pattern_for(layer_kinds: Sequence[str]) -> str:
 ROPE_INITS = ("frequency_matched", "published")
 
 
-def _model_inv_freq(theta: float, rope_dim: int):
+def _model_inv_freq(theta: float, qk_rope_head_dim: int):
     """The inverse frequencies the MLA layer computes from a base alone (hybridlm.model.layers.rope)."""
-    return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    return 1.0 / (theta ** (torch.arange(0, qk_rope_head_dim, 2, dtype=torch.float32) / qk_rope_head_dim))
 
 
-def kept_inv_freq(s: Dict[str, Any], rope_dim: int) -> List[float]:
-    """The teacher inverse frequencies of the rope_dim / 2 rotation pairs a ``frequency_matched`` MLA keeps."""
-    return s["rope"]["inv_freq"][:rope_dim // 2]
+def kept_inv_freq(s: Dict[str, Any], qk_rope_head_dim: int) -> List[float]:
+    """The teacher inverse frequencies of the qk_rope_head_dim / 2 rotation pairs a ``frequency_matched`` MLA
+    keeps."""
+    return s["rope"]["inv_freq"][:qk_rope_head_dim // 2]
 
 
 def rope_mismatch(s: Dict[str, Any], mla: Dict[str, Any], rel_tol: float = 1e-5) -> Dict[str, Any]:
     """How the student's rope pairs rotate against the teacher pairs they were taken from (``frequency_matched``):
     ``pairs`` kept, ``mismatched`` (relative frequency error above ``rel_tol``) and ``max_rel_err``."""
-    r = mla["qk_rope_head_dim"]
-    want = torch.tensor(kept_inv_freq(s, r), dtype=torch.float32)
+    qk_rope_head_dim = mla["qk_rope_head_dim"]
+    want = torch.tensor(kept_inv_freq(s, qk_rope_head_dim), dtype=torch.float32)
     got = (torch.tensor(mla["rope_inv_freq"], dtype=torch.float32) if mla.get("rope_inv_freq")
-           else _model_inv_freq(mla["rope_theta"], r))
-    err = ((got - want).abs() / want).tolist() if r else []
-    return {"pairs": r // 2, "mismatched": sum(e > rel_tol for e in err), "max_rel_err": max(err, default=0.0)}
+           else _model_inv_freq(mla["rope_theta"], qk_rope_head_dim))
+    err = ((got - want).abs() / want).tolist() if qk_rope_head_dim else []
+    return {"pairs": qk_rope_head_dim // 2, "mismatched": sum(e > rel_tol for e in err),
+            "max_rel_err": max(err, default=0.0)}
 
 
-def mla_args(s: Dict[str, Any], q_lora_rank: int, kv_lora_rank: int, rope_dim: int,
+def mla_args(s: Dict[str, Any], q_lora_rank: int, kv_lora_rank: int, qk_rope_head_dim: int,
              rope_init: str = "frequency_matched") -> Dict[str, Any]:
     """MLA of the same heads: nope + rope dims = the teacher's head dim, v = head dim, no latent norms
     (they would break the exact linear path of the SVD init).
 
-    ``frequency_matched`` (ours) keeps the teacher's rope_dim/2 highest-frequency rotation pairs as the
-    rope dims, each rotating at the frequency the teacher's attention gives it. For an unscaled teacher the
-    base theta^(rope_dim / d_h) does that. A scaled teacher (``rope_scaling`` llama3, linear, yarn, ...)
-    has frequencies no single base reproduces, so the layer gets them as ``rope_inv_freq`` (rope_dim / 2
+    ``frequency_matched`` (ours) keeps the teacher's qk_rope_head_dim / 2 highest-frequency rotation pairs as
+    the rope dims, each rotating at the frequency the teacher's attention gives it. For an unscaled teacher the
+    base theta^(qk_rope_head_dim / d_h) does that. A scaled teacher (``rope_scaling`` llama3, linear, yarn, ...)
+    has frequencies no single base reproduces, so the layer gets them as ``rope_inv_freq`` (qk_rope_head_dim / 2
     floats); :func:`rope_mismatch` checks the result pair by pair. A teacher's ``attention_scaling`` is
     folded into the query weights by :func:`upcycle.init_mla.init_mla_from_attention`.
-    ``published`` takes the first rope_dim rows of each head with the teacher's base: those rows get
+    ``published`` takes the first qk_rope_head_dim rows of each head with the teacher's base: those rows get
     re-paired and re-frequencied, as in the X-EcoMLA recipe."""
     if rope_init not in ROPE_INITS:
         raise ConfigError(f"rope_init: {rope_init!r} is not one of {', '.join(ROPE_INITS)}")
-    if rope_dim % 2 or not 0 <= rope_dim <= s["d_h"]:
-        raise ConfigError(f"rope_dim: {rope_dim} must be even and between 0 and the head dim {s['d_h']}")
+    if qk_rope_head_dim % 2 or not 0 <= qk_rope_head_dim <= s["d_h"]:
+        raise ConfigError(f"qk_rope_head_dim: {qk_rope_head_dim} must be even and between 0 and the head dim "
+                          f"{s['d_h']}")
+    matched = bool(qk_rope_head_dim) and rope_init == "frequency_matched"
     args = dict(num_heads=s["n_h"], q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
-                qk_nope_head_dim=s["d_h"] - rope_dim, qk_rope_head_dim=rope_dim, v_head_dim=s["d_h"],
-                rope_theta=s["theta"] ** (rope_dim / s["d_h"]) if rope_dim and rope_init == "frequency_matched"
-                else s["theta"],
+                qk_nope_head_dim=s["d_h"] - qk_rope_head_dim, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=s["d_h"],
+                rope_theta=s["theta"] ** (qk_rope_head_dim / s["d_h"]) if matched else s["theta"],
                 latent_norm=False, norm_eps=s["eps"])
-    if rope_dim and rope_init == "frequency_matched" and s["rope"]["rope_type"] != "default":
-        args["rope_inv_freq"] = kept_inv_freq(s, rope_dim)
+    if matched and s["rope"]["rope_type"] != "default":
+        args["rope_inv_freq"] = kept_inv_freq(s, qk_rope_head_dim)
     return args
 
 
@@ -110,9 +113,10 @@ def delta_rule_args(s: Dict[str, Any]) -> Dict[str, Any]:
     return dict(num_heads=s["n_h"], head_dim=s["d_h"], num_v_heads=s["n_h"], head_v_dim=s["d_h"], norm_eps=s["eps"])
 
 
-def student_config(llama_cfg, layer_kinds: Sequence[str], *, q_lora_rank: Optional[int] = None,
-                   kv_lora_rank: int = 128, rope_dim: int = 32, rope_init: str = "frequency_matched") -> HybridConfig:
-    """A :class:`HybridConfig` whose layer ``i`` uses mixer ``layer_kinds[i]`` (``mla | mamba2 | gdn | kda``)."""
+def student_config(llama_cfg, layer_kinds: Sequence[str], *, kv_lora_rank: int, qk_rope_head_dim: int,
+                   q_lora_rank: Optional[int] = None, rope_init: str = "frequency_matched") -> HybridConfig:
+    """A :class:`HybridConfig` whose layer ``i`` uses mixer ``layer_kinds[i]`` (``mla | mamba2 | gdn | kda``); the
+    MLA arguments are :func:`mla_args` of the ranks (``q_lora_rank`` None: the full ``n_heads * head_dim``)."""
     s = llama_shapes(llama_cfg)
     if len(layer_kinds) != s["L"]:
         raise ConfigError(f"layers: {len(layer_kinds)} kinds given for a teacher with {s['L']} layers")
@@ -123,7 +127,7 @@ def student_config(llama_cfg, layer_kinds: Sequence[str], *, q_lora_rank: Option
     return HybridConfig(
         vocab_size=s["vocab"], hidden_size=s["d"], intermediate_size=s["ffn"],
         hybrid_override_pattern=pattern_for(layer_kinds), mixer=next((k for k in layer_kinds if k != "mla"), "mamba2"),
-        mla=mla_args(s, q_lora_rank, kv_lora_rank, rope_dim, rope_init), mamba2=mamba2_args(s),
+        mla=mla_args(s, q_lora_rank, kv_lora_rank, qk_rope_head_dim, rope_init), mamba2=mamba2_args(s),
         gdn=delta_rule_args(s), kda=delta_rule_args(s), rms_norm_eps=s["eps"], tie_word_embeddings=s["tie"],
         bos_token_id=getattr(llama_cfg, "bos_token_id", None), eos_token_id=getattr(llama_cfg, "eos_token_id", None),
     )

@@ -1,4 +1,5 @@
-"""Validation of a list of decoder-layer indices (SMART's selection, the route's MLA layers, KV reports)."""
+"""Decoder-layer index lists (SMART's selection, the route's MLA layers, KV reports): validated, and read from a
+command line's comma-separated text."""
 from __future__ import annotations
 
 from typing import Any, Iterable, List, Optional
@@ -25,3 +26,12 @@ def validate_layers(layers: Any, n_mla: Optional[int], num_layers: int, field: s
     if n_mla is not None and len(layers) != n_mla:
         raise ConfigError(f"{field}: expected {n_mla} layers (n_mla), got {len(layers)}")
     return sorted(layers)
+
+
+def parse_layers(text: str, flag: str) -> List[int]:
+    """The layer indices of a comma-separated command-line value such as ``0,5,10,14`` (``flag`` names the option
+    in the error)."""
+    try:
+        return [int(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}: expected comma-separated layer indices such as 0,5,10,14, got {text!r}") from None

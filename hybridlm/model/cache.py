@@ -3,7 +3,7 @@
 * MLA (``*``): per token only the compressed KV latent (``kv_lora_rank`` values, after ``kv_a_norm``) and the
   rotated decoupled RoPE key (``qk_rope_head_dim`` values, one head shared by all heads). Decoding attends
   against the latent directly (W_UK absorbed into the query, W_UV into the output), so nothing per head is
-  ever cached: ``r_kv + d_rope`` values per token per MLA layer, as ``hybridlm/kv_report.py`` counts.
+  ever cached: ``kv_lora_rank + qk_rope_head_dim`` values per token per MLA layer, as ``hybridlm/kv_report.py`` counts.
 * GDN / KDA / Mamba2: the recurrent state ``[B, H, K, V]`` (fp32) and the last ``conv_size`` inputs of each
   short convolution -- a constant size, whatever the sequence length.
 * MLP (``-``): nothing.

@@ -23,7 +23,7 @@ from hybridlm.model.layers import GatedDeltaNet, KimiDeltaAttention, Mamba2, Mul
 from hybridlm.model.layers.init import init_residual_out_proj, init_short_conv_uniform
 from hybridlm.model.pattern import parse_pattern, pattern_from_ratio
 from hybridlm.model.registry import KV, RECURRENT, mixers, register_mixer
-from hybridlm.ops.backend import BACKENDS
+from hybridlm.model.runtime import RUNTIME_KEYS, RuntimeSettings, moved_key_error, runtime_settings
 
 
 def _positive(args, where: str, names) -> None:
@@ -177,51 +177,32 @@ class HybridConfig(PretrainedConfig):
         rms_norm_eps: float = 1e-6,
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = True,
-        backend: str = "auto",
-        loss_chunks: int = 8,
-        fuse_residual_norm: bool = True,
-        fuse_projections: bool = True,
-        split_conv_outputs: bool = True,
-        projection_grads_in_place: bool = True,
-        qk_norm_in_conv: bool = True,
         bos_token_id: Optional[int] = None,
         eos_token_id: Optional[int] = None,
         pad_token_id: Optional[int] = None,
         **kwargs,
     ):
-        """Each registered mixer's settings come as a keyword named after it (``mla={...}``, ``gdn={...}``)."""
+        """Each registered mixer's settings come as a keyword named after it (``mla={...}``, ``gdn={...}``).
+        ``runtime`` (not saved): how this process runs the model (:class:`~hybridlm.model.runtime.RuntimeSettings`,
+        a mapping of them, or None for the defaults); the model built from this config reads it."""
         given_args = {spec.kind: kwargs.pop(spec.kind, None) for spec in mixers()}
         kwargs.pop("num_hidden_layers", None)  # derived, written by to_dict for HF utilities
         kwargs.pop("layer_plan", None)
         # an auto_map (written by older versions, or by the remote-code opt-in) is a property of one saved
         # folder, not of the model: dropped here, so a re-save writes one only when asked to
         kwargs.pop("auto_map", None)
+        for key in RUNTIME_KEYS:
+            if key in kwargs:
+                raise ConfigError(f"{key}: a runtime setting, not part of the model config; pass "
+                                  f"runtime={{{key!r}: ...}} to HybridConfig or the model (hybridlm/model/runtime.py)")
+        self._runtime = runtime_settings(kwargs.pop("runtime", None))
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.mixer = mixer
         self.rms_norm_eps = rms_norm_eps
         self.initializer_range = initializer_range
-        self.backend = backend
-        self.loss_chunks = loss_chunks
-        # training-time fusions, same function (docs/design.md, "Fused training paths")
-        self.fuse_residual_norm = fuse_residual_norm
-        self.fuse_projections = fuse_projections
-        # the short conv writes each block the scan takes as its own tensor (docs/design.md, "Fused training paths")
-        self.split_conv_outputs = split_conv_outputs
-        # the mixers' projection gradients assembled where their consumers write them, not concatenated
-        # (hybridlm/ops/gradient_slots.py)
-        self.projection_grads_in_place = projection_grads_in_place
-        # GDN / KDA: where the split conv runs, it also L2-normalises q and k and repeats GDN's q / k heads for its
-        # grouped value heads (hybridlm/ops/causal_conv.py ``HeadNorm``)
-        self.qk_norm_in_conv = qk_norm_in_conv
-        for name in ("fuse_residual_norm", "fuse_projections", "split_conv_outputs", "projection_grads_in_place",
-                     "qk_norm_in_conv"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
-        if backend not in BACKENDS:
-            raise ConfigError(f"backend: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "loss_chunks"):
+        for name in ("vocab_size", "hidden_size", "intermediate_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
         if not isinstance(rms_norm_eps, (int, float)) or not rms_norm_eps > 0:
@@ -257,8 +238,21 @@ class HybridConfig(PretrainedConfig):
         self.tie_word_embeddings = tie_word_embeddings
 
     @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """transformers' loading path (``from_pretrained``): a ``config.json`` written before the runtime settings
+        left the model config holds how that run executed (``backend``, ``fuse_projections``, ...); ignored, so
+        such an export loads with the defaults, or with ``runtime=...`` given here."""
+        config_dict = {k: v for k, v in config_dict.items() if k not in RUNTIME_KEYS}
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
     def from_user_dict(cls, values: dict, where: str = "model") -> "HybridConfig":
-        """Build from a YAML model section; an unknown key is an error rather than a silent extra attribute."""
+        """Build from a YAML model section; an unknown key is an error rather than a silent extra attribute, and a
+        runtime setting (``backend``, ``fuse_projections``, ...) names the ``runtime`` section it belongs in."""
+        for key in values:
+            moved = moved_key_error(where, key)
+            if moved:
+                raise ConfigError(moved)
         check_known_keys(where, values, (set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"})
                          | {spec.kind for spec in mixers()})
         if values.get("hybrid_override_pattern") is None and values.get("hybrid_attention_ratio") is None:
@@ -282,6 +276,16 @@ class HybridConfig(PretrainedConfig):
     def num_hidden_layers(self) -> int:  # what transformers' generic utilities read
         return self.num_layers
 
+    @property
+    def runtime(self) -> RuntimeSettings:
+        """How this process runs the model (not saved). The model's modules read this one object when they run;
+        change it with ``model.set_runtime(...)``."""
+        return self._runtime
+
+    @runtime.setter
+    def runtime(self, value) -> None:  # transformers' from_pretrained(..., runtime=...) sets it here
+        self._runtime = runtime_settings(value)
+
     def mixer_args(self, name: str):
         """The settings dataclass of mixer ``name`` (KeyError for a name no registered mixer has)."""
         return self._mixer_args[name]
@@ -291,11 +295,13 @@ class HybridConfig(PretrainedConfig):
         out.pop("_mixer_args", None)
         out.pop("layer_plan", None)
         out.pop("auto_map", None)  # only write_remote_code writes one
+        out.pop("_runtime", None)  # how this process runs the model, not the model
         return out
 
 
 __all__ = ["HybridConfig", "write_remote_code", "MLAArgs", "DeltaRuleArgs", "Mamba2Args", "register_mixer"]
-registry.RESERVED_KINDS.update(set(inspect.signature(HybridConfig.__init__).parameters) - {"self", "kwargs"})
+registry.RESERVED_KINDS.update(set(inspect.signature(HybridConfig.__init__).parameters) - {"self", "kwargs"},
+                               RUNTIME_KEYS, {"runtime"})
 
 
 def _init_mamba2(module: Mamba2, config: HybridConfig) -> None:

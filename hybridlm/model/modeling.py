@@ -10,8 +10,9 @@ Without any of cache / mask / positions the forward is the training path, untouc
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ from hybridlm.model.layers.conv import ShortConv
 from hybridlm.model.layers.init import init_short_conv
 from hybridlm.model.loss import IGNORE_INDEX, linear_cross_entropy
 from hybridlm.model.registry import mixers
+from hybridlm.model.runtime import RuntimeSettings, runtime_settings
 from hybridlm.ops.backend import residual_adds_in_norms_active, use_triton
 from hybridlm.utils.quiet import no_transformers_bars
 
@@ -50,7 +52,7 @@ class HybridBlock(nn.Module):
     def __init__(self, config: HybridConfig, kind: str, layer_idx: int):
         super().__init__()
         self.kind = kind
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.backend)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.runtime)
         self.mixer = SUBLAYERS[kind](config, layer_idx)
 
     def forward(self, x: torch.Tensor, ctx: Optional[InferenceContext] = None) -> torch.Tensor:
@@ -77,6 +79,22 @@ class HybridPreTrainedModel(PreTrainedModel):
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoModel"):
         """A no-op, as :meth:`HybridConfig.register_for_auto_class`: no saved folder gets a copy of this module."""
+
+    @property
+    def runtime(self) -> RuntimeSettings:
+        """How this model runs (backend, fusions, loss chunking; not saved with it): :meth:`set_runtime` changes it."""
+        return self.config.runtime
+
+    def set_runtime(self, settings: Union[None, RuntimeSettings, Mapping[str, Any]] = None, **changes) -> None:
+        """Run this model with other settings: ``settings`` (a :class:`RuntimeSettings` or a mapping; None keeps the
+        current ones) updated with ``changes``, e.g. ``model.set_runtime(backend="torch")``. Checked first: an
+        invalid value raises ``ConfigError`` and nothing changes. Every module of the model reads the new object."""
+        base = dataclasses.asdict(self.runtime if settings is None else runtime_settings(settings))
+        new = runtime_settings({**base, **changes})
+        self.config.runtime = new
+        for module in self.modules():
+            if isinstance(vars(module).get("runtime"), RuntimeSettings):  # the layers' references
+                module.runtime = new
 
     def _init_weights(self, module: nn.Module) -> None:
         """fla's from-scratch init (docs/initialisation.md): linears, short convs and embeddings normal(0,
@@ -110,7 +128,7 @@ class HybridModel(HybridPreTrainedModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(HybridBlock(config, kind, i) for i, kind in enumerate(config.layer_plan))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.backend)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.runtime)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -158,13 +176,13 @@ class HybridModel(HybridPreTrainedModel):
         return self.norm.add_and_normalise(x, delta)[0]
 
     def _residual_adds_in_norms(self) -> bool:
-        """Training (``config.fuse_residual_norm``, as fla's models train) and a captured decode step
+        """Training (``runtime.fuse_residual_norm``, as fla's models train) and a captured decode step
         (:func:`~hybridlm.ops.backend.residual_adds_in_norms`) leave each residual add to the next norm; a hooked
         block or gradient checkpointing (which wraps each block's call) keeps the block loop."""
         if self._blocks_hooked():
             return False
         if self.training:
-            return self.config.fuse_residual_norm and not self.gradient_checkpointing
+            return self.config.runtime.fuse_residual_norm and not self.gradient_checkpointing
         return residual_adds_in_norms_active()
 
     def _blocks_hooked(self) -> bool:
@@ -176,7 +194,12 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _is_stateful = True  # recurrent states cannot be rolled back (no assisted decoding)
 
-    def __init__(self, config: HybridConfig):
+    def __init__(self, config: HybridConfig, runtime: Union[None, RuntimeSettings, Mapping[str, Any]] = None):
+        """``runtime``: how to run it (:class:`~hybridlm.model.runtime.RuntimeSettings` or a mapping of them; not
+        saved); None keeps ``config.runtime`` (the defaults unless set). ``from_pretrained(path, runtime=...)``
+        passes it too."""
+        if runtime is not None:
+            config.runtime = runtime
         super().__init__(config)
         self.model = HybridModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -273,8 +296,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         if shift_labels is not None:
             loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight,
-                                        shift_labels.reshape(-1), self.config.loss_chunks,
-                                        triton=use_triton(self.config.backend, hidden))
+                                        shift_labels.reshape(-1), self.config.runtime.loss_chunks,
+                                        triton=use_triton(self.config.runtime.backend, hidden))
             if not return_logits:
                 return HybridCausalLMOutput(loss=loss, logits=None, hidden_states=states)
         if logits_to_keep:

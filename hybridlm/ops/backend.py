@@ -1,7 +1,8 @@
 """Choose between flash-linear-attention's Triton kernels (GPU) and the project's torch path (CPU).
 
-``backend`` is a config key: ``auto`` (Triton when the tensor is on CUDA and fla imports, else torch),
-``triton`` (required: error if impossible) or ``torch`` (forced, e.g. to compare paths on GPU).
+``backend`` is a runtime setting (``runtime.backend``, hybridlm/model/runtime.py): ``auto`` (Triton when the
+tensor is on CUDA and fla imports, else torch), ``triton`` (required: error if impossible) or ``torch`` (forced,
+e.g. to compare paths on GPU).
 fla is imported lazily: importing it loads every op up front (10-26 s on a CPU machine).
 """
 from __future__ import annotations
@@ -89,7 +90,7 @@ def use_triton_elementwise(backend: str, x: torch.Tensor) -> bool:
 
 
 # Where the project has its own Triton kernel for an op that fla also has, which one the Triton path runs: the
-# project's (the default) or fla's. Process-wide switches (pretrain.train_speed --conv-kernel / --norm-kernel /
+# project's (the default) or fla's. Process-wide switches (benchmarks.train_speed --conv-kernel / --norm-kernel /
 # --loss-kernel) for measuring both. conv: hybridlm/ops/causal_conv.py against fla's causal_conv1d; norm:
 # hybridlm/ops/rms_norm.py against fla's rms_norm (the plain and the residual-add RMSNorm) and
 # hybridlm/ops/gated_norm.py against fla's gated norms (Mamba2's grouped one; GDN's per-head one with its SiLU gate,

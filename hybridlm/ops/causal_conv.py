@@ -169,7 +169,7 @@ def _causal_conv_bwd_weight_kernel(x, w, b, dy0, dy1, dy2, da, dw, db, T, NG, s_
     warps): at Mamba2's width the conv went from 3.29 to 2.70 ms forward + backward (BENCHMARKS.md,
     "Training step breakdown"); the pass is still ~3x its memory time. With ``BR = BT`` that tile takes 186 registers a
     thread at 64 channels and 8 warps (one block an SM: few loads in flight for a memory-bound pass); fewer rows
-    at a time take fewer (``python -m hybridlm.bench.kernel_compile``), and the autotuner picks.
+    at a time take fewer (``python -m benchmarks.harness.kernel_compile``), and the autotuner picks.
     In the first ``NW`` channels (a head a block) ``dy`` is the sum over the head's ``REPEAT`` copies, taken back
     through the L2 norm (the normalised row recomputed from x in fp32) before the SiLU.
     ``X_ONCE``: the pre-activation from the same ``[BR, WP, BD]`` x tile the products use (one load of the taps'
@@ -286,7 +286,7 @@ def _prune_configs(configs, named_args, **kwargs):
     (``NW > 0``), those whose block is the head.
     Pass 1's 128-channel blocks only for heads of 128, and its ``X_ONCE`` only where the x tile and the
     accumulator fit a thread's registers (at most 32 fp32 elements each; more spilled when compiled for sm_90:
-    ``python -m hybridlm.bench.kernel_compile``)."""
+    ``python -m benchmarks.harness.kernel_compile``)."""
     args = {**named_args, **kwargs}
     configs = [c for c in configs if not c.kwargs.get("X_ONCE") or x_once_fits(c.kwargs["BR"], c.kwargs["BD"],
                                                                                    c.num_warps)]
@@ -318,7 +318,7 @@ PASS1_X_ONCE = (False,)
 
 def offer_pass1_x_once(on: bool) -> None:
     """Offer pass 1's autotuner ``X_ONCE`` (the pre-activation from the products' x tile) beside the per-tap
-    path, or stop offering it; process-wide, the kernels rebuilt on next use (``pretrain.train_speed
+    path, or stop offering it; process-wide, the kernels rebuilt on next use (``benchmarks.train_speed
     --conv-x-once``, ``benchmarks/kernel_bench.py``)."""
     global PASS1_X_ONCE, _KERNELS
     choices = (False, True) if on else (False,)

@@ -43,15 +43,16 @@ def test_packed_swiglu_matches_the_twin_and_fla(dtype):
         assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-7, (name, rel_err(o, t), rel_err(f, t))
 
 
-def _model(pattern, backend="triton", device="cuda", **keys):
+def _model(pattern, backend="triton", device="cuda", **switches):
     torch.manual_seed(0)
-    cfg = HybridConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, backend=backend,
+    cfg = HybridConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                       runtime=dict(backend=backend, **switches),
                        hybrid_override_pattern=pattern, initializer_range=0.05,
                        mla=dict(num_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
                                 qk_rope_head_dim=16, v_head_dim=32),
                        gdn=dict(num_heads=2, head_dim=64, num_v_heads=4, head_v_dim=64),
                        kda=dict(num_heads=2, head_dim=64, num_v_heads=2, head_v_dim=64),
-                       mamba2=dict(d_state=64, head_dim=64, n_groups=1, expand=2), **keys)
+                       mamba2=dict(d_state=64, head_dim=64, n_groups=1, expand=2))
     return HybridForCausalLM(cfg).to(device).train()
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import greedy_decode
-from hybridlm.bench.mixers import SHAPES_300M
+from benchmarks.harness.mixers import SHAPES_300M
 from hybridlm.model import HybridConfig, HybridForCausalLM
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -3,7 +3,7 @@ hybridlm/ops/mamba2_inputs.py) against the eager ops, on the Triton path at the 
 import pytest
 import torch
 
-from hybridlm.bench.mixers import SHAPES_300M
+from benchmarks.harness.mixers import SHAPES_300M
 from hybridlm.model import HybridConfig
 from hybridlm.model.layers.mamba2 import Mamba2
 

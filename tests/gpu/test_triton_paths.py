@@ -5,10 +5,10 @@ import os
 import pytest
 import torch
 
-from hybridlm.bench.parity import compare_paths, relative_errors, run_path
+from benchmarks.harness.parity import compare_paths, relative_errors, run_path
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.layers import SUBLAYERS
-from hybridlm.bench.mixers import SHAPES_300M
+from benchmarks.harness.mixers import SHAPES_300M
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

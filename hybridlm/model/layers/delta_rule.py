@@ -35,16 +35,12 @@ class DeltaRuleMixer(nn.Module):
         super().__init__()
         d = config.hidden_size
         self.layer_idx = layer_idx
-        self.backend = config.backend
+        self.runtime = config.runtime  # read when it runs: model.set_runtime changes it
         self.num_heads, self.head_k_dim = args.num_heads, args.head_dim
         self.num_v_heads, self.head_v_dim = args.num_v_heads, args.head_v_dim
         self.key_dim = self.num_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.norm_eps = args.norm_eps
-        self.fuse_projections = config.fuse_projections
-        self.split_conv_outputs = config.split_conv_outputs
-        self.projection_grads_in_place = config.projection_grads_in_place
-        self.qk_norm_in_conv = config.qk_norm_in_conv
         self.q_proj = nn.Linear(d, self.key_dim, bias=False)
         self.k_proj = nn.Linear(d, self.key_dim, bias=False)
         self.v_proj = nn.Linear(d, self.value_dim, bias=False)
@@ -117,15 +113,17 @@ class DeltaRuleMixer(nn.Module):
         norm write theirs (hybridlm/ops/gradient_slots.py)."""
         linears = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.gate_projections())
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        join = split_conv_applies(self.split_conv_outputs, triton, cache) and len({c.bias is None for c in convs}) == 1
-        in_place = self.projection_grads_in_place and triton and cache is None
-        outputs = project(x, linears, fuse=self.fuse_projections, join_first=3 if join else 1, grads_in_place=in_place)
+        join = (split_conv_applies(self.runtime.split_conv_outputs, triton, cache)
+                and len({c.bias is None for c in convs}) == 1)
+        in_place = self.runtime.projection_grads_in_place and triton and cache is None
+        outputs = project(x, linears, fuse=self.runtime.fuse_projections, join_first=3 if join else 1,
+                          grads_in_place=in_place)
         if len(outputs) == len(linears) - 2:  # q | k | v as one view (the fused GEMM ran: training)
             qkv, *rest = outputs
             bias = None if convs[0].bias is None else torch.cat([c.bias for c in convs])
             widths = [c.weight.shape[0] for c in convs]
             head_norm = self.qk_head_norm()
-            normalise = self.qk_norm_in_conv and can_split(widths, head_norm)
+            normalise = self.runtime.qk_norm_in_conv and can_split(widths, head_norm)
             return (*causal_conv_split(qkv, torch.cat([c.weight for c in convs]), bias, widths,
                                        grad_slot=gradient_slot(qkv), head_norm=head_norm if normalise else None),
                     *rest), normalise
@@ -135,7 +133,7 @@ class DeltaRuleMixer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         B, T, _ = x.shape
-        triton = use_triton(self.backend, x)
+        triton = use_triton(self.runtime.backend, x)
         cache, x = recurrent_context(ctx, self.layer_idx, x)
         (q, k, v, b, a, z), qk_normalized = self.projected_inputs(x, triton, cache)
         qk_heads = self.num_v_heads if qk_normalized else self.num_heads  # normalised: one per value head
@@ -164,5 +162,5 @@ class DeltaRuleMixer(nn.Module):
         z_slot = gradient_slot(z) if gate is z else None  # z's gradient written in place (gradient_slots.py)
         o = gated_rms_norm(o, gate.view(B, T, self.num_v_heads, self.head_v_dim), self.o_norm_weight, self.norm_eps,
                            activation=self.output_gate_activation,
-                           triton=triton and use_triton_elementwise(self.backend, o), z_grad_slot=z_slot)
+                           triton=triton and use_triton_elementwise(self.runtime.backend, o), z_grad_slot=z_slot)
         return self.o_proj(o.reshape(B, T, self.value_dim).to(x.dtype))

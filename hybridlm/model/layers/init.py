@@ -9,7 +9,7 @@ its B, C and x so small that the SSD's output starts at 1e-4 of the D skip's, an
 slower in 300 steps (docs/initialisation.md); GDN and KDA L2-normalise q and k after the conv, so fla's small
 conv suits them.
 
-What this toolkit did before, part by part, is :mod:`hybridlm.model.legacy_init` (the loss-parity ablation).
+What this toolkit did before, part by part, is :mod:`benchmarks.harness.legacy_init` (the loss-parity ablation).
 """
 import math
 

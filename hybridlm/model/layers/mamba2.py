@@ -35,7 +35,7 @@ class Mamba2(nn.Module):
     chunk_size: int = 64  # torch path's chunk length (tests shrink it)
     fused_step: bool = True  # Triton path: a cached one-token step in one kernel (tests compare it turned off)
     # Triton path, training: the SSD's inputs through torch.compile (hybridlm/ops/mamba2_inputs.py); off until
-    # measured (pretrain.train_speed --mamba2-compile-inputs on)
+    # measured (benchmarks.train_speed --mamba2-compile-inputs on)
     compile_ssd_inputs: bool = False
 
     def __init__(self, config, layer_idx: int = 0):
@@ -43,7 +43,7 @@ class Mamba2(nn.Module):
         a = config.mixer_args("mamba2")
         d = config.hidden_size
         self.layer_idx = layer_idx
-        self.backend = config.backend
+        self.runtime = config.runtime  # read when it runs: model.set_runtime changes it
         self.d_inner = a.expand * d if a.d_inner is None else a.d_inner
         self.head_dim, self.d_state, self.n_groups = a.head_dim, a.d_state, a.n_groups
         self.num_heads = self.d_inner // self.head_dim
@@ -51,8 +51,6 @@ class Mamba2(nn.Module):
         self.xb_repeat = self.d_inner // self.d_xb
         self.d_b = self.n_groups * self.d_state // self.xb_repeat  # B channels before repetition
         self.norm_eps = a.norm_eps
-        self.split_conv_outputs = config.split_conv_outputs
-        self.projection_grads_in_place = config.projection_grads_in_place
         self.conv_dim = self.d_xb + self.d_b + self.n_groups * self.d_state
         self.in_proj = nn.Linear(d, self.d_inner + self.conv_dim + self.num_heads, bias=False)
         self.conv1d = ShortConv(self.conv_dim, a.conv_size, bias=a.conv_bias)
@@ -85,7 +83,7 @@ class Mamba2(nn.Module):
 
     def forward(self, hidden: torch.Tensor, ctx=None) -> torch.Tensor:
         Bsz, T, _ = hidden.shape
-        triton = use_triton(self.backend, hidden)
+        triton = use_triton(self.runtime.backend, hidden)
         cache, hidden = recurrent_context(ctx, self.layer_idx, hidden)
         if triton and T == 1 and self._can_fuse_step(cache):
             return self._fused_step(hidden, ctx, cache)
@@ -106,14 +104,14 @@ class Mamba2(nn.Module):
             cache.advance(state, T)
         y = skip_gated_rms_norm(y.reshape(Bsz, T, self.d_inner), x.reshape(Bsz, T, self.d_inner), self.D, z,
                                 self.norm_weight, self.norm_eps, group_size=self.d_inner // self.n_groups,
-                                triton=triton and use_triton_elementwise(self.backend, y), z_grad_slot=gradient_slot(z))
+                                triton=triton and use_triton_elementwise(self.runtime.backend, y), z_grad_slot=gradient_slot(z))
         return self.out_proj(y.to(hidden.dtype))
 
     def _project(self, hidden: torch.Tensor, triton: bool, cache) -> list:
         """``[z, xbc, dt]``, in_proj's column blocks. In training with ``projection_grads_in_place`` its output
         gradient is assembled where the conv and the output norm write theirs (hybridlm/ops/gradient_slots.py)."""
         widths = [self.d_inner, self.conv_dim, self.num_heads]
-        if self.projection_grads_in_place and triton and cache is None and torch.is_grad_enabled():
+        if self.runtime.projection_grads_in_place and triton and cache is None and torch.is_grad_enabled():
             return split_columns(self.in_proj(hidden), widths)[0]
         return list(self.in_proj(hidden).split(widths, dim=-1))
 
@@ -124,7 +122,7 @@ class Mamba2(nn.Module):
         A Mamba2-300M profile on an H200 has that copy kernel in every layer, 8.0 ms a step (BENCHMARKS.md,
         "Training step breakdown")."""
         widths = (self.d_xb, self.d_b, self.n_groups * self.d_state)
-        if split_conv_applies(self.split_conv_outputs, triton, cache):
+        if split_conv_applies(self.runtime.split_conv_outputs, triton, cache):
             return causal_conv_split(xbc, self.conv1d.weight, self.conv1d.bias, widths, grad_slot=gradient_slot(xbc))
         xbc = run_short_conv(self.conv1d, xbc, triton, cache)
         if ctx is not None:

@@ -47,7 +47,7 @@ class MultiHeadLatentAttention(nn.Module):
         a = config.mixer_args("mla")
         d = config.hidden_size
         self.layer_idx = layer_idx
-        self.backend = config.backend
+        self.runtime = config.runtime  # read when it runs: model.set_runtime changes it
         self.num_heads = a.num_heads
         self.nope, self.rope, self.v_dim = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
         self.kv_lora_rank, self.q_lora_rank = a.kv_lora_rank, a.q_lora_rank
@@ -57,12 +57,12 @@ class MultiHeadLatentAttention(nn.Module):
         qk_head = self.nope + self.rope
         if self.q_lora_rank:
             self.q_a_proj = nn.Linear(d, self.q_lora_rank, bias=False)
-            self.q_a_norm = RMSNorm(self.q_lora_rank, a.norm_eps, config.backend) if a.latent_norm else nn.Identity()
+            self.q_a_norm = RMSNorm(self.q_lora_rank, a.norm_eps, config.runtime) if a.latent_norm else nn.Identity()
             self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * qk_head, bias=False)
         else:
             self.q_proj = nn.Linear(d, self.num_heads * qk_head, bias=False)
         self.kv_a_proj = nn.Linear(d, self.kv_lora_rank + self.rope, bias=False)
-        self.kv_a_norm = RMSNorm(self.kv_lora_rank, a.norm_eps, config.backend) if a.latent_norm else nn.Identity()
+        self.kv_a_norm = RMSNorm(self.kv_lora_rank, a.norm_eps, config.runtime) if a.latent_norm else nn.Identity()
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, d, bias=False)
 
@@ -140,7 +140,7 @@ class MultiHeadLatentAttention(nn.Module):
     def _use_split_k(self, q: torch.Tensor, kv: torch.Tensor) -> bool:
         """A few query rows (a decode step) outside autograd, on the Triton path, q and the cache of one dtype."""
         return (self.split_k_decode and q.shape[1] * q.shape[2] <= MAX_ROWS and not torch.is_grad_enabled()
-                and q.dtype == kv.dtype and use_triton(self.backend, kv))
+                and q.dtype == kv.dtype and use_triton(self.runtime.backend, kv))
 
     def _attend_cached(self, x, ctx):
         """A prompt (nothing cached yet) takes the expanded form; later tokens the absorbed one over the cache."""

@@ -14,13 +14,12 @@ class SwiGLUMLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
-        self.backend = config.backend
-        self.fuse_projections = config.fuse_projections
+        self.runtime = config.runtime  # read when it runs: model.set_runtime changes it
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:  # position-wise: nothing to cache or mask
-        triton = use_triton_elementwise(self.backend, x)
+        triton = use_triton_elementwise(self.runtime.backend, x)
         # training: gate and up as one GEMM, SwiGLU over its packed output (hybridlm/model/layers/projections.py)
-        packed = fused_linear(x, (self.gate_proj, self.up_proj)) if self.fuse_projections else None
+        packed = fused_linear(x, (self.gate_proj, self.up_proj)) if self.runtime.fuse_projections else None
         if packed is not None:
             return self.down_proj(swiglu_packed(packed, triton))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), triton=triton))

@@ -1,5 +1,5 @@
 """A loss-parity peer's weights copied onto our ``HybridForCausalLM``: the ``peer`` init variant of
-:mod:`hybridlm.bench.loss_parity` (ours starting from the exact initial weights of the peer built with the same
+:mod:`benchmarks.harness.loss_parity` (ours starting from the exact initial weights of the peer built with the same
 seed), which separates the initialisation from everything else (forward numerics, parameterisation).
 
 One function per peer kind maps the peer's state dict to our parameter names and shapes:

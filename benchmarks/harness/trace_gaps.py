@@ -1,13 +1,13 @@
 """Where the GPU waits: the idle gaps of a profiled training step, each traced to the code that ran then.
 
 A step's time is its kernels' time plus the time the GPU has nothing to run (the host is launching, syncing,
-or running Python between launches). :mod:`hybridlm.bench.profile_step` sums the first; this module reads a
-Chrome trace written with Python stacks (``python -m pretrain.train_speed --profile N --trace``) and finds the
+or running Python between launches). :mod:`benchmarks.harness.profile_step` sums the first; this module reads a
+Chrome trace written with Python stacks (``python -m benchmarks.train_speed --profile N --trace``) and finds the
 second. Each gap ends with a kernel; the host call that launched it (matched by the trace's correlation id) lies
 inside a stack of Python frames, and the innermost frame of the code we can change (``--frames``: this
 project, DeepSpeed, fla, torch.optim by default) names the gap's site. Sites are summed over the profiled steps.
 
-    python -m hybridlm.bench.trace_gaps trace_gdn_300m.json.gz [--min-us 5] [--top 25]
+    python -m benchmarks.harness.trace_gaps trace_gdn_300m.json.gz [--min-us 5] [--top 25]
 
 Other views of the same trace: ``--host-frames DEPTH`` (idle time by what the main thread ran at each gap's
 middle), ``--kernels SUBSTRING`` (those kernels by grid and launching code), ``--host-waits`` (the host's

@@ -1,10 +1,10 @@
 """Generation throughput and memory of an upcycled hybrid against its Llama teacher (BENCHMARKS.md, "Generation throughput").
 
-    python -m hybridlm.bench.generation --hybrid DIR --teacher DIR_OR_ASSET --out DIR \\
+    python -m benchmarks.harness.generation --hybrid DIR --teacher DIR_OR_ASSET --out DIR \\
         [--prompt-lens 1024 8192] [--new-tokens 1024] [--batches 1 8 16 32 48 64 96 128] \\
         [--dtype bf16] [--repeats 1] [--warmup-steps 4] [--models hybrid teacher] [--check-generate N] \\
         [--cuda-graph]   # hybrid: static HybridCache + CUDA-graph-replayed decode steps
-    python -m hybridlm.bench.generation --merge A.json B.json --out DIR   # join runs, redraw
+    python -m benchmarks.harness.generation --merge A.json B.json --out DIR   # join runs, redraw
 
 **Models.** The hybrid is loaded with ``HybridForCausalLM.from_pretrained`` (its own backend: fla's Triton
 kernels on CUDA) and decodes with its :class:`~hybridlm.model.cache.HybridCache` (MLA layers cache the latent
@@ -83,8 +83,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hybridlm.bench.common import free_memory, is_oom, merge_reports, versions, write_report
-from hybridlm.bench.profile_step import StepProfiler, format_profile
+from benchmarks.harness.common import free_memory, is_oom, merge_reports, versions, write_report
+from benchmarks.harness.profile_step import StepProfiler, format_profile
 from hybridlm.kv_report import kv_report, load_teacher_config
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.cache import HybridCache
@@ -634,7 +634,7 @@ def merge(paths: Sequence[str], out: Path) -> Dict[str, Any]:
 # --------------------------------------------------------------------------------------------- main
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hybridlm.bench.generation", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.harness.generation", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory for generation.json and generation.png")
     p.add_argument("--hybrid", help="hybrid model directory (e.g. an `upcycle run`'s final hybrid)")
@@ -763,8 +763,8 @@ def main(argv=None) -> Dict[str, Any]:
             model = load_hybrid(args.hybrid, dtype, device)
             probe = torch.empty(1, device=device)
             info = {"path": args.hybrid, "pattern": model.config.hybrid_override_pattern,
-                    "backend": model.config.backend,
-                    "kernels": "triton (fla)" if use_triton(model.config.backend, probe) else "torch",
+                    "backend": model.runtime.backend,
+                    "kernels": "triton (fla)" if use_triton(model.runtime.backend, probe) else "torch",
                     "cache": "HybridCache (static) + CUDA graph decode" if args.cuda_graph else "HybridCache"}
         else:
             model = load_teacher_model(args.teacher, dtype, device)

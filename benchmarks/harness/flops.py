@@ -176,4 +176,4 @@ def describe(mixers: Iterable[MixerSpec]) -> List[Dict[str, Any]]:
 FORMULA = ("flops/token = 6*N_mm + sum_attn 3*H*T*(d_qk+d_v) + sum_mamba2 H*(6*C*(K+V) + 12*K*V) "
            "+ sum_gdn/kda H*(18*C*K + 12*C*V + C^2 + 18*K*V); N_mm = params with >=2 dims except the input "
            "embedding, plus the LM head (vocab*hidden) once; T = sequence length, C = 64 (fla chunk); "
-           "MFU = flops/token * tokens/s / (peak * GPUs). See hybridlm/bench/flops.py.")
+           "MFU = flops/token * tokens/s / (peak * GPUs). See benchmarks/harness/flops.py.")

@@ -1,6 +1,6 @@
 """The project's Triton kernels compiled for an H200 (sm_90) on a machine without a GPU: what ptxas made of them.
 
-    python -m hybridlm.bench.kernel_compile [--kernels conv] [--out kernel_compile.jsonl]
+    python -m benchmarks.harness.kernel_compile [--kernels conv] [--out kernel_compile.jsonl]
 
 Triton compiles ahead of time for a named target without a driver (``triton.compile`` of an ``ASTSource`` with a
 ``GPUTarget``; its bundled ptxas and cuobjdump). For each kernel and launch configuration this reports the

@@ -5,7 +5,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from hybridlm.bench import flops as F
+from benchmarks.harness import flops as F
 
 PEER_BASE = {"fla_gdn": "gdn_300m", "fla_kda": "kda_300m", "llama": "gdn_300m"}
 

@@ -1,6 +1,6 @@
 """Bytes that autograd keeps for the backward, per token, for each sublayer: the activation memory of training.
 
-    python -m hybridlm.bench.saved_activations [--kinds mamba2 gdn ...] [--seq 256] [--dtype bf16]
+    python -m benchmarks.harness.saved_activations [--kinds mamba2 gdn ...] [--seq 256] [--dtype bf16]
 
 Runs forwards of each sublayer (the Primus recipe's 300M shapes, torch path, so it works on CPU) under
 ``torch.autograd.graph.saved_tensors_hooks`` and sums the distinct storages packed for the backward,
@@ -16,7 +16,7 @@ from typing import Dict
 
 import torch
 
-from hybridlm.bench.mixers import SHAPES_300M
+from benchmarks.harness.mixers import SHAPES_300M
 from hybridlm.model import HybridConfig
 from hybridlm.model.layers import SUBLAYERS
 from hybridlm.utils.atomic import json_text
@@ -45,7 +45,7 @@ def saved_bytes_per_token(kind: str, seq: int = 256, dtype: torch.dtype = torch.
     ``seq`` and ``2 * seq`` tokens, and ``bytes_per_step``, what it keeps whatever the length (the concatenated
     weights of a fused projection: hybridlm/model/layers/projections.py)."""
     torch.manual_seed(0)
-    config = HybridConfig(**{**SHAPES_300M, "vocab_size": 512, "backend": "torch"})
+    config = HybridConfig(**{**SHAPES_300M, "vocab_size": 512, "runtime": {"backend": "torch"}})
     layer = SUBLAYERS[kind](config).to(dtype)
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     one, two = (_kept_bytes(layer, config, n, dtype, params) for n in (seq, 2 * seq))
@@ -54,7 +54,7 @@ def saved_bytes_per_token(kind: str, seq: int = 256, dtype: torch.dtype = torch.
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m hybridlm.bench.saved_activations", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.harness.saved_activations", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kinds", nargs="+", default=list(SUBLAYERS), choices=list(SUBLAYERS))
     p.add_argument("--seq", type=int, default=256)

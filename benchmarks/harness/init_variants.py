@@ -1,7 +1,7 @@
 """Perplexity of the route's hybrid right after init, for each piece of the Mamba2 init switched on or off:
 which part of the MambaInLlama mapping makes an untrained hybrid worse than a uniform guess, and what fixes it.
 
-    python -m upcycle.init_variants --teacher asset:smollm2 --out docs/results/init_variants.json \
+    python -m benchmarks.harness.init_variants --teacher asset:smollm2 --out docs/results/init_variants.json \
         --variants published silent identity_conv constant_gate identity_conv+constant_gate \
                    identity_conv+calibrated ours published+calibrated
 
@@ -44,7 +44,7 @@ def published_mamba2(mixer, seed: int) -> None:
 
 
 def build_variant(teacher, kinds, pieces, calib_ids, seed: int = 0):
-    cfg = student_config(teacher.config, kinds, kv_lora_rank=128, rope_dim=16)
+    cfg = student_config(teacher.config, kinds, kv_lora_rank=128, qk_rope_head_dim=16)
     torch.manual_seed(seed)
     student = HybridForCausalLM(cfg).float()
     init_student_from_teacher(student, teacher, kinds)

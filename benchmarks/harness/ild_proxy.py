@@ -3,7 +3,7 @@ loss. ILD is teacher-forced, so each layer's problem is exactly the one it has i
 30 layers costs a teacher forward plus 4 layers, a few minutes on 2 cores. It ranks init and learning-rate
 choices before GPU minutes are spent on them (BENCHMARKS.md, "Upcycling quality").
 
-    python -m upcycle.ild_proxy --variants ours:1e-3 published:1e-3 random:1e-3 ours:3e-4 --steps 120 \
+    python -m benchmarks.harness.ild_proxy --variants ours:1e-3 published:1e-3 random:1e-3 ours:3e-4 --steps 120 \
         --out docs/results/ild_proxy.json
 
 A variant is ``init:lr``: ``ours`` (upcycle init: identity conv, constant gate, calibrated output scale),
@@ -29,7 +29,7 @@ from hybridlm.model import HybridForCausalLM
 from hybridlm.utils.atomic import json_text, save_figure, write_json
 from upcycle.calibrate import calibrate_student
 from upcycle.init_mamba import init_student_from_teacher
-from upcycle.init_variants import published_mamba2
+from benchmarks.harness.init_variants import published_mamba2
 from upcycle.student import student_config
 from hybridlm.teacher import load_teacher, load_teacher_tokenizer
 
@@ -40,7 +40,7 @@ def build_student(teacher, init: str, calib_ids, layers, seed: int = 0):
     L = teacher.config.num_hidden_layers
     kinds = ["mamba2"] * L
     torch.manual_seed(seed)
-    student = HybridForCausalLM(student_config(teacher.config, kinds, kv_lora_rank=128, rope_dim=16)).float()
+    student = HybridForCausalLM(student_config(teacher.config, kinds, kv_lora_rank=128, qk_rope_head_dim=16)).float()
     if init != "random":
         init_student_from_teacher(student, teacher, kinds)
         if init == "published":

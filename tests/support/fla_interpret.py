@@ -27,8 +27,8 @@ from types import SimpleNamespace
 import torch
 from transformers.utils import ModelOutput
 
-from hybridlm.bench import loss_parity as LP
-from hybridlm.bench.peer_weights import MAPPERS, load_peer_weights
+from benchmarks.harness import loss_parity as LP
+from benchmarks.harness.peer_weights import MAPPERS, load_peer_weights
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.modeling import HybridBlock
 
@@ -128,7 +128,7 @@ def _diff(a, b) -> dict:
 # stream that norm returns beside its output: in training with ``fuse_residual_norm``, ours leaves each block's
 # residual add to the next norm, hybridlm/model/modeling.py ``_forward_residual_adds_in_norms``, so neither the
 # stream between blocks nor the final norm's output comes out of a module's forward). fla block ``i`` is our
-# sublayers ``2i`` (mixer) and ``2i + 1`` (MLP), as hybridlm/bench/peer_weights.py ``map_fla_delta_rule`` maps the
+# sublayers ``2i`` (mixer) and ``2i + 1`` (MLP), as benchmarks/harness/peer_weights.py ``map_fla_delta_rule`` maps the
 # weights. The first rule whose pattern matches an fla name whole gives its counterpart.
 _BLOCK = r"model\.layers\.(?P<i>\d+)"
 ACTIVATION_MAP = (
@@ -284,7 +284,7 @@ def compare_causal_lm(family: str, seed: int = 0, batch: int = 2, seq: int = 64,
     enable()
     values = dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, hybrid_override_pattern=FAMILIES[family],
-        mixer=family, backend="torch",
+        mixer=family, runtime={"backend": "torch"},
         gdn=dict(num_heads=2, head_dim=16, num_v_heads=4, head_v_dim=8),
         kda=dict(num_heads=2, head_dim=16, num_v_heads=2, head_v_dim=16))
     values.update(overrides)
@@ -330,7 +330,7 @@ def compare_causal_lm(family: str, seed: int = 0, batch: int = 2, seq: int = 64,
             pairs[name] = key
     if unknown:
         raise ValueError(f"fla activations with no counterpart in ours and no reason for none: {unknown} "
-                         "(hybridlm/bench/fla_interpret.py MIXER_MAP, ACTIVATION_MAP, NO_COUNTERPART)")
+                         "(tests/support/fla_interpret.py MIXER_MAP, ACTIVATION_MAP, NO_COUNTERPART)")
 
     keys = set(pairs.values())
     mine = _forward_ours(ours, ids, keys)
@@ -361,6 +361,6 @@ def compare_causal_lm(family: str, seed: int = 0, batch: int = 2, seq: int = 64,
     return result
 
 
-if __name__ == "__main__":  # python -m hybridlm.bench.fla_interpret gdn|kda  -> one JSON line
+if __name__ == "__main__":  # python -m tests.support.fla_interpret gdn|kda  -> one JSON line
     enable()
     print(json.dumps(compare_causal_lm(sys.argv[1])))

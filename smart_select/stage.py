@@ -5,8 +5,8 @@ windows (teacher tokenizer):
 
 * ``KL_all`` = KL(teacher || all-Mamba2 student);
 * ``KL_i``   = KL(teacher || the Mamba2 student with decoder layer ``i`` taken from the MLA student);
-* ``s_i = KL_all - KL_i``; :func:`smart_select.select_layers` picks the layers; the report goes through
-  :func:`smart_select.report.write_smart_report` with the KV-cache accounting of the chosen layers.
+* ``s_i = KL_all - KL_i``; :func:`smart_select.selection.select_layers` picks the MLA layers; the report goes
+  through :func:`smart_select.report.write_smart_report` with the KV-cache accounting of the chosen layers.
 
 KL is the token mean over every calibration position of ``sum_v p_t(v) (log p_t(v) - log p_s(v))`` from
 fp32 ``log_softmax`` of both models' logits (nats/token), computed by the KD loss's chunked loop
@@ -21,44 +21,43 @@ state entering layer ``i`` is shared by the all-Mamba2 model and swap ``i`` (lay
 identical), so per batch the teacher runs once and the students run ``L (L + 1) / 2 + L`` decoder
 layers instead of ``L (L + 1)``.
 
-CLI (wired into ``upcycle`` by :func:`add_subcommands`)::
+The stage's options are :class:`SmartConfig` (the route's ``smart:`` section, and the flags of ``upcycle smart``).
+CLI (wired into ``upcycle`` by :func:`add_subcommand`; ``upcycle compose --from-smart`` then builds the hybrid)::
 
     upcycle smart --teacher asset:smollm2 --mla-student runs/smollm2/ild_mla/final \\
         --mamba-student runs/smollm2/ild_mamba2/final --data-path data_cache/alpaca-smollm2 \\
         --seq-len 256 --batches 8 --n-mla 8 --out runs/smollm2/smart
-    upcycle compose --mla-student ... --mamba-student ... --from-smart runs/smollm2/smart/smart_report.json \\
-        --out runs/smollm2/hybrid
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
 from distill.kd_loss import final_hidden, kl_sum
 from hybridlm.config.errors import ConfigError
-from hybridlm.model.configuration import REMOTE_CODE_HELP
+from hybridlm.config.layers import parse_layers
+from hybridlm.config.structured import setting
 from hybridlm.data import DataConfig, PackedTokens, ensure_prepared, load_tokenizer, read_meta, validation_batches
 from hybridlm.engine import all_reduce_sum, barrier, init_distributed
 from hybridlm.kv_report import kv_report
+from hybridlm.students import check_layers, check_shared_weights, check_students, load_student, load_student_config
 from hybridlm.teacher import check_tokenizer_matches, load_teacher, load_teacher_tokenizer, resolve_teacher
 from hybridlm.utils.atomic import write_json
-from smart_select import report as smart_report
+from smart_select.report import write_smart_report
 from smart_select.selection import select_layers, sensitivities
-from upcycle.compose import (check_layers, check_shared_weights, check_students, compose_from_dirs, load_student,
-                             load_student_config)
 
 PathLike = Union[str, os.PathLike]
 KL_CHUNK_TOKENS = 1024  # tokens per chunk of both models' logits (distill.kd_loss.kl_sum)
 RUN_INFO = "smart_run.json"
+SPLITS = ("val", "train")
 
 
 # ---------------------------------------------------------------------------------------------- KL
@@ -179,12 +178,28 @@ def layer_sensitivities(teacher, mla_student, mamba_student, batches: Iterable,
 
 
 # ---------------------------------------------------------------------------------------- the stage
-def _check_selection(n_mla: Optional[int], layers: Optional[Sequence[int]], L: int) -> Tuple[int, Optional[List[int]]]:
-    if (n_mla is None) == (layers is None):
-        raise ConfigError("smart: give exactly one of --n-mla (choose by sensitivity) or --layers (explicit list)")
-    if layers is not None:
-        chosen = check_layers(layers, L)
-        return len(chosen), chosen
+@dataclass
+class SmartConfig:
+    """The ``smart:`` section of a route and the options of ``upcycle smart``: how many MLA layers (``n_mla``, chosen
+    by sensitivity) or which (``mla_layers``, an explicit list, still measured and reported), exactly one of the two;
+    and the calibration data, ``batches`` batches of ``batch_size`` windows of the packed data's ``split``."""
+
+    n_mla: Optional[int] = None
+    mla_layers: Optional[List[int]] = None
+    batches: int = 8
+    batch_size: int = 4
+    split: str = setting("val", choices=SPLITS)
+
+
+def _check_selection(cfg: SmartConfig, L: int) -> Tuple[int, Optional[List[int]]]:
+    """(the number of MLA layers, the explicit list or None) for students of ``L`` layers."""
+    if (cfg.n_mla is None) == (cfg.mla_layers is None):
+        raise ConfigError("smart: give exactly one of n_mla (--n-mla: choose by sensitivity) or mla_layers "
+                          "(--mla-layers: an explicit list)")
+    if cfg.mla_layers is not None:
+        mla_layers = check_layers(cfg.mla_layers, L)
+        return len(mla_layers), mla_layers
+    n_mla = cfg.n_mla
     if isinstance(n_mla, bool) or not isinstance(n_mla, int) or not 0 <= n_mla <= L:
         raise ConfigError(f"--n-mla: expected an integer between 0 and the {L} layers, got {n_mla!r}")
     return n_mla, None
@@ -195,7 +210,7 @@ def calibration_batches(data_cfg, teacher_tokenizer, teacher_path: Optional[Path
     """The leading ``n_batches`` windows of ``split`` of the packed data (prepared with the teacher's
     tokenizer if missing; ConfigError if it was prepared with another tokenizer)."""
 
-    if split not in ("train", "val"):
+    if split not in SPLITS:
         raise ConfigError(f"--split: expected train or val, got {split!r}")
     for name, v in (("--batches", n_batches), ("--batch-size", batch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -209,27 +224,17 @@ def calibration_batches(data_cfg, teacher_tokenizer, teacher_path: Optional[Path
     return validation_batches(PackedTokens(path, split), data_cfg.seq_len, batch_size, n_batches)
 
 
-@dataclass
-class SmartConfig:
-    """The ``smart:`` section of a route: how many MLA layers (or which), and the calibration batches."""
-
-    n_mla: Optional[int] = None
-    layers: Optional[List[int]] = None
-    batches: int = 8
-    batch_size: int = 4
-
-
-def run_smart(teacher, mla_dir: PathLike, mamba_dir: PathLike, data_cfg, n_mla: Optional[int] = None,
-              out_dir: PathLike = "runs/smart", layers: Optional[Sequence[int]] = None, *, batches: int = 8,
-              batch_size: int = 4, split: str = "val", device: Optional[str] = None, teacher_tokenizer=None,
-              verbose: bool = True, dist=None) -> Dict[str, Any]:
+def run_smart(cfg: SmartConfig, teacher, mla_dir: PathLike, mamba_dir: PathLike, data_cfg, out_dir: PathLike, *,
+              device: Optional[str] = None, teacher_tokenizer=None, verbose: bool = True,
+              dist=None) -> Dict[str, Any]:
     """Sensitivities on the calibration data, the layer choice and the report in ``out_dir``.
 
-    ``teacher``: a path / ``asset:`` spec, or a loaded ``LlamaForCausalLM`` (its tokenizer then comes from
-    ``teacher_tokenizer`` or its ``name_or_path``). ``data_cfg``: a :class:`hybridlm.data.DataConfig`
-    (packed; ``tokenizer: teacher`` means the teacher's). Exactly one of ``n_mla`` (selection rule) or
-    ``layers`` (explicit, still measured and reported). The KV report uses the MLA student's ``r_kv`` and
-    ``d_rope``. Returns a dict with ``kl_all``, ``kl``, ``sensitivity``, ``chosen``, ``kv``, ``paths``...
+    ``cfg``: the stage's options (:class:`SmartConfig`: exactly one of ``n_mla``, the selection rule, or
+    ``mla_layers``, explicit, still measured and reported; the calibration batches). ``teacher``: a path /
+    ``asset:`` spec, or a loaded ``LlamaForCausalLM`` (its tokenizer then comes from ``teacher_tokenizer`` or its
+    ``name_or_path``). ``data_cfg``: a :class:`hybridlm.data.DataConfig` (packed; ``tokenizer: teacher`` means the
+    teacher's). The KV report uses the MLA student's ``kv_lora_rank`` and ``qk_rope_head_dim``. Returns a dict with
+    ``kl_all``, ``kl``, ``sensitivity``, ``chosen`` (the MLA layers), ``kv``, ``paths``...
     ``dist`` (:class:`hybridlm.engine.DistInfo`): every rank of the job measures its share of the batches on its
     own device (the data is prepared on rank 0 first); rank 0 selects, logs and writes the report.
     """
@@ -240,7 +245,7 @@ def run_smart(teacher, mla_dir: PathLike, mamba_dir: PathLike, data_cfg, n_mla: 
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if verbose else None
     L, linear = check_students(load_student_config(mla_dir, "mla student"),
                                load_student_config(mamba_dir, "mamba student"))
-    n_mla, explicit = _check_selection(n_mla, layers, L)  # fail before loading any weights
+    n_mla, explicit = _check_selection(cfg, L)  # fail before loading any weights
     if isinstance(teacher, (str, os.PathLike)):
         teacher_path, model = teacher, None
     else:
@@ -249,6 +254,7 @@ def run_smart(teacher, mla_dir: PathLike, mamba_dir: PathLike, data_cfg, n_mla: 
         if teacher_tokenizer is None and not teacher_path:
             raise ConfigError("teacher: a loaded model needs teacher_tokenizer (it has no name_or_path)")
     tok = teacher_tokenizer or load_teacher_tokenizer(teacher_path)
+    batches, batch_size, split = cfg.batches, cfg.batch_size, cfg.split
     if world_size > 1:  # preparing is not collective: rank 0 prepares when the data is missing, the others wait
         if rank == 0:
             calibration_batches(copy.deepcopy(data_cfg), tok, teacher_path, batches, batch_size, split)
@@ -273,95 +279,50 @@ def run_smart(teacher, mla_dir: PathLike, mamba_dir: PathLike, data_cfg, n_mla: 
     kl_all, kl = layer_sensitivities(model, mla, mamba, calib, log=say, shard=(rank, world_size))
     seconds = time.perf_counter() - t0
     sens = sensitivities(kl_all, kl)
-    chosen = select_layers(sens, n_mla, layers=explicit, num_layers=L)
-    r_kv, d_rope = mla.config.mla["kv_lora_rank"], mla.config.mla["qk_rope_head_dim"]
-    kv = kv_report(model.config, chosen, r_kv, d_rope)
+    mla_layers = select_layers(sens, n_mla, mla_layers=explicit, num_layers=L)
+    kv_lora_rank, qk_rope_head_dim = mla.config.mla["kv_lora_rank"], mla.config.mla["qk_rope_head_dim"]
+    kv = kv_report(model.config, mla_layers, kv_lora_rank, qk_rope_head_dim)
     if rank != 0:
-        return {"kl_all": kl_all, "kl": kl, "sensitivity": sens, "chosen": chosen, "kv": kv}
+        return {"kl_all": kl_all, "kl": kl, "sensitivity": sens, "chosen": mla_layers, "kv": kv}
     out = Path(out_dir).expanduser()
-    paths = smart_report.write_smart_report(out, kl_all, kl, chosen, kv)
+    paths = write_smart_report(out, kl_all, kl, mla_layers, kv)
     n_tokens = sum(b["input_ids"].numel() for b in calib)
     info = {"teacher": str(teacher_path), "mla_student": str(Path(mla_dir).resolve()),
             "mamba_student": str(Path(mamba_dir).resolve()), "linear_mixer": linear, "num_layers": L,
             "n_mla": n_mla, "selection": "explicit" if explicit is not None else "smart",
             "data": {"path": str(data_cfg.path), "split": split, "seq_len": data_cfg.seq_len,
                      "batches": len(calib), "batch_size": int(calib[0]["input_ids"].shape[0]), "tokens": n_tokens},
-            "kl_unit": "nats/token", "kl_all": kl_all, "kl": kl, "sensitivity": sens, "chosen": chosen,
-            "kv_ratio": kv["ratio"], "kv_compression": kv["compression"], "kv_lora_rank": r_kv, "rope_dim": d_rope,
-            "device": str(dev), "measure_seconds": round(seconds, 2),
+            "kl_unit": "nats/token", "kl_all": kl_all, "kl": kl, "sensitivity": sens, "chosen": mla_layers,
+            "kv_ratio": kv["ratio"], "kv_compression": kv["compression"], "kv_lora_rank": kv_lora_rank,
+            "qk_rope_head_dim": qk_rope_head_dim, "device": str(dev), "measure_seconds": round(seconds, 2),
             "seconds": round(time.perf_counter() - t_start, 2)}
     write_json(out / RUN_INFO, info)
     if verbose:
         print(paths["md"].read_text(encoding="utf-8"), flush=True)
-        print(f"chosen MLA layers: {','.join(map(str, chosen))}", flush=True)
+        print(f"chosen MLA layers: {','.join(map(str, mla_layers))}", flush=True)
         print(f"report: {paths['json']} (+ .md, .png); {n_tokens} tokens in {seconds:.1f}s", flush=True)
     return {**info, "paths": {k: str(v) for k, v in paths.items()}, "kv": kv}
 
 
 # ---------------------------------------------------------------------------------------------- CLI
-def parse_layers(text: str, flag: str = "--layers") -> List[int]:
-    try:
-        return [int(t) for t in str(text).split(",") if t.strip()]
-    except ValueError:
-        raise ConfigError(f"{flag}: expected comma-separated layer indices such as 0,5,10,14, got {text!r}") from None
-
-
-def layers_from_report(path: PathLike) -> Tuple[List[int], Optional[int]]:
-    """(chosen layers, num_layers) of a ``smart_report.json`` (or a directory holding one)."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        p = p / "smart_report.json"
-    if not p.is_file():
-        raise ConfigError(f"--from-smart: {p} does not exist (expected the smart_report.json of `upcycle smart`)")
-    try:
-        rep = json.loads(p.read_text(encoding="utf-8"))
-        chosen = rep["chosen"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"--from-smart: {p} is not a SMART report ({type(e).__name__}: {e})") from None
-    if not isinstance(chosen, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in chosen):
-        raise ConfigError(f"--from-smart: {p}: 'chosen' is not a list of layer indices")
-    n = rep.get("num_layers")
-    return chosen, n if isinstance(n, int) else None
-
-
 def cmd_smart(args) -> Dict[str, Any]:
     for flag, d in (("--mla-student", args.mla_student), ("--mamba-student", args.mamba_student)):
         if not Path(d).expanduser().is_dir():
             raise ConfigError(f"{flag}: {d} is not a directory")
-    layers = parse_layers(args.layers) if args.layers is not None else None
+    mla_layers = parse_layers(args.mla_layers, "--mla-layers") if args.mla_layers is not None else None
+    cfg = SmartConfig(n_mla=args.n_mla, mla_layers=mla_layers, batches=args.batches, batch_size=args.batch_size,
+                      split=args.split)
     data_cfg = DataConfig(path=args.data_path, seq_len=args.seq_len, sources=list(args.data_source or []),
                           tokenizer="teacher", text_field=args.text_field)
     # under a launcher (torch.distributed.run, deepspeed) every rank measures its share of the batches
     dist = init_distributed() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
-    return run_smart(args.teacher, args.mla_student, args.mamba_student, data_cfg, n_mla=args.n_mla,
-                     out_dir=args.out, layers=layers, batches=args.batches, batch_size=args.batch_size,
-                     split=args.split, device=args.device, dist=dist)
+    return run_smart(cfg, args.teacher, args.mla_student, args.mamba_student, data_cfg, args.out, device=args.device,
+                     dist=dist)
 
 
-def cmd_compose(args) -> Dict[str, Any]:
-    for flag, d in (("--mla-student", args.mla_student), ("--mamba-student", args.mamba_student)):
-        if not Path(d).expanduser().is_dir():
-            raise ConfigError(f"{flag}: {d} is not a directory")
-    if (args.layers is None) == (args.from_smart is None):
-        raise ConfigError("compose: give exactly one of --layers or --from-smart")
-    if args.layers is not None:
-        layers = parse_layers(args.layers)
-    else:
-        layers, n = layers_from_report(args.from_smart)
-        cfg_file = Path(args.mamba_student).expanduser() / "config.json"
-        if n is not None and cfg_file.is_file():
-            plan_len = len(json.loads(cfg_file.read_text(encoding="utf-8")).get("hybrid_override_pattern", ""))
-            if plan_len and plan_len != 2 * n:
-                raise ConfigError(f"--from-smart: the report is for {n} layers, the students have {plan_len // 2}")
-    info = compose_from_dirs(args.mla_student, args.mamba_student, layers, args.out, overwrite=args.overwrite,
-                             remote_code=args.remote_code)
-    print(f"hybrid {info['pattern']} (MLA layers {','.join(map(str, info['mla_layers'])) or 'none'}) -> {info['out']}",
-          flush=True)
-    return info
-
-
-def add_subcommands(subparsers) -> None:
-    """Register ``smart`` and ``compose`` on an ``argparse`` subparsers object (``fn`` takes the namespace)."""
+def add_subcommand(subparsers) -> None:
+    """Register ``smart`` on an ``argparse`` subparsers object (``fn`` takes the namespace); the flags that set
+    :class:`SmartConfig` default to its fields."""
     s = subparsers.add_parser("smart", help="SMART: per-layer KL sensitivities of the ILD students, MLA layer choice, report")
     s.add_argument("--teacher", required=True, help="Llama directory, .gguf file, or asset:smollm2")
     s.add_argument("--mla-student", required=True, help="the pure-MLA student directory (after ILD)")
@@ -371,24 +332,13 @@ def add_subcommands(subparsers) -> None:
                    help="source file / dataset to prepare --data-path from with the teacher's tokenizer (repeatable)")
     s.add_argument("--text-field", default="text", help="text field of JSON records (alpaca records work as is)")
     s.add_argument("--seq-len", type=int, default=512, help="calibration window length")
-    s.add_argument("--batches", type=int, default=8, help="number of calibration batches")
-    s.add_argument("--batch-size", type=int, default=4, help="windows per calibration batch")
-    s.add_argument("--split", choices=("val", "train"), default="val", help="split the calibration windows come from")
+    s.add_argument("--batches", type=int, default=SmartConfig.batches, help="number of calibration batches")
+    s.add_argument("--batch-size", type=int, default=SmartConfig.batch_size, help="windows per calibration batch")
+    s.add_argument("--split", choices=SPLITS, default=SmartConfig.split, help="split the calibration windows come from")
     g = s.add_mutually_exclusive_group(required=True)
     g.add_argument("--n-mla", type=int, default=None, help="number of MLA layers to choose by sensitivity")
-    g.add_argument("--layers", default=None, help="explicit comma-separated MLA layers (still measured and reported)")
+    g.add_argument("--mla-layers", default=None,
+                   help="explicit comma-separated MLA layers (still measured and reported)")
     s.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     s.add_argument("--out", required=True, help="report directory (smart_report.json / .md / .png, smart_run.json)")
     s.set_defaults(fn=cmd_smart)
-    c = subparsers.add_parser("compose", help="compose the MLA + Mamba2 hybrid from the two students")
-    c.add_argument("--mla-student", required=True)
-    c.add_argument("--mamba-student", required=True)
-    g = c.add_mutually_exclusive_group(required=True)
-    g.add_argument("--layers", default=None, help="comma-separated MLA layers, e.g. 0,5,10,14")
-    g.add_argument("--from-smart", default=None, help="smart_report.json (or its directory) of `upcycle smart`")
-    c.add_argument("--out", required=True)
-    c.add_argument("--overwrite", action="store_true")
-    c.add_argument("--remote-code", action="store_true",
-                   help=REMOTE_CODE_HELP)
-    c.set_defaults(fn=cmd_compose)
-

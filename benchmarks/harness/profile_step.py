@@ -1,6 +1,6 @@
 """Where a training step's time goes: torch.profiler over a few steps, kernels grouped into categories.
 
-Used by ``python -m pretrain.train_speed --profile N``: after the timed steps, N more steps run under
+Used by ``python -m benchmarks.train_speed --profile N``: after the timed steps, N more steps run under
 the profiler (its overhead stays out of the timing); each entry of ``train_speed.json`` then has a
 ``profile`` with the device time per category and the top kernels. Categories are matched on kernel names,
 first match wins.

@@ -1,19 +1,29 @@
 """Compare a module's Triton path with its torch path on the same weights and inputs (GPU)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict
 
 import torch
 from torch import nn
 
+from hybridlm.model.runtime import RuntimeSettings
+
 
 def set_backend(module: nn.Module, backend: str) -> None:
-    """Force every sublayer (and nested norm) of ``module`` onto one path."""
+    """Force every sublayer (and nested norm) of ``module`` onto one path: a model through its ``set_runtime``, a
+    bare sublayer by giving its modules a copy of their runtime settings with ``backend`` (one copy per shared
+    object, so modules that shared settings still do)."""
+    if hasattr(module, "set_runtime"):
+        module.set_runtime(backend=backend)
+        return
+    copies = {}
     for m in module.modules():
-        if hasattr(m, "backend"):
-            m.backend = backend
-    if hasattr(module, "config") and hasattr(module.config, "backend"):
-        module.config.backend = backend
+        settings = vars(m).get("runtime")
+        if isinstance(settings, RuntimeSettings):
+            if id(settings) not in copies:
+                copies[id(settings)] = dataclasses.replace(settings, backend=backend)
+            m.runtime = copies[id(settings)]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

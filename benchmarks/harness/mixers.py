@@ -1,6 +1,6 @@
 """Triton-vs-torch parity and first forward+backward timings of every sublayer on one GPU.
 
-    python -m hybridlm.bench.mixers --out mixers.json [--batch 8 --seq 2048 --hidden 1024]
+    python -m benchmarks.harness.mixers --out mixers.json [--batch 8 --seq 2048 --hidden 1024]
 
 Each sublayer uses the Primus recipe's 300M shapes (hidden 1024). Parity: relative L2 error of output and
 gradients, fp32 and bf16, on a short input. Timing: median of forward+backward (bf16 autocast) at
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from hybridlm.bench.parity import compare_paths, set_backend
+from benchmarks.harness.parity import compare_paths, set_backend
 from hybridlm.model import HybridConfig
 from hybridlm.model.layers import SUBLAYERS
 from hybridlm.utils.atomic import write_json

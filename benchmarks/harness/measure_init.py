@@ -1,8 +1,8 @@
 """Perplexity right after ``upcycle init`` for several MLA rank / RoPE choices (no training), on held-out
 Jane Austen text: how much each choice of the SVD init keeps before any distillation.
 
-    python -m upcycle.measure_init --teacher asset:smollm2 --out init_ppl.json \
-        --variants 32:128 32:576 16:128 16:576 8:576        # rope_dim:kv_rank
+    python -m benchmarks.harness.measure_init --teacher asset:smollm2 --out init_ppl.json \
+        --variants 32:128 32:576 16:128 16:576 8:576        # qk_rope_head_dim:kv_lora_rank
 """
 from __future__ import annotations
 
@@ -35,13 +35,15 @@ def main(argv=None):
     rows = [{"model": "teacher", **perplexity(teacher, windows)}]
     print(json_text(rows[-1]), flush=True)
     for variant in args.variants:
-        rope_dim, kv_rank = (int(v) for v in variant.split(":"))
+        qk_rope_head_dim, kv_lora_rank = (int(v) for v in variant.split(":"))
         for rope_init in ROPE_INITS:
-            cfg = student_config(teacher.config, ["mla"] * L, kv_lora_rank=kv_rank, rope_dim=rope_dim, rope_init=rope_init)
+            cfg = student_config(teacher.config, ["mla"] * L, kv_lora_rank=kv_lora_rank,
+                                 qk_rope_head_dim=qk_rope_head_dim, rope_init=rope_init)
             torch.manual_seed(0)
             student = HybridForCausalLM(cfg)
             init_student_from_teacher(student, teacher, ["mla"] * L, mla_options={"rope_init": rope_init})
-            rows.append({"model": "all-MLA", "rope_dim": rope_dim, "kv_rank": kv_rank, "rope_init": rope_init,
+            rows.append({"model": "all-MLA", "qk_rope_head_dim": qk_rope_head_dim, "kv_lora_rank": kv_lora_rank,
+                         "rope_init": rope_init,
                          **perplexity(student, windows)})
             print(json_text(rows[-1]), flush=True)
     write_json(Path(args.out), {"text": f"{book.name}[200000:260000]", "rows": rows})

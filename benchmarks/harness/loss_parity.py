@@ -1,6 +1,6 @@
 """Loss parity: our model and a peer of identical shape trained side by side on the very same batches.
 
-    python -m hybridlm.bench.loss_parity --family gdn|kda|mamba2 --steps 300 --out DIR \\
+    python -m benchmarks.harness.loss_parity --family gdn|kda|mamba2 --steps 300 --out DIR \\
         [--config gdn_300m] [--model-override hidden_size=256 ...] [--peer fla|hf|ours] \\
         [--seeds 0 1] [--ours-seeds 0] [--micro-batch 8] [--seq 2048] [--lr 6e-4 --min-lr 6e-5 --warmup 30] \\
         [--ours-init fla peer legacy legacy:conv legacy:conv_bias+mamba2_out_proj] [--data DIR]
@@ -9,15 +9,15 @@
 {gdn,kda,mamba2}_300m.yaml``; ``--model-override key=value`` changes shapes, e.g. for small CPU runs).
 ``--ours-init`` lists init variants, each trained as one more "ours" run against the same peer runs (the
 ablation table): ``fla`` (the default: fla's statistics), ``legacy`` (everything this toolkit did before,
-:func:`hybridlm.model.legacy_init.apply_legacy_init`), ``legacy:PART+PART`` (only those parts back to the
+:func:`benchmarks.harness.legacy_init.apply_legacy_init`), ``legacy:PART+PART`` (only those parts back to the
 old init; parts ``conv``, ``conv_bias``, ``mamba2_out_proj``), ``peer`` (the exact initial weights of the peer
-built with that run's seed, copied tensor by tensor: :mod:`hybridlm.bench.peer_weights`; a ``peer`` run that
+built with that run's seed, copied tensor by tensor: :mod:`benchmarks.harness.peer_weights`; a ``peer`` run that
 follows the peer's curve puts a gap on the initialisation, one that follows ours' on the rest: forward numerics,
 parameterisation) or ``peer:NAME+NAME`` (only the tensors with those name components, e.g. ``peer:out_proj``,
 ``peer:conv1d+A_log``, from the peer; the rest our own init: the peer's init part by part).
 
 **Peers** (``--peer``, default ``fla``), built with the shapes of ours (the parameter counts are printed and
-must match): fla's ``GatedDeltaNetForCausalLM`` / ``KDAForCausalLM`` (as in :mod:`hybridlm.bench.peers`)
+must match): fla's ``GatedDeltaNetForCausalLM`` / ``KDAForCausalLM`` (as in :mod:`benchmarks.harness.peers`)
 and fla's ``Mamba2ForCausalLM``; ``hf``: transformers' ``Mamba2ForCausalLM`` (mamba2 only; its own init);
 ``ours``: our model again with the peer seeds (``--peer-init``, a variant as above, picks its init), the
 peer that runs on a CPU. fla's models run Triton kernels and need CUDA. fla's and transformers' Mamba2 blocks
@@ -25,10 +25,10 @@ have no MLP, so for ``--family mamba2`` our pattern becomes one Mamba2 mixer per
 (``M-M-...`` of 24 sublayers -> ``MMMM...`` of 24 mixers) unless ``--keep-pattern`` (peer ``ours`` only).
 Without mamba_ssm both Mamba2 peers take their naive torch SSD, whose memory grows with the chunk length:
 ``--peer-chunk-size`` (default 64) sets it. For transformers' peer ``--peer-ssd chunked`` (the default) swaps
-that SSD for a chunked kernel of the same function (fla's on CUDA; :mod:`hybridlm.bench.peer_ssd`), after
+that SSD for a chunked kernel of the same function (fla's on CUDA; :mod:`benchmarks.harness.peer_ssd`), after
 checking loss and gradients against the reference on the first batch (``peer_ssd_check`` in the report).
 fla's gives head ``h`` the B / C of group ``h % n_groups`` where mamba_ssm, transformers and ours give each group consecutive heads: with ``1 < n_groups < heads`` it is another
-wiring of the same weights (the run's ``note`` says so; :mod:`hybridlm.bench.peer_weights`).
+wiring of the same weights (the run's ``note`` says so; :mod:`benchmarks.harness.peer_weights`).
 
 Both train in the same plain torch loop: fp32 weights, bf16 autocast on CUDA (fp32 on CPU), AdamW with the
 engine's parameter groups (:func:`hybridlm.engine.build_param_groups`: 1-D parameters and ``_no_weight_decay``
@@ -60,19 +60,19 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from hybridlm.bench.common import (DEFAULT_DATA, DEFAULT_SOURCES, DEFAULT_TOKENIZER, free_memory, model_section,
+from benchmarks.harness.common import (DEFAULT_DATA, DEFAULT_SOURCES, DEFAULT_TOKENIZER, free_memory, model_section,
                                    versions, write_report)
-from hybridlm.bench import peer_ssd
-from hybridlm.bench.peer_norm import NORMS, set_gated_norms
-from hybridlm.bench.peer_weights import fla_mamba2_reads_groups_tiled, load_peer_weights
-from hybridlm.bench.peers import build_peer as speed_peer
+from benchmarks.harness import peer_ssd
+from benchmarks.harness.peer_norm import NORMS, set_gated_norms
+from benchmarks.harness.peer_weights import fla_mamba2_reads_groups_tiled, load_peer_weights
+from benchmarks.harness.peers import build_peer as speed_peer
 from hybridlm.data import DataConfig, PackedBatches, PackedTokens, ensure_prepared, read_meta, validation_batches
 from hybridlm.engine import Engine, OptimConfig, build_param_groups
 from hybridlm.engine.config import PRECISIONS
 from hybridlm.engine.schedule import lr_lambda
 from hybridlm.model import HybridForCausalLM
 from hybridlm.model.configuration import resolve_model_config
-from hybridlm.model.legacy_init import LEGACY_PARTS, apply_legacy_init, check_legacy_parts
+from benchmarks.harness.legacy_init import LEGACY_PARTS, apply_legacy_init, check_legacy_parts
 from hybridlm.training.preempt import PreemptionFlag, preemption_flag
 from hybridlm.utils.atomic import save_figure
 
@@ -97,7 +97,6 @@ def resolve_config(args, data_dir: Path, name: Optional[str] = None, overrides: 
     overridden = {o.split("=", 1)[0] for o in overrides}
     if "hybrid_override_pattern" in overridden and "num_layers" not in overridden:
         section.pop("num_layers", None)  # the new pattern gives the depth
-    section.setdefault("backend", "auto")
     config = resolve_model_config(section, read_meta(data_dir), data_dir)
     mixers = {k for k in config.layer_plan if k != "mlp"}
     allowed = {args.family, "mla"} if args.peer_config else {args.family}
@@ -207,13 +206,13 @@ def build_peer(kind: str, family: str, config, seed: int, args):
     info = {"class": f"{'fla' if kind == 'fla' else 'transformers'}.{type(model).__name__}",
             "config": cfg.to_diff_dict(), "init": "its own (_init_weights)"}
     if kind == "hf":
-        set_gated_norms(model, args.peer_norm)  # whatever transformers is installed (hybridlm/bench/peer_norm.py)
+        set_gated_norms(model, args.peer_norm)  # whatever transformers is installed (benchmarks/harness/peer_norm.py)
         info["norm"] = args.peer_norm
     if kind == "fla":
         if fla_mamba2_reads_groups_tiled(model):
             info["note"] = ("without mamba_ssm fla's torch SSD gives head h the B / C of group h % n_groups, ours "
                             "of group h // (heads per group): the same weights compute another function "
-                            "(hybridlm/bench/peer_weights.py)")
+                            "(benchmarks/harness/peer_weights.py)")
     return model, info
 
 
@@ -579,7 +578,7 @@ def resumable_runs(report: Dict[str, Any], out: Path) -> Dict[Any, Dict[str, Any
 # ---------------------------------------------------------------------------------------- driver
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hybridlm.bench.loss_parity", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.harness.loss_parity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=FAMILIES, help="required unless --replot or --merge")
     p.add_argument("--out", required=True, help="directory for loss_parity.json and loss_parity.png")

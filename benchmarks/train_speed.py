@@ -1,11 +1,12 @@
 """Training throughput of the real pre-training step, and of peers in a plain PyTorch loop (BENCHMARKS.md, "Training throughput").
 
-    python -m pretrain.train_speed --out DIR \\
+    python -m benchmarks.train_speed --out DIR \\
         [--configs gdn_300m kda_300m mamba2_300m gdn_300m_hybrid mamba2_300m_hybrid gdn_1b] \\
         [--peers fla_gdn fla_kda llama] [--micro-batch 32 | --find-max-batch] [--seq 2048] \\
         [--steps 12] [--warmup 3] [--data data_cache/janeausten-llama3.2] [--peak-tflops 989.5] \
-        [--profile 3 [--trace]] [--model-override KEY=VALUE ...] [--optim-override KEY=VALUE ...]
-    deepspeed --num_gpus 2 -m pretrain.train_speed --out DIR ...   # ZeRO-1 data parallel
+        [--profile 3 [--trace]] [--model-override KEY=VALUE ...] [--optim-override KEY=VALUE ...] \
+        [--runtime-override KEY=VALUE ...]
+    deepspeed --num_gpus 2 -m benchmarks.train_speed --out DIR ...   # ZeRO-1 data parallel
 
 **Ours** is ``pretrain.py``'s job itself: :func:`pretrain.train.prepare_pretraining` (packed shards, the
 rank-sharded ``PackedBatches`` loader), :func:`pretrain.train.build_engine` (the model in the DeepSpeed
@@ -13,7 +14,7 @@ ZeRO-1 :class:`~hybridlm.engine.Engine`, bf16 weights with fp32 master weights a
 fused AdamW, clipping) and the shared :func:`~hybridlm.training.train_loop`, timed through its
 ``on_step`` hook, which the loop calls once the GPU has finished the step, with checkpoints off. A config is a
 model YAML name from ``configs/models`` (or any model / experiment YAML path; only its model section is used),
-optionally with overrides of its own after colons (``gdn_300m:optim.step_on_device=true:model.split_conv_outputs=true``):
+optionally with overrides of its own after colons (``gdn_300m:optim.step_on_device=true:runtime.split_conv_outputs=true``):
 variants of one config measured in the same run, next to the same peers.
 
 **Peers** (one-process runs only): fla's ``GatedDeltaNetForCausalLM`` / ``KDAForCausalLM`` with the
@@ -26,14 +27,14 @@ loss as each step ends; a ``+late`` suffix (``fla_gdn+late``) reads it after the
 our loop does (its fastest plain loop: the GPU is never left waiting for the host to log).
 
 Per entry: median step time over ``--steps`` steps after ``--warmup`` steps (the first includes Triton
-autotuning), tokens/s = global tokens per step / that, MFU by :mod:`hybridlm.bench.flops`, and peak
+autotuning), tokens/s = global tokens per step / that, MFU by :mod:`benchmarks.harness.flops`, and peak
 ``torch.cuda.max_memory_allocated`` over the measured steps. ``--find-max-batch`` tries
 ``--batch-candidates`` from the largest, each in a fresh model / engine, and measures the largest that
 does not run out of memory. Writes ``DIR/train_speed.json`` and ``DIR/train_speed.png`` after every
 entry; ``--merge A.json B.json --out DIR`` joins reports of separate runs and redraws the chart. ``--profile N``
 adds each entry's kernel time by category over N more steps, and its GEMMs' time by operand shapes with the
-TFLOP/s each shape ran at (hybridlm/bench/profile_step.py); ``--trace`` also writes those steps as a Chrome trace
-with Python stacks (``DIR/trace_<entry>.json.gz``), whose idle gaps ``python -m hybridlm.bench.trace_gaps`` traces
+TFLOP/s each shape ran at (benchmarks/harness/profile_step.py); ``--trace`` also writes those steps as a Chrome trace
+with Python stacks (``DIR/trace_<entry>.json.gz``), whose idle gaps ``python -m benchmarks.harness.trace_gaps`` traces
 to the code that ran then.
 On a machine without CUDA everything runs in fp32 on the CPU (fla peers are skipped: Triton).
 """
@@ -55,11 +56,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hybridlm.bench import flops as F
-from hybridlm.bench.common import (DEFAULT_DATA, DEFAULT_SOURCES, DEFAULT_TOKENIZER, free_memory, is_oom,
+from benchmarks.harness import flops as F
+from benchmarks.harness.common import (DEFAULT_DATA, DEFAULT_SOURCES, DEFAULT_TOKENIZER, free_memory, is_oom,
                                    merge_reports, model_section, versions, write_report)
-from hybridlm.bench.peers import PEER_BASE, build_peer
-from hybridlm.bench.profile_step import StepProfiler, format_profile
+from benchmarks.harness.peers import PEER_BASE, build_peer
+from benchmarks.harness.profile_step import StepProfiler, format_profile
 from hybridlm.config.loader import deep_merge, parse_override
 from hybridlm.data import DataConfig, PackedBatches, PackedTokens, ensure_prepared, read_meta
 from hybridlm.engine import barrier, init_distributed
@@ -151,17 +152,20 @@ def file_stem(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", Path(name).stem if name.endswith((".yaml", ".yml")) else name)
 
 
-def split_variant(spec: str) -> Tuple[str, List[str], List[str]]:
-    """``CONFIG[:model.KEY=VALUE][:optim.KEY=VALUE]...`` -> (config, model overrides, optim overrides)."""
+VARIANT_SECTIONS = ("model", "optim", "runtime")
+
+
+def split_variant(spec: str) -> Tuple[str, Dict[str, List[str]]]:
+    """``CONFIG[:model.KEY=VALUE][:optim.KEY=VALUE][:runtime.KEY=VALUE]...`` -> (config, {section: overrides})."""
     base, *overrides = spec.split(":")
-    model, optim = [], []
+    by_section: Dict[str, List[str]] = {name: [] for name in VARIANT_SECTIONS}
     for item in overrides:
         section, _, rest = item.partition(".")
-        if section not in ("model", "optim") or "=" not in rest:
-            raise SystemExit(f"--configs: {spec!r}: each override after ':' must be model.KEY=VALUE or "
-                             f"optim.KEY=VALUE, got {item!r}")
-        (model if section == "model" else optim).append(rest)
-    return base, model, optim
+        if section not in VARIANT_SECTIONS or "=" not in rest:
+            raise SystemExit(f"--configs: {spec!r}: each override after ':' must be model.KEY=VALUE, "
+                             f"optim.KEY=VALUE or runtime.KEY=VALUE, got {item!r}")
+        by_section[section].append(rest)
+    return base, by_section
 
 
 def steps_to_run(args, late: bool) -> int:
@@ -183,9 +187,9 @@ def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[s
 
     cuda = torch.cuda.is_available()
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    config, model_overrides, optim_overrides = split_variant(name)
+    config, own = split_variant(name)
     sections = {
-        "model": model_section(config, [*args.model_override, *model_overrides]),
+        "model": model_section(config, [*args.model_override, *own["model"]]),
         "data": {"path": str(data_dir), "seq_len": args.seq, "val_max_batches": 1, "sources": [],
                  "tokenizer": DEFAULT_TOKENIZER},
         "optim": {"micro_batch_size": mb, "global_batch_size": mb * world, "lr": 3.0e-4, "min_lr": 3.0e-5,
@@ -196,8 +200,9 @@ def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[s
                 "save_interval": 0, "resume": False, "progress": False, "tensorboard": False, "export": False,
                 "sample_tokens": 0},
     }
-    for item in [*args.optim_override, *optim_overrides]:
-        sections = deep_merge(sections, parse_override(f"optim.{item}"))
+    for section in ("optim", "runtime"):
+        for item in [*getattr(args, f"{section}_override"), *own[section]]:
+            sections = deep_merge(sections, parse_override(f"{section}.{item}"))
     setup = prepare_pretraining(sections)
     summary = model_summary(setup.config)
     n_mm = F.matmul_params(build_on_meta(setup.config))
@@ -216,11 +221,11 @@ def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[s
         del engine
     return {**profile_result(profiler), "params": summary["params"], "non_embedding_params": summary["non_embedding_params"],
             "matmul_params": n_mm, "mixers": F.describe(mixers),
-            "overrides": {"model": model_overrides, "optim": optim_overrides},
+            "overrides": own,
             "flops": F.train_flops_per_token(n_mm, mixers, args.seq), "timing": timer.summary(),
             "precision": args.precision,
             "recipe": f"pretrain.py: DeepSpeed ZeRO-1 {PRECISION_RECIPE[args.precision]}, "
-                      f"{'fused ' if cuda else ''}AdamW, clip 1.0, backend {setup.config.backend}"
+                      f"{'fused ' if cuda else ''}AdamW, clip 1.0, backend {setup.config.runtime.backend}"
                       f"{', activation checkpointing' if args.activation_checkpointing else ''} "
                       f"({'Triton' if cuda else 'torch'} kernels)"}
 
@@ -402,12 +407,12 @@ KERNEL_SWITCHES = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pretrain.train_speed", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.train_speed", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory for train_speed.json and train_speed.png")
     p.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS,
                    help="model YAML names in configs/models (or paths), each optionally with overrides of its own "
-                        "(gdn_300m:optim.step_on_device=true:model.split_conv_outputs=true); none: peers only")
+                        "(gdn_300m:optim.step_on_device=true:runtime.split_conv_outputs=true); none: peers only")
     p.add_argument("--peers", nargs="*", default=DEFAULT_PEERS,
                    help="fla_gdn, fla_kda, llama, each optionally :CONFIG for its shapes; none: ours only")
     p.add_argument("--micro-batch", type=int, default=32, help="sequences per GPU per step")
@@ -432,9 +437,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model keys for every config and peer base, e.g. hidden_size=64")
     p.add_argument("--optim-override", nargs="*", default=[], metavar="KEY=VALUE",
                    help="optim keys for ours, e.g. immediate_grad_update=true")
+    p.add_argument("--runtime-override", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="runtime keys for ours (hybridlm/model/runtime.py), e.g. fuse_projections=false")
     p.add_argument("--trace", action="store_true",
                    help="with --profile: also write each entry's profiled steps as a Chrome trace with Python stacks "
-                        "(trace_<entry>.json.gz beside the report; python -m hybridlm.bench.trace_gaps reads it)")
+                        "(trace_<entry>.json.gz beside the report; python -m benchmarks.harness.trace_gaps reads it)")
     p.add_argument("--fla-fused-linear-ce", action="store_true",
                    help="fla peers with fuse_linear_cross_entropy (default: fla's default fuse_cross_entropy)")
     p.add_argument("--mamba2-compile-inputs", choices=("on", "off"), default="off",
@@ -499,7 +506,7 @@ def main(argv=None) -> Dict[str, Any]:
         "precision": args.precision, "peak_tflops_per_gpu": args.peak_tflops, "flop_formula": F.FORMULA,
         "mamba2_compile_inputs": args.mamba2_compile_inputs, "conv_x_once": args.conv_x_once,
         **{f"{op}_kernel": getattr(args, f"{op}_kernel") for op in KERNEL_SWITCHES},
-        "model_override": args.model_override, "data": str(data_dir), "command": " ".join(sys.argv),
+        "model_override": args.model_override, "runtime_override": args.runtime_override, "data": str(data_dir), "command": " ".join(sys.argv),
         "started": datetime.now(timezone.utc).isoformat(),
         "entries": [],
     }
