@@ -2,7 +2,8 @@
 speed"), on a random-weight twin of the SmolLM2-135M teacher (same shapes, so the same work per token): the
 figures the route config's stage lengths are sized by (configs/upcycle/smollm2_route_h200.yaml).
 
-    python benchmarks/route_speed.py --out OUT_DIR/route_speed.json [--seq 1024] [--micro 16 32] [--steps 6]
+    python benchmarks/route_speed.py --out OUT_DIR/route_speed.json [--seq 1024] [--micro 16 32] [--steps 6] \
+        [--stages ild kd kd_torch_chunks]
 
 One JSON line per (stage, micro-batch) as it is measured: ILD of the pure-MLA and of the pure-Mamba2 student
 (each block against the teacher's, blocks trainable), then KD of the composed hybrid (every parameter); seconds
@@ -57,6 +58,9 @@ def main():
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", required=True, help="the JSON report (its folder is created)")
+    p.add_argument("--stages", nargs="+", choices=("ild", "kd", "kd_torch_chunks"), default=["ild", "kd"],
+                   help="kd_torch_chunks: KD with each loss chunk's arithmetic in torch ops instead of its kernel "
+                        "(hybridlm/ops/kd_divergence.py)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("error: route_speed.py needs a CUDA GPU: torch.cuda.is_available() is False")
@@ -67,14 +71,22 @@ def main():
     L = SMOLLM2["num_hidden_layers"]
     rows = []
     for micro in args.micro:
-        for name, kinds in (("ild_mla", ["mla"] * L), ("ild_mamba2", ["mamba2"] * L)):
-            student = HybridForCausalLM(student_config(teacher.config, kinds, kv_lora_rank=128, rope_dim=16))
+        for name, layer_kinds in (("ild_mla", ["mla"] * L), ("ild_mamba2", ["mamba2"] * L)):
+            if "ild" not in args.stages:
+                break
+            student = HybridForCausalLM(student_config(teacher.config, layer_kinds, kv_lora_rank=128,
+                                                       qk_rope_head_dim=16))
             rows.append(time_stage(name, student, lambda s, b: ild_loss(s, teacher, b["input_ids"]),
                                    lambda s: s.model.layers.parameters(), micro, args.seq, args.steps, args.warmup))
-        kinds = ["mla" if i in ROUTE_MLA else "mamba2" for i in range(L)]
-        student = HybridForCausalLM(student_config(teacher.config, kinds, kv_lora_rank=128, rope_dim=16))
-        rows.append(time_stage("kd", student, lambda s, b: kd_loss(s, teacher, b), lambda s: s.parameters(),
-                               micro, args.seq, args.steps, args.warmup))
+        layer_kinds = ["mla" if i in ROUTE_MLA else "mamba2" for i in range(L)]
+        for name, kernel in (("kd", None), ("kd_torch_chunks", False)):
+            if name not in args.stages:
+                continue
+            torch.manual_seed(0)
+            student = HybridForCausalLM(student_config(teacher.config, layer_kinds, kv_lora_rank=128,
+                                                       qk_rope_head_dim=16))
+            rows.append(time_stage(name, student, lambda s, b, k=kernel: kd_loss(s, teacher, b, chunk_kernel=k),
+                                   lambda s: s.parameters(), micro, args.seq, args.steps, args.warmup))
     write_json(args.out, {"device": torch.cuda.get_device_name(), "rows": rows})
 
 

@@ -1,8 +1,8 @@
-"""The RMSNorm kernels (hybridlm/ops/rms_norm.py), Mamba2's fused output stage (hybridlm/ops/gated_norm.py) and
-the cross-entropy kernel (hybridlm/ops/cross_entropy.py) compiled on a GPU, at the 300M models' training widths:
-against their torch twins in fp64 on the CPU, and no worse than the fla kernels they replace (needs CUDA; the
-interpreter's CPU twins of these tests are tests/test_rms_norm.py, tests/test_gated_norm.py and
-tests/test_cross_entropy.py)."""
+"""The RMSNorm kernels (hybridlm/ops/rms_norm.py), Mamba2's fused output stage (hybridlm/ops/gated_norm.py), the
+cross-entropy kernel (hybridlm/ops/cross_entropy.py) and KD's chunk kernel (hybridlm/ops/kd_divergence.py) compiled
+on a GPU, at the 300M models' (KD: SmolLM2's) training widths: against their torch twins in fp64 on the CPU, and no
+worse than the fla kernels they replace (needs CUDA; the interpreter's CPU twins of these tests are
+tests/test_rms_norm.py, tests/test_gated_norm.py, tests/test_cross_entropy.py and tests/test_kd_divergence.py)."""
 import pytest
 import torch
 
@@ -190,3 +190,45 @@ def test_chunked_loss_gradients_match_full_fp32_logits():
     assert hl.grad.dtype == wl.grad.dtype == torch.bfloat16
     assert rel_err(hl.grad, hr.grad) < 1e-2, rel_err(hl.grad, hr.grad)
     assert rel_err(wl.grad, wr.grad) < 1e-2, rel_err(wl.grad, wr.grad)
+
+
+@DTYPES
+@pytest.mark.parametrize("temperature,ce_weight", [(1.0, 0.0), (2.0, 0.5)], ids=["kl", "tempered_kl_ce"])
+def test_kd_divergence_matches_the_twin(dtype, temperature, ce_weight):
+    """KD's chunk kernel (hybridlm/ops/kd_divergence.py) at SmolLM2's vocabulary against its twin in fp64."""
+    from hybridlm.ops.kd_divergence import kd_divergence_kernel, kd_divergence_reference
+    torch.manual_seed(0)
+    R, V = 300, 49152
+    student = (torch.randn(R, V, device="cuda") * 4).to(dtype)
+    teacher = (torch.randn(R, V, device="cuda") * 4).to(dtype)
+    target = torch.randint(0, V, (R,), device="cuda")
+    buf = student.clone()
+    kl, ce = kd_divergence_kernel(buf, teacher, target, temperature, 0.8, ce_weight, 1.0 / R, write_grad=True)
+    want_kl, want_ce, want_grad = kd_divergence_reference(student.cpu().double(), teacher.cpu().double(),
+                                                          target.cpu(), temperature, 0.8, ce_weight, 1.0 / R)
+    assert rel_err(kl, want_kl) < 1e-5 and rel_err(ce, want_ce) < 1e-6
+    assert rel_err(buf, want_grad) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_chunked_kd_on_the_kernel_equals_the_torch_ops():
+    """KD's chunked loss (distill/kd_loss.py ``KDChunk`` through hybridlm/model/loss.py ``ChunkedLinearHead``) at
+    the route's shapes in bf16, the chunk on the kernel against its torch ops: loss, KL and CE sums, the gradients
+    of the student's hidden states and head."""
+    from distill.kd_loss import KDChunk
+    from hybridlm.model.loss import ChunkedLinearHead
+    torch.manual_seed(0)
+    n, d, V = 4096, 576, 49152  # SmolLM2-135M's width and vocabulary
+    hs = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
+    ws = (torch.randn(V, d, device="cuda") * 0.05).to(torch.bfloat16)
+    ht = hs + 0.3 * torch.randn_like(hs)
+    wt = ws + (0.01 * torch.randn(V, d, device="cuda")).to(torch.bfloat16)
+    target = torch.randint(0, V, (n,), device="cuda")
+    results = {}
+    for triton in (False, True):
+        h, w = hs.clone().requires_grad_(True), ws.clone().requires_grad_(True)
+        chunk = KDChunk(ht, wt, target, 1.5, 0.8, 0.2, triton=triton)
+        loss = ChunkedLinearHead.apply(h, w, chunk, 1024, True)
+        loss.backward()
+        results[triton] = (loss.detach(), chunk.kl_sum, chunk.ce_sum, h.grad, w.grad)
+    for a, b in zip(results[True], results[False]):
+        assert rel_err(a, b) < 1e-2, rel_err(a, b)
