@@ -66,7 +66,6 @@ from hybridlm.data import DataConfig, PackedBatches, PackedTokens, ensure_prepar
 from hybridlm.engine import barrier, init_distributed
 from hybridlm.engine.config import PRECISIONS
 from hybridlm.model.configuration import resolve_model_config
-from hybridlm.model.layers.mamba2 import Mamba2
 from hybridlm.model.summary import build_on_meta, model_summary
 from hybridlm.ops.backend import KERNEL_SOURCES, set_kernel_source
 from hybridlm.ops.causal_conv import offer_pass1_x_once
@@ -477,7 +476,8 @@ def main(argv=None) -> Dict[str, Any]:
         return merge(args.merge, out)
 
     t0 = time.perf_counter()
-    Mamba2.compile_ssd_inputs = args.mamba2_compile_inputs == "on"  # process-wide switches: this run's settings
+    if args.mamba2_compile_inputs == "on":  # a runtime setting of ours (hybridlm/model/runtime.py)
+        args.runtime_override = [*args.runtime_override, "compile_ssd_inputs=true"]
     for op in KERNEL_SWITCHES:
         set_kernel_source(op, getattr(args, f"{op}_kernel"))
     offer_pass1_x_once(args.conv_x_once == "on")

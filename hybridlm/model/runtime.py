@@ -39,6 +39,9 @@ class RuntimeSettings(Section):
     # GDN / KDA: where the split conv runs, it also L2-normalises q and k and repeats GDN's q / k heads for its
     # grouped value heads (hybridlm/ops/causal_conv.py ``HeadNorm``)
     qk_norm_in_conv: bool = True
+    # Mamba2, training on the Triton path: the SSD's inputs through torch.compile (hybridlm/ops/mamba2_inputs.py;
+    # BENCHMARKS.md, "Training step breakdown"); off by default: the first step compiles
+    compile_ssd_inputs: bool = False
 
 
 RUNTIME_KEYS = tuple(f.name for f in dataclasses.fields(RuntimeSettings))

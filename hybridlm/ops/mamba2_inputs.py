@@ -4,7 +4,7 @@ The scan is fla's simple GLA with q = C, k = dt * B and v = x per head, log-deca
 so the groups of B and C (and with ``d_xb`` the fewer x channels) are broadcast over their heads, dt goes through
 softplus and scales the keys. In eager mode that is a handful of element-wise kernels forward and as many
 reductions backward; :func:`compiled_ssd_inputs` hands the same function to ``torch.compile`` so the CUDA training
-path can run it as a few fused kernels (``Mamba2.compile_ssd_inputs``; measured with ``benchmarks.train_speed
+path can run it as a few fused kernels (``runtime.compile_ssd_inputs``; measured with ``benchmarks.train_speed
 --mamba2-compile-inputs``).
 """
 from __future__ import annotations

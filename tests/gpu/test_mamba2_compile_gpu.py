@@ -1,5 +1,7 @@
-"""Mamba2's training forward and backward with its SSD inputs through torch.compile (Mamba2.compile_ssd_inputs,
+"""Mamba2's training forward and backward with its SSD inputs through torch.compile (runtime.compile_ssd_inputs,
 hybridlm/ops/mamba2_inputs.py) against the eager ops, on the Triton path at the 300M shape (needs CUDA)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,14 +13,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_compiled_inputs_train_like_the_eager_ones(dtype, monkeypatch):
+def test_compiled_inputs_train_like_the_eager_ones(dtype):
     cfg = HybridConfig(**{**SHAPES_300M, "vocab_size": 4096, "hybrid_override_pattern": "M-", "mixer": "mamba2"})
     torch.manual_seed(0)
     layer = Mamba2(cfg).cuda().to(dtype)
     x = torch.randn(2, 512, cfg.hidden_size, device="cuda", dtype=dtype)
     results = []
     for compiled in (False, True):
-        monkeypatch.setattr(Mamba2, "compile_ssd_inputs", compiled)
+        layer.runtime = dataclasses.replace(layer.runtime, compile_ssd_inputs=compiled)
         layer.zero_grad(set_to_none=True)
         inp = x.clone().requires_grad_()
         out = layer(inp)

@@ -34,9 +34,6 @@ from hybridlm.ops.mamba2_step import mamba2_decode_step
 class Mamba2(nn.Module):
     chunk_size: int = 64  # torch path's chunk length (tests shrink it)
     fused_step: bool = True  # Triton path: a cached one-token step in one kernel (tests compare it turned off)
-    # Triton path, training: the SSD's inputs through torch.compile (hybridlm/ops/mamba2_inputs.py); off until
-    # measured (benchmarks.train_speed --mamba2-compile-inputs on)
-    compile_ssd_inputs: bool = False
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
@@ -131,7 +128,7 @@ class Mamba2(nn.Module):
 
     def _compile_inputs(self, triton: bool) -> bool:
         """Training on the Triton path (one shape a run; generation's prompt lengths would recompile)."""
-        return self.compile_ssd_inputs and triton and torch.is_grad_enabled()
+        return self.runtime.compile_ssd_inputs and triton and torch.is_grad_enabled()
 
     def _can_fuse_step(self, cache) -> bool:
         """A decode token continuing cached states (a one-token prompt has none yet: the chunked path starts
