@@ -224,3 +224,18 @@ def assert_chart(path, min_side: int = 200) -> None:
     img = mpimg.imread(str(path))
     assert img.ndim == 3 and min(img.shape[:2]) >= min_side, (path, img.shape)
     assert img[..., :3].std() > 0.01, f"{path}: blank"
+
+
+def count_graphed_generate(monkeypatch) -> list:
+    """Record the keyword arguments of every call ``generate()`` makes to the fast path's ``graphed_generate``
+    (which still runs): the list it returns grows by one dict a call."""
+    from hybridlm.model import modeling
+    calls = []
+    original = modeling.graphed_generate
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(modeling, "graphed_generate", counting)
+    return calls

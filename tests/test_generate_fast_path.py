@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from transformers.generation.logits_process import TemperatureLogitsWarper
 from transformers.generation.streamers import BaseStreamer
 
-from conftest import rel_err, tiny_config
+from conftest import count_graphed_generate, rel_err, tiny_config
 from hybridlm.model import HybridForCausalLM, fast_generate, modeling
 from hybridlm.model.generate import greedy_generate, save_tokenizer, set_generation_defaults
 
@@ -46,14 +46,7 @@ def both(model, monkeypatch, caplog):
     """``both(inputs, seed, **kw)`` -> (fast_path=True result, fast_path=False result, the fast path's
     graphed_generate arguments or None, what the fast path logged). Each call seeds the global RNG with ``seed``
     and gets its own copy of ``kw``."""
-    calls = []
-    original = modeling.graphed_generate
-
-    def counting(*a, **k):
-        calls.append(k)
-        return original(*a, **k)
-
-    monkeypatch.setattr(modeling, "graphed_generate", counting)
+    calls = count_graphed_generate(monkeypatch)
 
     def run(inputs, seed=0, **kw):
         fast_generate._SAID.clear()

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from conftest import rel_err, tiny_config
+from conftest import count_graphed_generate, rel_err, tiny_config
 from hybridlm.model import HybridForCausalLM
 from hybridlm.model.cache import HybridCache, LatentCacheLayer, RecurrentCacheLayer
 from hybridlm.model.generate import greedy_generate
@@ -386,19 +386,12 @@ def test_generate_takes_the_fast_path_when_it_computes_the_same(caplog, monkeypa
     """model.generate(): a call the static cache serves (rows of one length; greedy, EOS, sampling) goes through
     graphed_generate (fast_path=True forces it on a CPU; on CUDA it is the default) and gives transformers' own
     loop's greedy tokens; a call it cannot serve takes transformers' loop and says why once."""
-    from hybridlm.model import fast_generate, modeling
+    from hybridlm.model import fast_generate
     from hybridlm.model.fast_generate import fast_path_plan
 
     model = _model("mixed")
     ids, new = _ids(2, 7), 12
-    calls = []
-    original = modeling.graphed_generate
-
-    def counting(*a, **k):
-        calls.append(k)
-        return original(*a, **k)
-
-    monkeypatch.setattr(modeling, "graphed_generate", counting)
+    calls = count_graphed_generate(monkeypatch)
     mask = torch.ones_like(ids)
     slow = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
     assert not calls  # a CPU model: transformers' loop unless asked

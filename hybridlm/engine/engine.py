@@ -314,7 +314,12 @@ class Engine:
         if config.activation_checkpointing:
             if not getattr(model, "supports_gradient_checkpointing", False):
                 raise ConfigError(f"optim.activation_checkpointing: {type(model).__name__} does not support it")
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers 5.24 names it activation_checkpointing_enable and warns on the old name
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         ckpt.seed_everything(config.seed + self.dist.rank)
         model.to(self.dist.device)
         optimizer = torch.optim.AdamW(
