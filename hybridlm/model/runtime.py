@@ -58,20 +58,12 @@ def runtime_settings(value: Union[None, RuntimeSettings, Mapping[str, Any]], whe
     return build_dataclass(RuntimeSettings, value, where)
 
 
-def updated(settings: RuntimeSettings, changes: Mapping[str, Any], where: str = "runtime") -> None:
-    """Apply ``changes`` to ``settings`` in place (every module holding it sees them), checked first: nothing
-    changes when one of them is invalid."""
-    new = build_dataclass(RuntimeSettings, {**dataclasses.asdict(settings), **changes}, where)
-    for f in dataclasses.fields(RuntimeSettings):
-        setattr(settings, f.name, getattr(new, f.name))
-
-
-__all__ = ["RuntimeSettings", "RUNTIME_KEYS", "runtime_settings", "updated"]
-
-
 def moved_key_error(where: str, key: str) -> Optional[str]:
     """The message for a runtime setting given in a model section (where older configs had them), else None."""
     if key in RUNTIME_KEYS:
         return (f"{where}.{key}: how the model runs, not what it is; set runtime.{key} instead "
                 f"(the model config no longer holds runtime settings)")
     return None
+
+
+__all__ = ["RuntimeSettings", "RUNTIME_KEYS", "runtime_settings", "moved_key_error"]
