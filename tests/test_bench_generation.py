@@ -14,6 +14,7 @@ from conftest import save_tiny_llama, assert_chart
 from benchmarks.harness import generation as G
 from hybridlm.model import HybridForCausalLM
 from hybridlm.model.generate import greedy_generate
+from hybridlm.model.runtime import RuntimeSettings
 
 KINDS = ["mla", "mamba2", "mla", "mamba2"]
 KV_RANK, ROPE = 16, 8
@@ -133,20 +134,32 @@ def test_oom_stops_larger_batches(models, tmp_path, monkeypatch):
     assert_chart(tmp_path / "merged" / "generation.png")
 
 
-def test_cuda_graph_option_decodes_through_the_static_cache(models, tmp_path):
+def test_cuda_graph_option_decodes_through_the_static_cache(models, tmp_path, monkeypatch):
     """``--cuda-graph``: the hybrid decodes through a static HybridCache (+ GraphedDecoder; on CPU its eager
-    fallback) and still produces generate()'s tokens; the teacher keeps its default path; recorded per entry."""
+    fallback) and still produces generate()'s tokens; the teacher keeps its default path; recorded per entry.
+    The decode-kernel flags are the measured hybrid's runtime settings, nothing process-wide."""
     _, teacher, hybrid = models
+    loaded = []
+    load_hybrid = G.load_hybrid
+
+    def load_and_keep(*args):
+        loaded.append(load_hybrid(*args))
+        return loaded[-1]
+
+    monkeypatch.setattr(G, "load_hybrid", load_and_keep)
     rep = G.main(["--hybrid", str(hybrid), "--teacher", str(teacher), "--prompt-lens", "8", "--new-tokens", str(NEW),
                   "--batches", "2", "--dtype", "fp32", "--out", str(tmp_path), "--warmup-steps", "1",
                   "--check-generate", str(NEW), "--cuda-graph", "--mla-split-k", "off", "--profile-decode", "2",
                   "--graph-small-kernels", "off", "--graph-fuse-residual", "off"])
     assert rep["cuda_graph"] is True and rep["mla_split_k"] == "off" and rep["profile_decode"] == 2
-    assert rep["graph_small_kernels"] == "off" and G.GraphedDecoder.small_kernels is True  # switched back
-    assert rep["graph_fuse_residual"] == "off" and G.GraphedDecoder.fuse_residual is True
-    # a class switch for the run (on CPU the kernel is not taken either way: no Triton path), put back afterwards
-    from hybridlm.model.layers.mla import MultiHeadLatentAttention
-    assert MultiHeadLatentAttention.split_k_decode is True
+    assert rep["graph_small_kernels"] == "off" and rep["graph_fuse_residual"] == "off"
+    assert rep["mamba2_fused_step"] == "on"
+    # the flags set the loaded model's runtime (on CPU the Triton kernels are not taken either way)
+    (measured,) = loaded
+    runtime = measured.runtime
+    assert (runtime.mamba2_fused_step, runtime.mla_split_k_decode) == (True, False)
+    assert (runtime.graph_small_kernels, runtime.graph_fuse_residual) == (False, False)
+    assert all(m.runtime is runtime for m in measured.modules() if "runtime" in vars(m))
     by_model = {e["model"]: e for e in rep["entries"]}
     h, t = by_model["hybrid"], by_model["teacher"]
     assert h["status"] == "ok" and h["cuda_graph"] is True and h["graph_replayed"] is False
@@ -163,7 +176,8 @@ def test_cuda_graph_option_decodes_through_the_static_cache(models, tmp_path):
     n_mla = KINDS.count("mla")
     assert h["cache_bytes_kv"] == n_mla * (KV_RANK + ROPE) * 4 * h["batch"] * h["cached_tokens"]
 
-    model = G.load_hybrid(str(hybrid), torch.float32, torch.device("cpu"))
+    model = load_hybrid(str(hybrid), torch.float32, torch.device("cpu"))
+    assert model.runtime == RuntimeSettings()  # another model loaded after the run: the defaults
     ids = G.make_prompts(2, 12, model.config.vocab_size, seed=3, device=torch.device("cpu"))
     run = G.greedy_decode(model, ids, NEW, cuda_graph=True)
     assert run.cache.is_static and run.cache.get_seq_length() == run.cache.max_length == 12 + NEW - 1

@@ -346,7 +346,6 @@ def test_graphed_generate_keeps_its_cache_and_step_for_the_next_call_of_the_same
     import copy
     import pickle
     from hybridlm.model.graphs import KeptDecoder, graphed_generate
-    from hybridlm.model.layers.mla import MultiHeadLatentAttention
 
     model = _model("mixed")
     new = 9
@@ -364,10 +363,10 @@ def test_graphed_generate_keeps_its_cache_and_step_for_the_next_call_of_the_same
     assert torch.equal(graphed_generate(model, a, 1), reference(a)[:, :8]) and kept.decoder is first  # no decode
     assert torch.equal(graphed_generate(model, a[:1], new), reference(a[:1])) and kept.decoder is not first
     second = kept.decoder
-    with pytest.MonkeyPatch.context() as mp:  # what the captured step runs changed: not the same step
-        mp.setattr(MultiHeadLatentAttention, "split_k_decode", not MultiHeadLatentAttention.split_k_decode)
-        graphed_generate(model, a[:1], new)
+    model.set_runtime(mla_split_k_decode=False)  # what the captured step runs changed: not the same step
+    graphed_generate(model, a[:1], new)
     assert kept.decoder is not second
+    model.set_runtime(mla_split_k_decode=True)
     third = kept.decoder
     model.double()  # new weight tensors: a graph of the old ones must not be replayed
     assert torch.equal(graphed_generate(model, a[:1], new), reference(a[:1]))

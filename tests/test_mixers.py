@@ -149,7 +149,7 @@ def test_small_inference_calls_take_the_torch_path():
 
 
 def test_graph_capture_can_send_small_calls_through_the_kernels(monkeypatch):
-    """Inside small_calls_through_kernels (a CUDA graph's warm-up and capture with GraphedDecoder.small_kernels) a
+    """Inside small_calls_through_kernels (a CUDA graph's warm-up and capture with runtime.graph_small_kernels) a
     decode step's norms take the fused kernels under ``auto``; outside, the torch ops; ``torch`` stays torch.
     (This CPU has no Triton path: use_triton is stood in for by True to test the choice itself.)"""
     from hybridlm.ops import backend

@@ -1,4 +1,4 @@
-"""Residual adds inside the norms (``hybridlm.ops.backend.residual_adds_in_norms``, ``GraphedDecoder.fuse_residual``):
+"""Residual adds inside the norms (``hybridlm.ops.backend.residual_adds_in_norms``, ``runtime.graph_fuse_residual``):
 the model computes the same function with each block's residual add left to the next norm, CPU.
 
 1. The torch path: bitwise the blocks' output (full forward and cached decode, fp32 and bf16, every sublayer kind);
@@ -16,6 +16,7 @@ import torch
 
 from conftest import greedy_decode, run_under_interpreter, tiny_config
 from hybridlm.model import HybridForCausalLM
+from hybridlm.model.cache import HybridCache
 from hybridlm.model.graphs import GraphedDecoder
 from hybridlm.ops.backend import residual_adds_in_norms, residual_adds_in_norms_active
 
@@ -60,13 +61,16 @@ def test_a_hooked_block_keeps_the_block_loop():
     assert len(seen) == 2 * calls and all(torch.equal(a, b) for a, b in zip(seen[:calls], seen[calls:]))
 
 
-def test_the_switch_reaches_a_captured_steps_context(monkeypatch):
-    assert GraphedDecoder.fuse_residual  # on by default since measured on a GPU
-    with GraphedDecoder.kernel_choices():
+def test_the_switch_reaches_a_captured_steps_context():
+    """The decoder reads its model's runtime when it captures: a ``set_runtime`` after it was built counts."""
+    model = _model()
+    decoder = GraphedDecoder(model, HybridCache(model.config, max_length=4, batch_size=1, dtype=torch.float32))
+    assert model.runtime.graph_fuse_residual  # on by default since measured on a GPU
+    with decoder.kernel_choices():
         assert residual_adds_in_norms_active()
     assert not residual_adds_in_norms_active()
-    monkeypatch.setattr(GraphedDecoder, "fuse_residual", False)
-    with GraphedDecoder.kernel_choices():
+    model.set_runtime(graph_fuse_residual=False)
+    with decoder.kernel_choices():
         assert not residual_adds_in_norms_active()
 
 

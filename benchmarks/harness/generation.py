@@ -90,7 +90,7 @@ from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.cache import HybridCache
 from hybridlm.model.fast_generate import fast_path_plan
 from hybridlm.model.generate import greedy_generate
-from hybridlm.model.graphs import DECODE_SWITCHES, GraphedDecoder
+from hybridlm.model.graphs import GraphedDecoder
 from hybridlm.model.pattern import student_kinds
 from hybridlm.ops.backend import use_triton
 from hybridlm.teacher import load_teacher, resolve_teacher
@@ -127,6 +127,14 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def load_hybrid(path: str, dtype: torch.dtype, device: torch.device):
     model = HybridForCausalLM.from_pretrained(str(Path(path).expanduser()), dtype=dtype)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def decode_runtime(args) -> Dict[str, bool]:
+    """The hybrid's decode-kernel runtime settings from the --mamba2-fused-step, --mla-split-k, --graph-small-kernels
+    and --graph-fuse-residual flags, for ``model.set_runtime``."""
+    return {"mamba2_fused_step": args.mamba2_fused_step == "on", "mla_split_k_decode": args.mla_split_k == "on",
+            "graph_small_kernels": args.graph_small_kernels == "on",
+            "graph_fuse_residual": args.graph_fuse_residual == "on"}
 
 
 def load_teacher_model(spec: str, dtype: torch.dtype, device: torch.device):
@@ -329,8 +337,9 @@ def profile_decode(model, input_ids: torch.LongTensor, steps: int) -> Dict[str, 
                         device=input_ids.device)
     nxt = model(input_ids=input_ids, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
     decoder = GraphedDecoder(model, cache, enabled=False)
-    # the kernels of the captured step (GraphedDecoder's switches: fla's small kernels, residual adds in the norms)
-    with GraphedDecoder.kernel_choices():
+    # the kernels of the captured step (the model's runtime.graph_small_kernels and runtime.graph_fuse_residual:
+    # fla's small kernels, residual adds in the norms)
+    with decoder.kernel_choices():
         for _ in range(2):  # compiles and autotuning stay out of the profile
             nxt = decoder.step(nxt)[:, -1].argmax(-1, keepdim=True)
         profiler = StepProfiler(skip=0, active=steps, device=input_ids.device)
@@ -761,6 +770,7 @@ def main(argv=None) -> Dict[str, Any]:
         print(f"[{time.perf_counter() - t0:6.0f}s] loading {name}", flush=True)
         if name == "hybrid":
             model = load_hybrid(args.hybrid, dtype, device)
+            model.set_runtime(**decode_runtime(args))  # this model's decode kernels: nothing process-wide
             probe = torch.empty(1, device=device)
             info = {"path": args.hybrid, "pattern": model.config.hybrid_override_pattern,
                     "backend": model.runtime.backend,
@@ -775,11 +785,6 @@ def main(argv=None) -> Dict[str, Any]:
                     vocab_size=model.config.vocab_size)
         report["models"][name] = info
         vocab = model.config.vocab_size
-        # class switches: put back after this model, not left to later callers
-        switches_before = [getattr(owner, attr) for owner, attr in DECODE_SWITCHES]
-        for (owner, attr), arg in zip(DECODE_SWITCHES, (args.mamba2_fused_step, args.mla_split_k,
-                                                        args.graph_small_kernels, args.graph_fuse_residual)):
-            setattr(owner, attr, arg == "on")
         try:
             for P in args.prompt_lens:
                 checked = False
@@ -792,8 +797,6 @@ def main(argv=None) -> Dict[str, Any]:
                     if entry["status"] != "ok":
                         break
         finally:
-            for (owner, attr), value in zip(DECODE_SWITCHES, switches_before):
-                setattr(owner, attr, value)
             del model
             free_memory()
     write(report, out)

@@ -33,30 +33,21 @@ from typing import Optional
 import torch
 
 from hybridlm.model.cache import HybridCache
-from hybridlm.model.layers.mamba2 import Mamba2
-from hybridlm.model.layers.mla import MultiHeadLatentAttention
+from hybridlm.model.runtime import DECODE_RUNTIME_KEYS
 from hybridlm.ops.backend import residual_adds_in_norms, small_calls_through_kernels
 
 
 class GraphedDecoder:
     """Single-token decode steps of ``model`` on the static ``cache``, replayed from one CUDA graph."""
 
-    # the captured step's norms and SwiGLU through fla's fused Triton kernels instead of the torch ops an eager
-    # decode step uses (fewer graph nodes; hybridlm/ops/backend.py). On: 1.24-1.33x faster per step on an H200
-    # (BENCHMARKS.md, "Generation throughput"); --graph-small-kernels off is the before
-    small_kernels: bool = True
-    # each block's residual add done by the next norm's kernel inside the captured step (hybridlm/ops/backend.py).
-    # On: 60 fewer kernels and 0.08-0.12 ms less per step on an H200 (BENCHMARKS.md, "Generation throughput");
-    # --graph-fuse-residual off is the before
-    fuse_residual: bool = True
-
-    @classmethod
-    def kernel_choices(cls) -> contextlib.ExitStack:
-        """The context a captured step is warmed up and recorded in: the class switches above."""
+    def kernel_choices(self) -> contextlib.ExitStack:
+        """The context a captured step is warmed up and recorded in: the model's ``runtime.graph_small_kernels``
+        and ``runtime.graph_fuse_residual``, as they are at the capture (a captured graph keeps what it recorded)."""
+        runtime = self.model.config.runtime
         stack = contextlib.ExitStack()
-        if cls.small_kernels:
+        if runtime.graph_small_kernels:
             stack.enter_context(small_calls_through_kernels())
-        if cls.fuse_residual:
+        if runtime.graph_fuse_residual:
             stack.enter_context(residual_adds_in_norms())
         return stack
 
@@ -154,20 +145,14 @@ class KeptDecoder:
         self.key = self.decoder = None
 
 
-# every class switch a captured step bakes in: a kept decoder serves a call only under the same values, and the
-# generation bench sets them per run (--mamba2-fused-step, --mla-split-k, --graph-small-kernels,
-# --graph-fuse-residual, in this order)
-DECODE_SWITCHES = ((Mamba2, "fused_step"), (MultiHeadLatentAttention, "split_k_decode"),
-                   (GraphedDecoder, "small_kernels"), (GraphedDecoder, "fuse_residual"))
-
-
 def _reuse_key(model, batch: int, max_length: int, device, cuda_graph: Optional[bool]) -> tuple:
     """What a kept decoder must share with a new call to serve it: the cache's shape and kind, the grad mode its
     buffers were made under, and what the captured step baked in (the weights' addresses: a ``model.to()`` or a
-    replaced parameter makes new tensors; the layers' decode-kernel switches)."""
+    replaced parameter makes new tensors; the model's decode-kernel runtime settings, ``DECODE_RUNTIME_KEYS``)."""
     weights = tuple(t.data_ptr() for t in model.parameters()) + tuple(t.data_ptr() for t in model.buffers())
+    runtime = model.config.runtime
     return (batch, max_length, model.dtype, str(device), cuda_graph, torch.is_inference_mode_enabled(),
-            model.training, tuple(getattr(owner, attr) for owner, attr in DECODE_SWITCHES), hash(weights))
+            model.training, tuple(getattr(runtime, key) for key in DECODE_RUNTIME_KEYS), hash(weights))
 
 
 def kept_decoder(model, batch: int, max_length: int, device, cuda_graph: Optional[bool]) -> GraphedDecoder:

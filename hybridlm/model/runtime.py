@@ -42,9 +42,29 @@ class RuntimeSettings(Section):
     # Mamba2, training on the Triton path: the SSD's inputs through torch.compile (hybridlm/ops/mamba2_inputs.py;
     # BENCHMARKS.md, "Training step breakdown"); off by default: the first step compiles
     compile_ssd_inputs: bool = False
+    # decoding, Triton path: a cached Mamba2 token in one fused kernel between its two GEMMs
+    # (hybridlm/ops/mamba2_step.py; BENCHMARKS.md, "Generation throughput"); off is the generation bench's
+    # --mamba2-fused-step off
+    mamba2_fused_step: bool = True
+    # decoding: MLA's absorbed attention of a decode step through the split-K Triton kernel
+    # (hybridlm/ops/latent_decode.py): on an H200 it took the route's decode step from 5.93 to 2.91 ms at 8k /
+    # batch 48 and 5.56 to 2.19 at 8k / batch 1 (BENCHMARKS.md, "Generation throughput"); off puts SDPA back
+    # (--mla-split-k off)
+    mla_split_k_decode: bool = True
+    # decoding: a captured CUDA-graph step runs its norms and SwiGLU through fla's fused Triton kernels instead of
+    # the torch ops an eager decode step uses (fewer graph nodes; hybridlm/ops/backend.py). On: 1.24-1.33x faster
+    # per step on an H200 (BENCHMARKS.md, "Generation throughput"); --graph-small-kernels off is the before
+    graph_small_kernels: bool = True
+    # decoding: a captured step leaves each block's residual add to the next norm's kernel
+    # (hybridlm/ops/backend.py). On: 60 fewer kernels and 0.08-0.12 ms less per step on an H200 (BENCHMARKS.md,
+    # "Generation throughput"); --graph-fuse-residual off is the before
+    graph_fuse_residual: bool = True
 
 
 RUNTIME_KEYS = tuple(f.name for f in dataclasses.fields(RuntimeSettings))
+# the settings a captured decode step bakes in: a model's kept decoder (hybridlm/model/graphs.py) serves a
+# generate call only under the values it was captured with
+DECODE_RUNTIME_KEYS = ("mamba2_fused_step", "mla_split_k_decode", "graph_small_kernels", "graph_fuse_residual")
 
 
 def runtime_settings(value: Union[None, RuntimeSettings, Mapping[str, Any]], where: str = "runtime") -> RuntimeSettings:
@@ -66,4 +86,4 @@ def moved_key_error(where: str, key: str) -> Optional[str]:
     return None
 
 
-__all__ = ["RuntimeSettings", "RUNTIME_KEYS", "runtime_settings", "moved_key_error"]
+__all__ = ["RuntimeSettings", "RUNTIME_KEYS", "DECODE_RUNTIME_KEYS", "runtime_settings", "moved_key_error"]

@@ -82,16 +82,14 @@ def test_left_padded_batch_decodes_like_each_sequence_alone(name):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(PATTERNS))
 @torch.no_grad()
-def test_cuda_graph_decode_equals_eager_static_cache(name, dtype, monkeypatch):
+def test_cuda_graph_decode_equals_eager_static_cache(name, dtype):
     """GraphedDecoder's replayed steps against eager steps on a static cache (same kernels: equal up to
     nondeterminism), greedy tokens included, and the static cache's eager steps against the dynamic cache. The
     captured step's kernel switches are off here, so both sides run the same ops; each switch on against off is
     test_captured_step_with_a_kernel_switch_decodes_like_without_it."""
     from hybridlm.model.cache import HybridCache
-    from hybridlm.model.graphs import GraphedDecoder
-    monkeypatch.setattr(GraphedDecoder, "small_kernels", False)
-    monkeypatch.setattr(GraphedDecoder, "fuse_residual", False)
     model = _model(name, dtype)
+    model.set_runtime(graph_small_kernels=False, graph_fuse_residual=False)
     B, P, new = 3, 137, 12
     ids = torch.randint(1, 4096, (B, P), device="cuda")
 
@@ -136,21 +134,21 @@ def test_cuda_graph_decode_equals_eager_static_cache(name, dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["mla", "mamba2", "mixed"])
-@pytest.mark.parametrize("switch", ["small_kernels", "fuse_residual"])
+@pytest.mark.parametrize("switch", ["graph_small_kernels", "graph_fuse_residual"])
 @torch.no_grad()
-def test_captured_step_with_a_kernel_switch_decodes_like_without_it(switch, name, dtype, monkeypatch):
-    """A GraphedDecoder switch on against off, the other switches at their defaults: ``small_kernels`` (the captured
-    step's norms and SwiGLU through fla's kernels instead of the torch ops), ``fuse_residual`` (each block's residual
-    add in the next norm's kernel). Teacher-forced with the same tokens: logits to rounding, fp32 tokens equal."""
+def test_captured_step_with_a_kernel_switch_decodes_like_without_it(switch, name, dtype):
+    """A captured step's runtime setting on against off, the others at their defaults: ``graph_small_kernels`` (the
+    captured step's norms and SwiGLU through fla's kernels instead of the torch ops), ``graph_fuse_residual`` (each
+    block's residual add in the next norm's kernel). Teacher-forced with the same tokens: logits to rounding, fp32
+    tokens equal."""
     from hybridlm.model.cache import HybridCache
-    from hybridlm.model.graphs import GraphedDecoder
     model = _model(name, dtype)
     B, P, new = 3, 137, 12
     ids = torch.randint(1, 4096, (B, P), device="cuda")
     forced = torch.randint(1, 4096, (B, new - 1), device="cuda")
 
     def decode(on):
-        monkeypatch.setattr(GraphedDecoder, switch, on)
+        model.set_runtime(**{switch: on})
         cache = HybridCache(model.config, max_length=P + new - 1, batch_size=B, dtype=dtype, device="cuda")
         _, logits, _, decoder = greedy_decode(model, ids, new, cache, forced=forced)
         assert decoder.graph is not None
@@ -158,7 +156,7 @@ def test_captured_step_with_a_kernel_switch_decodes_like_without_it(switch, name
 
     off, on = decode(False), decode(True)
     err = _rel(on, off)
-    _record(f"generation/{name}/{str(dtype).split('.')[-1]}/graph_{switch}", err)
+    _record(f"generation/{name}/{str(dtype).split('.')[-1]}/{switch}", err)
     assert err < (1e-4 if dtype == torch.float32 else 3e-2)
     if dtype == torch.float32:
         assert torch.equal(on.argmax(-1), off.argmax(-1))

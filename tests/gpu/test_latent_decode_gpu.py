@@ -7,7 +7,6 @@ import torch
 from conftest import greedy_decode
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.cache import HybridCache
-from hybridlm.model.layers.mla import MultiHeadLatentAttention
 from hybridlm.ops.latent_decode import latent_attention_decode, latent_attention_decode_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -39,7 +38,7 @@ def test_kernel_matches_the_twin(name, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @torch.no_grad()
-def test_graphed_decode_through_the_kernel_and_through_sdpa(dtype, monkeypatch):
+def test_graphed_decode_through_the_kernel_and_through_sdpa(dtype):
     torch.manual_seed(0)
     cfg = HybridConfig(
         vocab_size=4096, hidden_size=256, intermediate_size=512, hybrid_override_pattern="*-M-*-M-", mixer="mamba2",
@@ -51,7 +50,7 @@ def test_graphed_decode_through_the_kernel_and_through_sdpa(dtype, monkeypatch):
     ids = torch.randint(1, 4096, (B, P), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
 
     def run(split_k, forced=None):
-        monkeypatch.setattr(MultiHeadLatentAttention, "split_k_decode", split_k)
+        model.set_runtime(mla_split_k_decode=split_k)
         cache = HybridCache(model.config, max_length=P + new - 1, batch_size=B, dtype=dtype, device="cuda")
         tokens, logits, _, decoder = greedy_decode(model, ids, new, cache, forced=forced)
         assert decoder.graph is not None

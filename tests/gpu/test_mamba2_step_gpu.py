@@ -88,7 +88,7 @@ def _kernels(fn) -> list:
 
 
 @torch.no_grad()
-def test_a_layer_step_is_two_gemms_and_the_fused_kernel(monkeypatch):
+def test_a_layer_step_is_two_gemms_and_the_fused_kernel():
     """One cached token through a Mamba2 layer (static cache): in_proj, the fused kernel, out_proj; unfused the
     same step launches a couple of dozen kernels."""
     model = _tiny_hybrid(torch.bfloat16, d_xb=128, gate_bias=True)
@@ -102,7 +102,7 @@ def test_a_layer_step_is_two_gemms_and_the_fused_kernel(monkeypatch):
         layer(hidden, ctx)
     step()  # compile
     fused = _kernels(step)
-    monkeypatch.setattr(Mamba2, "fused_step", False)
+    model.set_runtime(mamba2_fused_step=False)
     step()
     unfused = _kernels(step)
     print(f"\nkernels per Mamba2 decode step: fused {len(fused)} {fused}\nunfused {len(unfused)} {unfused}")
@@ -114,7 +114,7 @@ def test_a_layer_step_is_two_gemms_and_the_fused_kernel(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("mamba2", [{}, dict(d_xb=128, gate_bias=True)], ids=["groups", "xb_repeat"])
 @torch.no_grad()
-def test_graphed_decode_with_and_without_the_fused_step(mamba2, dtype, monkeypatch):
+def test_graphed_decode_with_and_without_the_fused_step(mamba2, dtype):
     """GraphedDecoder (a captured step replayed per token) on a static cache: the fused step gives the unfused
     step's greedy tokens (fp32; bf16 teacher-forced on them, logits within the bf16 tolerance), and the cache
     buffers keep their addresses."""
@@ -123,7 +123,7 @@ def test_graphed_decode_with_and_without_the_fused_step(mamba2, dtype, monkeypat
     ids = torch.randint(1, 4096, (B, P), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
 
     def run(fused, forced=None):
-        monkeypatch.setattr(Mamba2, "fused_step", fused)
+        model.set_runtime(mamba2_fused_step=fused)
         cache = HybridCache(model.config, max_length=P + new - 1, batch_size=B, dtype=dtype, device="cuda")
         ptrs = {k: t.data_ptr() for k, t in cache.static_tensors().items()}
         tokens, logits, _, decoder = greedy_decode(model, ids, new, cache, forced=forced)

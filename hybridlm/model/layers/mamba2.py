@@ -33,7 +33,6 @@ from hybridlm.ops.mamba2_step import mamba2_decode_step
 
 class Mamba2(nn.Module):
     chunk_size: int = 64  # torch path's chunk length (tests shrink it)
-    fused_step: bool = True  # Triton path: a cached one-token step in one kernel (tests compare it turned off)
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
@@ -131,9 +130,9 @@ class Mamba2(nn.Module):
         return self.runtime.compile_ssd_inputs and triton and torch.is_grad_enabled()
 
     def _can_fuse_step(self, cache) -> bool:
-        """A decode token continuing cached states (a one-token prompt has none yet: the chunked path starts
-        them), outside autograd (the fused kernel has no backward)."""
-        return (self.fused_step and cache is not None and cache.state is not None
+        """``runtime.mamba2_fused_step``, a decode token continuing cached states (a one-token prompt has none yet:
+        the chunked path starts them), outside autograd (the fused kernel has no backward)."""
+        return (self.runtime.mamba2_fused_step and cache is not None and cache.state is not None
                 and cache.state.dtype == torch.float32 and "conv" in cache.conv_states
                 and not torch.is_grad_enabled())
 

@@ -14,9 +14,9 @@ the latent space, with kv_b's key rows absorbed into the query and its value row
 Padded keys are masked out and RoPE positions come per sequence from the attention mask.
 With a static cache (fixed-size buffer for CUDA graphs) the new entries are written in place at device-side
 slots and the absorbed attention runs over the whole buffer, unwritten slots masked (a prompt into an empty
-static cache still takes the expanded form over its own tokens). With ``split_k_decode`` the absorbed attention
-of a decode step runs :func:`hybridlm.ops.latent_decode.latent_attention_decode` on CUDA instead of SDPA: the
-cache split along its length over the whole GPU (SDPA walks it with one thread block at batch 1).
+static cache still takes the expanded form over its own tokens). With ``runtime.mla_split_k_decode`` the absorbed
+attention of a decode step runs :func:`hybridlm.ops.latent_decode.latent_attention_decode` on CUDA instead of
+SDPA: the cache split along its length over the whole GPU (SDPA walks it with one thread block at batch 1).
 """
 from __future__ import annotations
 
@@ -37,11 +37,6 @@ _CACHE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTI
 
 
 class MultiHeadLatentAttention(nn.Module):
-    # the split-K Triton kernel for the absorbed attention of decode steps: on an H200 it took the route's
-    # decode step from 5.93 to 2.91 ms at 8k / batch 48 and 5.56 to 2.19 at 8k / batch 1 (BENCHMARKS.md,
-    # "Generation throughput"); False puts SDPA back (the generation bench's --mla-split-k off)
-    split_k_decode: bool = True
-
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         a = config.mixer_args("mla")
@@ -138,9 +133,10 @@ class MultiHeadLatentAttention(nn.Module):
         return torch.einsum("bhtr,hvr->bthv", o[..., :r].reshape(B, H, T, r), w_uv)
 
     def _use_split_k(self, q: torch.Tensor, kv: torch.Tensor) -> bool:
-        """A few query rows (a decode step) outside autograd, on the Triton path, q and the cache of one dtype."""
-        return (self.split_k_decode and q.shape[1] * q.shape[2] <= MAX_ROWS and not torch.is_grad_enabled()
-                and q.dtype == kv.dtype and use_triton(self.runtime.backend, kv))
+        """``runtime.mla_split_k_decode``, a few query rows (a decode step) outside autograd, on the Triton path, q
+        and the cache of one dtype."""
+        return (self.runtime.mla_split_k_decode and q.shape[1] * q.shape[2] <= MAX_ROWS
+                and not torch.is_grad_enabled() and q.dtype == kv.dtype and use_triton(self.runtime.backend, kv))
 
     def _attend_cached(self, x, ctx):
         """A prompt (nothing cached yet) takes the expanded form; later tokens the absorbed one over the cache."""
