@@ -165,6 +165,16 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
     return report
 
 
+def tokens_axis(ax, xs: List[float]) -> None:
+    """The x axis of tokens trained in millions: linear up to the smallest stage's tokens (the init sits at 0),
+    logarithmic above, so that a CPU route's 0.2M and a GPU route's 98M both spread their stages; plain numbers."""
+    from matplotlib.ticker import FuncFormatter
+    ax.set_xscale("symlog", linthresh=min([x for x in xs if x > 1e-6] or [1.0]))
+    ax.set_xlim(left=0)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel("tokens trained (millions; init at 0)")
+
+
 def plot_report(report: Dict[str, Any], png: Path) -> Path:
     """Held-out perplexity (a) and (b) against tokens trained, one point per stage, with the teacher's
     perplexity and the target ratios as lines (log scale); with generation scores, a panel of ``gen_ppl_ratio``
@@ -191,9 +201,7 @@ def plot_report(report: Dict[str, Any], png: Path) -> Path:
         for ratio, style in zip(report["targets"]["ppl_ratio"], ("--", ":")):
             ax.axhline(teacher * ratio, color="#d62728", ls=style, lw=1, label=f"target {ratio:g}x teacher")
         ax.set_yscale("log")
-        ax.set_xscale("symlog", linthresh=1.0)
-        ax.set_xlim(left=0)
-        ax.set_xlabel("tokens trained (millions; init at 0)")
+        tokens_axis(ax, xs)
         ax.set_ylabel("perplexity (log scale)")
         h = report["heldout"][key]
         ax.set_title(f"({key}) {h['text'][:60]}: {h['tokens']:,} tokens", fontsize=9)
@@ -213,9 +221,7 @@ def plot_report(report: Dict[str, Any], png: Path) -> Path:
         teacher_rep = next(r[rep_key] for r in rows if r["model"] == "teacher")
         ax.axhline(1.0, color="#444444", lw=1.5, label=f"teacher (ppl {gen['teacher_ppl']:.3g}, rep {teacher_rep:.2f})")
         ax.set_yscale("log")
-        ax.set_xscale("symlog", linthresh=1.0)
-        ax.set_xlim(left=0)
-        ax.set_xlabel("tokens trained (millions; init at 0)")
+        tokens_axis(ax, xs)
         ax.set_ylabel("teacher ppl of greedy continuation / teacher's own")
         ax.set_title(f"generation: {gen['prompts']} prompts of {gen['source']}, {gen['new_tokens']} greedy tokens",
                      fontsize=9)
