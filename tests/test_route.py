@@ -14,6 +14,8 @@ from hybridlm.data.packed import heldout_windows
 from hybridlm.teacher import load_teacher
 
 
+# ~150 s on 2 cores: with the slow CPU tests (.ci/run runs them next), so the default run stays under 20 minutes
+@pytest.mark.slow
 def test_route_runs_every_stage_and_resumes(tmp_path):
     for name in ("dpo_en_demo.json", "alpaca_en_demo.json"):
         demo_file(name)

@@ -134,6 +134,8 @@ def test_keep_going_reports_a_failed_entry_and_runs_the_next(tmp_path, austen_da
     assert_chart(out / "train_speed.png")
 
 
+# ~45 s on 2 cores: the benchmark harness end to end, with the slow CPU tests (.ci/run runs them next)
+@pytest.mark.slow
 def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     out = tmp_path / "bench"
     env = subprocess_env()
