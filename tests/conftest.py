@@ -71,22 +71,30 @@ def interpreter_run_of(test_file: str):
 
 
 def interpreter_rounds_like_gpu():
-    """Compiled Triton rounds fp32 -> bf16 to nearest even (``.to(tl.bfloat16)``); the interpreter truncates
-    (triton/runtime/interpreter.py ``InterpreterBuilder.cast_impl``). Make it round as the GPU does, so bf16
-    runs compare rounding for rounding."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
+    """Under the interpreter, round fp32 -> bf16 as compiled Triton does (tests/support/triton_interpreter.py)."""
+    from tests.support.triton_interpreter import round_bf16_like_gpu
+    round_bf16_like_gpu()
 
-    cast = interpreter.InterpreterBuilder.cast_impl
 
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
-            return interpreter.TensorHandle(bits.numpy().view(np.uint16), tl.bfloat16)
-        return cast(self, src, dst_type)
+def pytest_configure(config):
+    """The `gpu` tests under Triton's interpreter (``TRITON_INTERPRET=1`` without CUDA) run in this process: the
+    interpreter's patches go in before anything imports triton (tests/support/gpu_path.py)."""
+    from tests.support import gpu_path
+    if gpu_path.INTERPRETED:
+        from tests.support.triton_interpreter import enable, round_bf16_like_gpu
+        enable()
+        round_bf16_like_gpu()
 
-    interpreter.InterpreterBuilder.cast_impl = cast_impl
+
+def pytest_collection_modifyitems(config, items):
+    """A `gpu` test runs on CUDA; without CUDA, under the interpreter unless tests/support/gpu_path.py lists it as
+    CUDA-only (then skipped with the reason listed there); otherwise skipped."""
+    from tests.support import gpu_path
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            reason = gpu_path.skip_reason(item.nodeid)
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")

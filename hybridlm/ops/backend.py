@@ -13,6 +13,9 @@ import functools
 
 import torch
 
+from hybridlm.ops.triton_launch import interpreting
+from hybridlm.ops.tuning import apply_shipped_tuning
+
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -30,12 +33,16 @@ def use_triton(backend: str, x: torch.Tensor) -> bool:
     if backend == "torch":
         return False
     if backend == "triton":
-        if not x.is_cuda:
-            raise RuntimeError("backend: 'triton' needs CUDA tensors; use backend 'auto' or 'torch' on CPU")
+        if not (x.is_cuda or interpreting()):
+            raise RuntimeError("backend: 'triton' needs CUDA tensors (or Triton's interpreter, TRITON_INTERPRET=1); "
+                               "use backend 'auto' or 'torch' on CPU")
         if not fla_available():
             raise RuntimeError("backend: 'triton' needs flash-linear-attention (pip install flash-linear-attention)")
-        return True
-    return x.is_cuda and fla_available()
+    elif not (x.is_cuda and fla_available()):
+        return False
+    if x.is_cuda:
+        apply_shipped_tuning(x.device)  # once per process: the shipped autotune results in Triton's cache
+    return True
 
 
 # A decode step's norms and activations cover a few rows; through fla's Triton wrappers each costs ~0.2 ms of

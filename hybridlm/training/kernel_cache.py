@@ -1,12 +1,24 @@
-"""Carry Triton autotune results (fla's kernels' and the project's own) from one machine to the next.
+"""Triton autotune results: the ones shipped with the package, and carrying a machine's own to the next machine.
 
-On a fresh GPU machine the first training step autotunes every fla kernel for the run's shapes: Triton
-compiles and times each candidate configuration (146.6 s for GDN-300M at micro-batch 64 on an H200). Triton
-keeps the winners as small ``<hash>/<kernel>.autotune.json`` files in its cache directory
-(:func:`hybridlm.training.cold_start.triton_cache_dir`); the hash covers the kernel source, the Triton version
-and the GPU, so a file only ever applies where it was made. Handed those files, a fresh machine compiles just
-the winning configuration of each kernel (17.2 s for the same first step; BENCHMARKS.md, "Cold start"). The
-project's own kernels (hybridlm/ops/) keep theirs the same way (``autotuned`` in hybridlm/ops/triton_launch.py).
+On a fresh GPU machine each Triton kernel (fla's and the project's) compiles and times every candidate configuration
+the first time it meets a shape: minutes before the first step (BENCHMARKS.md, "Cold start"). Triton keeps each
+winner as ``<hash>/<kernel>.autotune.json`` in its cache directory
+(:func:`hybridlm.ops.tuning.triton_cache_dir`); the hash covers the kernel source, the Triton version and the GPU
+architecture, so a result only ever applies where it was made. Handed those results, a fresh machine compiles just
+the winning configuration of each kernel.
+
+The package ships the results for the GPUs in ``hybridlm/ops/tuned/`` (one file per GPU name and Triton version) and
+serves the matching file to Triton's autotuner by itself (:mod:`hybridlm.ops.tuning`). For another GPU, or another
+Triton, make the file on that GPU once: record the launches that had to be tuned while running the shapes you use,
+then turn the record into a tuning file (merged with the one already there for this GPU, if any):
+
+    export HYBRIDLM_RECORD_TUNING=$PWD/tuning.jsonl
+    bash benchmarks/acceptance.sh OUT_DIR                   # or any runs at the shapes you use
+    python -m hybridlm.training.kernel_cache make \
+        hybridlm/ops/tuned/$(python -m hybridlm.training.kernel_cache name) --records tuning.jsonl
+
+``shipped`` lists the shipped files and says which one applies here and why. A machine's own results also travel as
+an archive:
 
     python -m hybridlm.training.kernel_cache export tuned.tar.xz   # after a run, on the tuned machine
     python -m hybridlm.training.kernel_cache import tuned.tar.xz   # on the next machine, before training
@@ -25,7 +37,8 @@ import tarfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from hybridlm.training.cold_start import triton_cache_dir
+from hybridlm.ops import tuning
+from hybridlm.ops.tuning import triton_cache_dir
 from hybridlm.utils.atomic import atomic_write_bytes
 
 SUFFIX = ".autotune.json"
@@ -94,12 +107,37 @@ def import_autotune(archive: Path, cache: Optional[Path] = None) -> int:
     return len(members)
 
 
+def _this_gpu():
+    """(GPU name, Triton version) of this machine; KernelCacheError without CUDA or triton."""
+    import torch
+    if not torch.cuda.is_available():
+        raise KernelCacheError("no CUDA GPU here: tuning files are made and matched on the GPU they are for")
+    import triton
+    return torch.cuda.get_device_name(), triton.__version__
+
+
+def _shipped_report() -> List[str]:
+    lines = []
+    for path in tuning.shipped_files():
+        try:
+            data = tuning.read_tuning_file(path)
+            lines.append(f"{path.name}: {data['gpu']} / Triton {data['triton']} / fla {data.get('fla')}: "
+                         f"{len(data['entries'])} results")
+        except tuning.TuningFileError as e:
+            lines.append(f"{path.name}: refused: {e}")
+    return lines or [f"none in {tuning.SHIPPED_DIR}"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hybridlm.training.kernel_cache",
-                                 description="Export / import fla's Triton autotune results (minutes of a fresh "
-                                             "machine's first step).")
-    ap.add_argument("action", choices=("export", "import", "list"))
-    ap.add_argument("archive", nargs="?", help="the .tar.xz (export / import)")
+                                 description="Triton autotune results: make a tuning file for this GPU (make, "
+                                             "name), list the shipped ones (shipped), or carry a machine's results "
+                                             "to another (export / import / list).",
+                                 epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("action", choices=("make", "name", "shipped", "export", "import", "list"))
+    ap.add_argument("path", nargs="?", help="make: the tuning file (.json) to write; export / import: the .tar.xz")
+    ap.add_argument("--records", nargs="+", default=[], metavar="JSONL",
+                    help="make: the files runs with HYBRIDLM_RECORD_TUNING wrote")
     ap.add_argument("--cache", default=None, help="Triton cache directory (default: $TRITON_CACHE_DIR or "
                                                   "~/.triton/cache)")
     args = ap.parse_args(argv)
@@ -108,14 +146,39 @@ def main(argv=None) -> int:
         for path in autotune_files(cache):
             print(path.relative_to(cache).as_posix())
         return 0
-    if not args.archive:
-        ap.error(f"{args.action} needs an archive path")
+    if args.action == "shipped":
+        print("\n".join(_shipped_report()))
+        try:
+            gpu, version = _this_gpu()
+        except (KernelCacheError, ImportError) as e:
+            print(f"here: {e}")
+            return 0
+        path = tuning.shipped_file(gpu, version)
+        print(f"here: {gpu} / Triton {version}: " + (path.name if path.is_file() else "no shipped file"))
+        return 0
     try:
+        if args.action in ("make", "name"):
+            gpu, version = _this_gpu()
+            if args.action == "name":
+                print(tuning.shipped_file(gpu, version).name)
+                return 0
+            if not args.path:
+                ap.error("make needs the path of the tuning file to write")
+            missing = [r for r in args.records if not Path(r).is_file()]
+            if not args.records or missing:
+                raise KernelCacheError(f"make needs --records: the JSONL files of runs with HYBRIDLM_RECORD_TUNING "
+                                       f"({'not found: ' + ', '.join(missing) if missing else 'none given'})")
+            data = tuning.make_tuning_file(Path(args.path), [Path(r) for r in args.records], gpu, version)
+            print(f"made {args.path}: {len(data['entries'])} autotune results for {gpu} / Triton {version} "
+                  f"(shipped as hybridlm/ops/tuned/{tuning.shipped_file(gpu, version).name})")
+            return 0
+        if not args.path:
+            ap.error(f"{args.action} needs an archive path")
         if args.action == "export":
-            n = export_autotune(Path(args.archive), cache)
-            print(f"exported {n} autotune results from {cache} to {args.archive}")
+            n = export_autotune(Path(args.path), cache)
+            print(f"exported {n} autotune results from {cache} to {args.path}")
         else:
-            n = import_autotune(Path(args.archive), cache)
+            n = import_autotune(Path(args.path), cache)
             print(f"imported {n} autotune results into {cache}")
     except KernelCacheError as e:
         print(f"error: {e}", file=sys.stderr)

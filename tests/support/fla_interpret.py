@@ -1,24 +1,11 @@
-"""fla's Triton kernels on a CPU through the Triton interpreter (``TRITON_INTERPRET=1``), fp32, tiny shapes.
-
-Two differences between compiled Triton and the interpreter stop fla's kernels there; :func:`enable` patches
-both, and must run before ``triton`` (and so ``fla``) is first imported, in a process of its own (the
-environment variable and the patches hold for the whole process):
-
-1. ``triton.autotune`` benchmarks every config, which needs a GPU: the patched ``Autotuner`` keeps the first
-   config only (triton/runtime/autotuner.py ``Autotuner.__init__``).
-2. Compiled Triton gives the loop variable of ``range`` / ``tl.range`` tensor semantics (fla writes
-   ``i_t.to(tl.int64)``); the interpreter runs the loop as a Python loop over ints. The interpreter already
-   rewrites each kernel's AST (triton/runtime/interpreter.py ``ASTTransformer``: ``x = value`` becomes
-   ``x = interpreter_semantic.to_tensor(value, False)``); the patched transformer also rebinds the loop
-   variable of every ``for NAME in range(...)`` / ``tl.range(...)`` loop the same way at the top of the body
-   (``tl.static_range`` loops keep ints: they may index tuples).
+"""fla's Triton kernels on a CPU through the Triton interpreter (``TRITON_INTERPRET=1``), fp32, tiny shapes: our causal
+LM against fla's on the same weights. :func:`enable` (tests/support/triton_interpreter.py) must run before ``triton``
+(and so ``fla``) is first imported, in a process of its own.
 """
 from __future__ import annotations
 
-import ast
 import copy
 import json
-import os
 import re
 import sys
 import time
@@ -31,50 +18,7 @@ from benchmarks.harness import loss_parity as LP
 from benchmarks.harness.peer_weights import MAPPERS, load_peer_weights
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.modeling import HybridBlock
-
-_DONE = False
-_LOOPS = {"range", "tl.range", "triton.language.range"}
-
-
-def _callee(node) -> str:
-    return ast.unparse(node.func) if isinstance(node, ast.Call) else ""
-
-
-def enable() -> None:
-    """Interpreter on, autotuning to one config, loop variables as interpreter tensors. Idempotent."""
-    global _DONE
-    if _DONE:
-        return
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("fla_interpret.enable() must run before triton is imported")
-    os.environ["TRITON_INTERPRET"] = "1"
-
-    from triton.runtime import autotuner, interpreter
-
-    init = autotuner.Autotuner.__init__
-
-    def first_config_only(self, fn, arg_names, configs, *args, **kwargs):
-        init(self, fn, arg_names, configs[:1] if configs else configs, *args, **kwargs)
-
-    autotuner.Autotuner.__init__ = first_config_only
-
-    class LoopVarTransformer(interpreter.ASTTransformer):
-        def visit_For(self, node):
-            node = self.generic_visit(node)
-            if isinstance(node.target, ast.Name) and _callee(node.iter) in _LOOPS:
-                name = node.target.id
-                rebind = ast.Assign(
-                    targets=[ast.Name(id=name, ctx=ast.Store())],
-                    value=ast.Call(func=ast.Attribute(value=ast.Name(id="interpreter_semantic", ctx=ast.Load()),
-                                                      attr="to_tensor", ctx=ast.Load()),
-                                   args=[ast.Name(id=name, ctx=ast.Load()), ast.Constant(value=False)],
-                                   keywords=[]))
-                node.body.insert(0, ast.copy_location(rebind, node))
-            return node
-
-    interpreter.FunctionRewriter.ast_transformer = LoopVarTransformer()
-    _DONE = True
-
+from tests.support.triton_interpreter import enable  # noqa: F401 (callers run F.enable() first)
 
 # ------------------------------------------------------------------ ours vs fla's causal LM, same weights
 

@@ -1,0 +1,209 @@
+"""Autotune results shipped with the package (hybridlm/ops/tuning.py): a tuned launch recorded, made into a tuning
+file, and served to a real Triton autotuner without timing anything, only where kernel source, tuning key and
+candidates match; a file for another GPU or Triton, or a damaged one, ignored with one line; every shipped file
+valid. Triton's own timing (``check_disk_cache``, which needs a GPU) is stood in for by a function that picks the
+fastest of given timings, as Triton's does."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.autotuner import Autotuner
+
+from hybridlm.ops import tuning as T
+
+GPU = "NVIDIA H200"
+CONFIGS = [triton.Config({"BLOCK": 64}, num_warps=4), triton.Config({"BLOCK": 128}, num_warps=8)]
+TIMINGS = {64: [0.031, 0.030, 0.032], 128: [0.012, 0.011, 0.013]}  # the second candidate wins
+
+
+@triton.jit
+def scale_kernel(x, y, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y + i, tl.load(x + i, mask=i < n) * 2, mask=i < n)
+
+
+@triton.jit
+def scale_kernel_changed(x, y, n, BLOCK: tl.constexpr):  # renamed below: the same name, another source
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y + i, tl.load(x + i, mask=i < n) * 3, mask=i < n)
+
+
+scale_kernel_changed.fn.__name__ = "scale_kernel"  # JITFunction.__name__ reads its function's
+
+
+def _autotuner(kernel=scale_kernel, configs=CONFIGS):
+    return triton.autotune(configs, key=["n"], cache_results=True)(kernel)
+
+
+def _timing_stand_in(self, tuning_key, configs, bench_fn):
+    """Triton's check_disk_cache on a machine that times: no earlier result, so it times (bench_fn) and keeps the
+    fastest candidate."""
+    bench_fn()
+    return False
+
+
+def _bench_of(tuner, key, configs, calls):
+    def bench():
+        calls.append(key)
+        tuner.configs_timings = {c: TIMINGS[c.kwargs["BLOCK"]] for c in configs}
+        tuner.cache[key] = min(tuner.configs_timings, key=tuner.configs_timings.get)
+    return bench
+
+
+@pytest.fixture
+def hooked(tmp_path, monkeypatch):
+    """The serving check around the stand-in, recording into a JSONL file; the module's status reset after."""
+    record = tmp_path / "tuning.jsonl"
+    monkeypatch.setattr(T, "_STATUS", None)
+    check = T.serving_check(_timing_stand_in, GPU, triton.__version__, str(record))
+    return check, record
+
+
+def _launch(check, tuner, n, calls, configs=CONFIGS):
+    key = (n, "torch.float32")
+    used = check(tuner, key, configs, _bench_of(tuner, key, configs, calls))
+    return used, tuner.cache[key]
+
+
+def test_a_recorded_launch_is_served_from_the_made_file(hooked, tmp_path, monkeypatch):
+    check, record = hooked
+    calls = []
+    used, best = _launch(check, _autotuner(), 1000, calls)
+    assert not used and calls and best.kwargs == {"BLOCK": 128}
+    line = json.loads(record.read_text())
+    assert (line["gpu"], line["kernel"], line["key"]) == (GPU, "scale_kernel", str((1000, "torch.float32")))
+    assert line["source"] == scale_kernel.cache_key and line["timing"] == TIMINGS[128]
+
+    out = tmp_path / T.shipped_file(GPU, triton.__version__).name
+    data = T.make_tuning_file(out, [record], GPU, triton.__version__)
+    assert out.name == f"nvidia-h200.triton-{triton.__version__}.json" and len(data["entries"]) == 1
+    assert T.read_tuning_file(out) == data
+
+    monkeypatch.setattr(T, "_STATUS", T.load_tuning(out, GPU, triton.__version__))
+    fresh, calls = _autotuner(), []  # a new process's autotuner: nothing in its cache
+    used, best = _launch(check, fresh, 1000, calls)
+    assert used and not calls, "served without timing"
+    assert best.kwargs == {"BLOCK": 128} and best.num_warps == 8 and isinstance(best, triton.Config)
+    assert (T.status().hits, T.status().misses) == (1, 0)
+    assert T.status().served() == "shipped tuning served 1 autotuned kernels, 0 tuned afresh"
+
+
+@pytest.mark.parametrize("change", ["source", "key", "candidates"])
+def test_a_launch_that_differs_is_tuned_afresh(hooked, tmp_path, monkeypatch, change):
+    check, record = hooked
+    _launch(check, _autotuner(), 1000, [])
+    out = tmp_path / "tuned.json"
+    T.make_tuning_file(out, [record], GPU, triton.__version__)
+    monkeypatch.setattr(T, "_STATUS", T.load_tuning(out, GPU, triton.__version__))
+    calls = []
+    if change == "source":
+        _launch(check, _autotuner(scale_kernel_changed), 1000, calls)
+    elif change == "key":
+        _launch(check, _autotuner(), 4096, calls)
+    else:
+        configs = CONFIGS + [triton.Config({"BLOCK": 256}, num_warps=8)]
+        TIMINGS[256] = [0.5, 0.5, 0.5]
+        _launch(check, _autotuner(configs=configs), 1000, calls, configs)
+    assert calls, f"a launch with another {change} must be timed"
+    assert (T.status().hits, T.status().misses) == (0, 1)
+
+
+@pytest.mark.parametrize("gpu,version", [("NVIDIA H100 80GB HBM3", triton.__version__), (GPU, "3.6.0")])
+def test_another_gpu_or_triton_is_ignored_with_one_line(hooked, tmp_path, gpu, version):
+    check, record = hooked
+    _launch(check, _autotuner(), 1000, [])
+    out = tmp_path / "tuned.json"
+    T.make_tuning_file(out, [record], GPU, triton.__version__)
+    status = T.load_tuning(out, gpu, version)
+    assert status.table is None
+    assert status.line == (f"kernel tuning: ignored tuned.json: made for {GPU} / Triton {triton.__version__}, this is "
+                           f"{gpu} / Triton {version}; kernels autotune on first use")
+
+
+@pytest.mark.parametrize("damage", ["edit", "truncate", "entry", "format"])
+def test_a_damaged_file_is_refused_by_content(hooked, tmp_path, damage):
+    check, record = hooked
+    _launch(check, _autotuner(), 1000, [])
+    out = tmp_path / "tuned.json"
+    data = T.make_tuning_file(out, [record], GPU, triton.__version__)
+    text = out.read_text()
+    if damage == "edit":  # the winner's warps changed: valid JSON, the same size
+        text = text.replace("\"num_warps\": 8", "\"num_warps\": 4")
+    elif damage == "truncate":
+        text = text[: len(text) // 2]
+    elif damage == "entry":
+        del data["entries"][0]["config"]
+        data["sha256"] = T.entries_digest(data["entries"])
+        text = json.dumps(data)
+    else:
+        text = text.replace(T.FORMAT, "something-else/1")
+    assert text != out.read_text()
+    out.write_text(text)
+    status = T.load_tuning(out, GPU, triton.__version__)
+    assert status.table is None and "\n" not in status.line
+    assert status.line.startswith(f"kernel tuning: ignored {out}: ")
+    expected = {"edit": "content does not match its sha256", "truncate": "not readable JSON",
+                "entry": "entry 0 lacks one of", "format": "format is not"}[damage]
+    assert expected in status.line
+
+
+def test_make_merges_with_the_file_there_and_skips_other_gpus(hooked, tmp_path):
+    check, record = hooked
+    _launch(check, _autotuner(), 1000, [])
+    out = tmp_path / "tuned.json"
+    T.make_tuning_file(out, [record], GPU, triton.__version__)
+    other = tmp_path / "more.jsonl"
+    lines = [json.loads(record.read_text())]
+    lines.append(dict(lines[0], key=str((2048, "torch.float32"))))
+    lines.append(dict(lines[0], gpu="NVIDIA H100 80GB HBM3", key=str((7, "torch.float32"))))
+    other.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"cut by a ki')
+    data = T.make_tuning_file(out, [other], GPU, triton.__version__)
+    assert sorted(e["key"] for e in data["entries"]) == [str((1000, "torch.float32")), str((2048, "torch.float32"))]
+
+
+def test_every_shipped_file_is_valid():
+    """The files in hybridlm/ops/tuned/ (package data): named for their GPU and Triton, each entry complete, the
+    content matching its digest, each loading into a table for its own GPU and Triton."""
+    for path in T.shipped_files():
+        data = T.read_tuning_file(path)
+        assert path.name == T.shipped_file(data["gpu"], data["triton"]).name
+        status = T.load_tuning(path, data["gpu"], data["triton"])
+        assert status.table is not None and len(status.table) == len(data["entries"]) > 0, status.line
+        print(status.line)
+
+
+def test_the_process_hook_says_one_line_once(tmp_path, monkeypatch, capsys):
+    """apply_shipped_tuning as the Triton path calls it on a CUDA device (CUDA's presence and the device's name stood
+    in for): the matching shipped file loaded once, one line on stderr; no file for the GPU, one line."""
+    monkeypatch.setattr(T, "SHIPPED_DIR", tmp_path)
+    monkeypatch.setattr(T, "_HOOKED", True)  # the class-wide hook itself is the tests above
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("HYBRIDLM_SHIPPED_TUNING", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    data = {"format": T.FORMAT, "gpu": GPU, "triton": triton.__version__, "fla": None, "entries": [],
+            "sha256": T.entries_digest([])}
+    T.shipped_file(GPU, triton.__version__).write_text(json.dumps(data))
+    for gpu, expect in ((GPU, f"kernel tuning: 0 shipped autotune results for {GPU} / Triton {triton.__version__}"),
+                        ("NVIDIA B200", f"kernel tuning: none shipped for NVIDIA B200 / Triton {triton.__version__} "
+                                        f"(shipped: nvidia-h200.triton-{triton.__version__})")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, gpu=gpu: gpu)
+        monkeypatch.setattr(T, "_STATUS", None)
+        first, second = T.apply_shipped_tuning(), T.apply_shipped_tuning()
+        err = capsys.readouterr().err
+        assert first is second and err.count("\n") == 1 and err.startswith(expect), err
+    monkeypatch.setenv("HYBRIDLM_SHIPPED_TUNING", "0")
+    monkeypatch.setattr(T, "_STATUS", None)
+    assert T.apply_shipped_tuning().line == "kernel tuning: shipped results off (HYBRIDLM_SHIPPED_TUNING=0)"
+
+
+def test_the_cli_without_a_gpu():
+    out = subprocess.run([sys.executable, "-m", "hybridlm.training.kernel_cache", "shipped"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "here: no CUDA GPU here" in out.stdout, out.stderr
+    out = subprocess.run([sys.executable, "-m", "hybridlm.training.kernel_cache", "make", "x.json", "--records",
+                          "r.jsonl"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.startswith("error: no CUDA GPU here"), out.stderr
