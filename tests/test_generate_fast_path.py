@@ -8,6 +8,8 @@ import contextlib
 import copy
 import json
 import logging
+import threading
+import warnings
 
 import pytest
 import torch
@@ -352,3 +354,205 @@ def test_exported_model_pipeline_is_greedy(exported):
         texts.append(generator(prompts[1], max_new_tokens=5, return_full_text=False)[0]["generated_text"])
     alone = tok(prompts[1], return_tensors="pt")["input_ids"]
     assert texts[0] == texts[1] == tok.decode(greedy_generate(model, alone, 5)[0, alone.shape[1]:])
+
+
+# ------------------------------------------------------------------------------------- random state and warnings
+
+def _first_eos(new, eos):
+    """[B, n] new tokens -> the step (from 1) of each row's first ``eos``, or None."""
+    return [int((row == eos).int().argmax()) + 1 if (row == eos).any() else None for row in new]
+
+
+def _eos_finishing(new, lo, hi, all_rows=True):
+    """A token of every row of ``new`` (``all_rows``; else of row 0 and of no other) whose rows reach it first at
+    different steps, the last of them in (lo, hi]; None if there is none."""
+    for eos in sorted(set(new[0].tolist())):
+        steps = _first_eos(new, eos)
+        if all_rows and None not in steps and len(set(steps)) == len(steps) and lo < max(steps) <= hi:
+            return eos
+        if not all_rows and steps[1:] == [None] * (len(steps) - 1) and lo < steps[0] <= hi:
+            return eos
+    return None
+
+
+# (name, rows, generate arguments, the (lo, hi] the last finishing row's EOS step is picked in (None: an EOS never
+# drawn), whether every row finishes)
+SAMPLED_CALLS = [
+    ("one row, EOS at step 1 to 3", 1, dict(top_k=3), (0, 3), True),
+    ("two rows, EOS at different steps before the first look", 2, dict(top_k=3), (3, 31), True),
+    ("greedy, two rows finishing", 2, dict(do_sample=False), (0, 39), True),
+    ("one row, EOS after the first look", 1, dict(), (32, 39), True),
+    ("two rows, one never finishes: max_new_tokens stops it", 2, dict(top_k=3, pad_token_id=0), (0, 39), False),
+    ("two rows, EOS at different steps after the first look", 2, dict(top_k=3, temperature=0.8), (32, 39), True),
+    ("one row, no EOS in 40 steps", 1, dict(top_k=3), None, True),
+]
+
+
+@torch.no_grad()
+def test_seeded_sampling_calls_leave_the_random_state_the_loop_leaves(model, monkeypatch):
+    """Seeded once, then several sampled calls with an EOS that stops them at various steps: each call's tokens,
+    and the global random state after it, are the loop's (the fast path draws past the last EOS until its next look
+    at the rows, then rewinds to the loop's draw count). Each call's EOS is picked from its own draws: a probe run of
+    the loop from the same random state, the state restored."""
+    calls = count_graphed_generate(monkeypatch)
+    new_tokens = 40
+    plans, steps = [], []
+    torch.manual_seed(0)
+    loop = []
+    for name, rows, kw, window, all_rows in SAMPLED_CALLS:
+        kw = {"do_sample": True, "max_new_tokens": new_tokens, **kw}
+        state = torch.random.get_rng_state()
+        probe = model.generate(_ids(rows), fast_path=False, **kw)[:, P:]
+        torch.random.set_rng_state(state)
+        if window is None:
+            kw["eos_token_id"] = next(t for t in range(512) if t not in probe)
+        else:
+            kw["eos_token_id"] = _eos_finishing(probe, *window, all_rows=all_rows)
+            assert kw["eos_token_id"] is not None, f"{name}: no such EOS in the draws {probe.tolist()}"
+        plans.append(kw)
+        out = model.generate(_ids(rows), fast_path=False, **kw)
+        loop.append((out, torch.random.get_rng_state()))
+        steps.append(_first_eos(out[:, P:], kw["eos_token_id"]))
+    assert not calls
+    torch.manual_seed(0)
+    for (name, *_), kw, (want, state), first in zip(SAMPLED_CALLS, plans, loop, steps):
+        got = model.generate(_ids(want.shape[0]), fast_path=True, **kw)
+        assert calls.pop()["do_sample"] == kw["do_sample"]
+        assert torch.equal(got, want), name
+        assert torch.equal(torch.random.get_rng_state(), state), (name, first, got.shape[1] - P)
+    # what the calls covered: rows finishing at different steps, stops on both sides of the first look, and stops
+    # by max_new_tokens with and without a finished row
+    lengths = [out.shape[1] - P for out, _ in loop]
+    assert lengths[0] <= 3 and 3 < lengths[1] <= 31 and 32 < lengths[3] < new_tokens, lengths
+    assert len(set(steps[1])) == 2 and len(set(steps[5])) == 2 and 32 < lengths[5] < new_tokens, steps
+    assert lengths[4] == lengths[6] == new_tokens and steps[4][0] < new_tokens and steps[6] == [None], steps
+
+
+
+@torch.no_grad()
+def test_graphed_generate_rewinds_the_generator_it_is_given(model):
+    """A generator passed to graphed_generate is left where the loop leaves the global one, seeded alike."""
+    from hybridlm.model.graphs import graphed_generate
+    torch.manual_seed(4)
+    probe = model.generate(_ids(1), fast_path=False, do_sample=True, top_k=3, max_new_tokens=40)[0, P:]
+    eos = int(probe[1])  # stops at step 1 or 2, 30 or more draws before the fast path's first look
+    torch.manual_seed(4)
+    want = model.generate(_ids(1), fast_path=False, do_sample=True, top_k=3, max_new_tokens=40, eos_token_id=eos)
+    generator = torch.Generator().manual_seed(4)
+    got = graphed_generate(model, _ids(1), 40, eos_token_id=eos, do_sample=True, top_k=3, generator=generator)
+    assert torch.equal(got, want) and want.shape[1] <= P + 2
+    assert torch.equal(generator.get_state(), torch.random.get_rng_state())
+
+def _said_by_transformers(caplog, monkeypatch, run):
+    """(transformers' log records, Python warnings) while ``run()`` runs: (logger, level, text) and (category, text,
+    file, line)."""
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)
+    caplog.clear()
+    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    records = {id(r): r for r in caplog.records}.values()  # one record reaches caplog's handler twice when pytest's
+    # handlers sit on transformers' logger too
+    said = [(r.name, r.levelname, r.getMessage()) for r in records if r.name.startswith("transformers")]
+    return said, [(w.category, str(w.message), w.filename, w.lineno) for w in caught]
+
+
+NO_MASK = "The attention mask is not set with a batched input, and cannot be inferred"
+NO_MASK_NO_PAD = "The attention mask and the pad token id were not set, with a batched input"
+RIGHT_PADDING = "right-padding was detected"
+
+
+def _padded_with(pad, right=False):
+    ids = _ids()
+    if right:
+        ids[0, -2:] = pad
+    else:
+        ids[0, :3] = pad
+    return ids
+
+
+# name -> (inputs, generate arguments, whether the fast path takes it, a text transformers says)
+SAID = {
+    # a batch padded with its EOS, no mask: transformers cannot infer the mask, and says so (once a process)
+    "padded_with_eos_no_mask": (_padded_with(9), dict(eos_token_id=9, pad_token_id=9, max_new_tokens=4), True,
+                                NO_MASK),
+    "padded_with_eos_no_mask_sampled": (_padded_with(9), dict(eos_token_id=9, pad_token_id=9, do_sample=True,
+                                                              max_new_tokens=4), True, NO_MASK),
+    "right_padded_with_eos_no_mask": (_padded_with(9, right=True), dict(eos_token_id=9, pad_token_id=9,
+                                                                         max_new_tokens=4), True, RIGHT_PADDING),
+    "eos_no_pad_no_mask": (_ids(), dict(eos_token_id=9, max_new_tokens=4), True, NO_MASK_NO_PAD),
+    "all_ones_mask": (_ids(), dict(attention_mask=torch.ones(2, P, dtype=torch.long), eos_token_id=9,
+                                   max_new_tokens=4), True, None),
+    # a mask transformers infers from the pad id: the loop, which says nothing about it
+    "padded_no_mask": (_padded_with(0), dict(pad_token_id=0, max_new_tokens=4), False, None),
+    # the loop's own warnings, said once and not also by the fast path's look at the call
+    "default_length_top_p": (_ids(), dict(do_sample=True, top_p=0.5), False, "max_length"),
+    "negative_eos": (_ids(), dict(eos_token_id=-1, max_new_tokens=3), False, "should consist of positive"),
+    "greedy_with_temperature": (_ids(), dict(do_sample=False, temperature=0.5, max_new_tokens=3), True,
+                                "not valid and may be ignored"),
+    "default_length": (_ids(), dict(), True, "max_length"),
+}
+
+
+@pytest.mark.parametrize("case", SAID)
+@torch.no_grad()
+def test_transformers_says_on_the_fast_path_what_it_says_on_the_loop(model, monkeypatch, caplog, case):
+    """Two calls in a row on each path, transformers' once-only memory cleared before each pair: the same log
+    records (text, logger, level, count) and warnings (text, category, location)."""
+    inputs, kw, taken, text = SAID[case]
+    calls = count_graphed_generate(monkeypatch)
+    said = {}
+    for fast_path in (True, False):
+        logging.Logger.warning_once.cache_clear()
+        fast_generate._SAID.clear()
+
+        def run():
+            for _ in range(2):
+                torch.manual_seed(0)
+                model.generate(inputs, fast_path=fast_path, **copy.deepcopy(kw))
+        said[fast_path] = _said_by_transformers(caplog, monkeypatch, run)
+        assert len(calls) == (2 * taken if fast_path else 0), case
+        calls.clear()
+    assert said[True] == said[False]
+    logs, caught = said[False]
+    if text is not None:
+        assert any(text in entry[2] for entry in logs) or any(text in entry[1] for entry in caught), said[False]
+    if text == NO_MASK:  # warning_once: once for both calls
+        assert sum(NO_MASK in entry[2] for entry in logs) == 1, logs
+
+
+def test_held_back_holds_this_threads_transformers_messages_only():
+    """What transformers says inside the block (log records, once-only records, Python warnings) is said by say(),
+    in order, a warning with the location it was raised at; other loggers', other modules' and other threads'
+    messages pass; the wrapped methods are restored after the block."""
+    handle, warn = logging.Logger.handle, warnings.warn
+    ours, theirs = logging.getLogger("transformers.generation.utils"), logging.getLogger("elsewhere")
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+    keep = Keep()
+    logging.Logger.warning_once.cache_clear()
+    for logger in (ours, theirs):
+        logger.addHandler(keep)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with fast_generate.HeldBack() as held:
+                ours.warning("first")
+                theirs.warning("passes")
+                other = threading.Thread(target=lambda: ours.warning("other thread"))
+                other.start()
+                other.join()
+                ours.warning_once("second")
+                exec("import warnings\nwarnings.warn('third')", {"__name__": "transformers.elsewhere"})
+                warnings.warn("passes too")
+                assert records == ["passes", "other thread"] and [str(w.message) for w in caught] == ["passes too"]
+            held.say()
+            assert records == ["passes", "other thread", "first", "second"]
+            assert [(str(w.message), w.filename) for w in caught[1:]] == [("third", "<string>")]
+    finally:
+        for logger in (ours, theirs):
+            logger.removeHandler(keep)
+    assert logging.Logger.handle is handle and warnings.warn is warn

@@ -9,16 +9,25 @@ and stopping criteria transformers' loop would run. When :func:`hybridlm.model.g
 the same thing (rows of one length and no padding; greedy, or sampling whose only processors are temperature and
 top-k; at most one EOS; a plain token tensor returned) it returns graphed_generate's arguments; otherwise the
 reason it cannot, which :meth:`HybridForCausalLM.generate` says once before taking transformers' own loop.
-Tokens are the same either way (tests/test_generate_fast_path.py, tests/gpu).
+Tokens are the same either way (tests/test_generate_fast_path.py, tests/gpu). So are transformers' warnings and
+log messages: what its setup code says while the call is judged is held back (:class:`HeldBack`), then said when
+the fast path is taken and dropped when the loop is (the loop says it itself). The judging runs the transformers
+code that warns about a batch without an attention mask, and repeats, with its text, the right-padding check that
+generate() makes inline.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
-from typing import Any, Dict, Optional, Tuple
+import sys
+import threading
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from transformers import GenerationConfig
+from transformers.generation import utils as generation_utils
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
@@ -59,6 +68,101 @@ PLAIN = {"use_cache": True, "num_return_sequences": 1, "output_attentions": Fals
          "output_scores": False, "output_logits": False, "return_dict_in_generate": False, "token_healing": False,
          "prefill_chunk_size": None, "cache_implementation": None, "cache_config": None, "max_cache_len": None}
 _SAID = set()
+
+
+class HeldBack:
+    """What transformers says on this thread inside the ``with`` block, held back: records of its loggers,
+    its ``warning_once`` / ``info_once`` calls (replayed as calls, so their once-only memory is the loop's) and
+    its Python warnings (replayed with the location, registry and module they were raised with). :meth:`say`
+    says them in order. Other threads and other libraries are not held. While a block is open anywhere,
+    ``logging.Logger.handle``, the two ``*_once`` methods and ``warnings.warn`` are wrapped."""
+
+    _lock = threading.Lock()
+    _open = 0
+    _local = threading.local()
+    _originals: Dict[str, Callable] = {}
+
+    def __init__(self):
+        self.held: List[Callable[[], None]] = []
+
+    @classmethod
+    def _holding(cls, name: str) -> Optional[List[Callable[[], None]]]:
+        held = getattr(cls._local, "held", None)
+        return held if held is not None and (name == "transformers" or name.startswith("transformers.")) else None
+
+    @classmethod
+    def _install(cls) -> None:
+        originals = cls._originals
+        originals.update(handle=logging.Logger.handle, warn=warnings.warn)
+        for name in ("warning_once", "info_once"):
+            if hasattr(logging.Logger, name):
+                originals[name] = getattr(logging.Logger, name)
+
+        def handle(logger, record):
+            held = cls._holding(logger.name)
+            if held is None:
+                return originals["handle"](logger, record)
+            held.append(functools.partial(originals["handle"], logger, record))
+
+        def once(name):
+            def call(logger, *args, **kwargs):
+                held = cls._holding(logger.name)
+                if held is None:
+                    return originals[name](logger, *args, **kwargs)
+                held.append(functools.partial(originals[name], logger, *args, **kwargs))
+            return call
+
+        def warn(message, category=None, stacklevel=1, source=None, **kwargs):
+            held = cls._holding(sys._getframe(1).f_globals.get("__name__", ""))  # by the module that warns
+            if held is None:
+                return originals["warn"](message, category, stacklevel + 1, source, **kwargs)
+            # the location warnings.warn gives a warning: the frame stacklevel up from its caller
+            try:
+                frame = sys._getframe(stacklevel)
+                scope, filename, lineno = frame.f_globals, frame.f_code.co_filename, frame.f_lineno
+            except ValueError:
+                scope, filename, lineno = sys.__dict__, "sys", 1
+            module = scope.get("__name__", "<string>")
+            if isinstance(message, Warning):
+                category = type(message)
+            held.append(functools.partial(warnings.warn_explicit, message, category or UserWarning, filename, lineno,
+                                          module, scope.setdefault("__warningregistry__", {}), scope, source))
+
+        logging.Logger.handle = handle
+        for name in ("warning_once", "info_once"):
+            if name in originals:
+                setattr(logging.Logger, name, once(name))
+        warnings.warn = warn
+
+    @classmethod
+    def _uninstall(cls) -> None:
+        originals = cls._originals
+        logging.Logger.handle = originals.pop("handle")
+        warnings.warn = originals.pop("warn")
+        for name in ("warning_once", "info_once"):
+            if name in originals:
+                setattr(logging.Logger, name, originals.pop(name))
+
+    def __enter__(self) -> "HeldBack":
+        with HeldBack._lock:
+            if HeldBack._open == 0:
+                HeldBack._install()
+            HeldBack._open += 1
+        self._outer = getattr(HeldBack._local, "held", None)
+        HeldBack._local.held = self.held
+        return self
+
+    def __exit__(self, *exc) -> None:
+        HeldBack._local.held = self._outer
+        with HeldBack._lock:
+            HeldBack._open -= 1
+            if HeldBack._open == 0:
+                HeldBack._uninstall()
+
+    def say(self) -> None:
+        held, self.held = self.held, []
+        for said in held:
+            said()
 
 
 def _defaults() -> Dict[str, Any]:
@@ -104,9 +208,13 @@ def fast_path_plan(model, inputs: Optional[torch.Tensor], generation_config: Opt
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         return None, "no [batch, length] input_ids"
     try:
-        return _plan(model, input_ids, generation_config, settings, kwargs.get("tokenizer"))
+        with HeldBack() as held:  # the loop says it all again when it is taken
+            plan, why = _plan(model, input_ids, generation_config, settings, kwargs.get("tokenizer"))
     except Exception as e:  # transformers refuses the call (or its internals differ): its loop says what it says
         return None, f"transformers' generation setup raised {type(e).__name__}: {e}"
+    if plan is not None:
+        held.say()  # what transformers' generate() would have said
+    return plan, why
 
 
 def _plan(model, input_ids, generation_config, settings, tokenizer):
@@ -135,8 +243,19 @@ def _plan(model, input_ids, generation_config, settings, tokenizer):
             return None, f"generation setting {key}={value!r}"
 
     B, P = input_ids.shape
-    model._prepare_special_tokens(gc, None, device=input_ids.device, batch_size=B)  # None: no mask warnings here
     mask = model_kwargs.get("attention_mask")
+    # generate()'s warnings about a batch without an attention mask come from here
+    model._prepare_special_tokens(gc, mask is not None, device=input_ids.device, batch_size=B)
+    if not model.config.is_encoder_decoder and gc._pad_token_tensor is not None and B > 1:
+        # generate() checks for right padding inline; the same check, said through its logger with its text
+        if mask is not None and tuple(mask.shape) == (B, P):
+            right = bool((mask[:, -1] == 0).any())
+        else:
+            right = bool((input_ids[:, -1] == gc._pad_token_tensor).sum() > 0)
+        if right:
+            generation_utils.logger.warning(
+                "A decoder-only architecture is being used, but right-padding was detected! For correct "
+                "generation results, please set `padding_side='left'` when initializing the tokenizer.")
     if mask is not None:
         if tuple(mask.shape) != (B, P):
             return None, f"attention_mask of shape {tuple(mask.shape)} for input_ids of {(B, P)}"

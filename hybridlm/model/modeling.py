@@ -223,8 +223,10 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         tensor returned; judged on the call's settings as transformers resolves them, its defaults included) goes
         through :func:`hybridlm.model.graphs.graphed_generate` instead, and any other says once why it does not
         (:mod:`hybridlm.model.fast_generate`). ``fast_path=False`` always takes transformers' loop; ``True`` takes
-        the static cache on a CPU too (no graph there: the same tokens). The fast path keeps its static cache and
-        captured step on the model for the next call of the same shape: :meth:`release_generation_graph` frees them."""
+        the static cache on a CPU too (no graph there: the same tokens). Either way the random state and
+        transformers' warnings after the call are those transformers' loop leaves. The fast path keeps its static
+        cache and captured step on the model for the next call of the same shape: :meth:`release_generation_graph`
+        frees them."""
         plan, why = fast_path_plan(self, inputs, generation_config, kwargs)
         if plan is not None:
             return graphed_generate(self, **plan)
