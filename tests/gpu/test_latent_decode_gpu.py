@@ -1,6 +1,7 @@
 """MLA's split-K decode attention on CUDA (hybridlm/ops/latent_decode.py): the kernels against their torch twin in
 fp32 and bf16 at the tests' and the configs' shapes, and CUDA-graph captured decoding of a tiny hybrid giving the
-same tokens through the kernel as through SDPA (needs CUDA)."""
+same tokens through the kernel as through SDPA. Without CUDA the kernels run through Triton's interpreter at the same
+shapes (tests/support/gpu_path.py); the graphs need CUDA."""
 import pytest
 import torch
 
@@ -8,8 +9,9 @@ from conftest import greedy_decode
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.cache import HybridCache
 from hybridlm.ops.latent_decode import latent_attention_decode, latent_attention_decode_reference
+from tests.support.gpu_path import DEVICE, generator
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -22,12 +24,12 @@ CASES = {"tiny": (2, 4, 1, 32, 16, 300), "300m": (8, 16, 1, 64, 32, 2100), "rout
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_matches_the_twin(name, dtype):
     B, H, T, R, RO, S = CASES[name]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, H * T, R + RO, device="cuda", generator=g).to(dtype)
-    kv = torch.randn(B, S, R + RO, device="cuda", generator=g).to(dtype)
-    keys = torch.arange(S, device="cuda")
-    last = torch.randint(S // 2, S, (B,), device="cuda", generator=g)  # slots written so far, per row
-    mask = keys[None, None, :] <= (last[:, None, None] - (T - 1) + torch.arange(T, device="cuda")[None, :, None])
+    g = generator(0)
+    q = torch.randn(B, H * T, R + RO, device=DEVICE, generator=g).to(dtype)
+    kv = torch.randn(B, S, R + RO, device=DEVICE, generator=g).to(dtype)
+    keys = torch.arange(S, device=DEVICE)
+    last = torch.randint(S // 2, S, (B,), device=DEVICE, generator=g)  # slots written so far, per row
+    mask = keys[None, None, :] <= (last[:, None, None] - (T - 1) + torch.arange(T, device=DEVICE)[None, :, None])
     mask[0, :, : S // 10] = False                                        # a left-padded row
     got = latent_attention_decode(q, kv, mask, (R + RO) ** -0.5, R, T)
     want = latent_attention_decode_reference(q, kv, mask, (R + RO) ** -0.5, R, T)

@@ -1,8 +1,9 @@
 """The RMSNorm kernels (hybridlm/ops/rms_norm.py), Mamba2's fused output stage (hybridlm/ops/gated_norm.py), the
 cross-entropy kernel (hybridlm/ops/cross_entropy.py) and KD's chunk kernel (hybridlm/ops/kd_divergence.py) compiled
 on a GPU, at the 300M models' (KD: SmolLM2's) training widths: against their torch twins in fp64 on the CPU, and no
-worse than the fla kernels they replace (needs CUDA; the interpreter's CPU twins of these tests are
-tests/test_rms_norm.py, tests/test_gated_norm.py, tests/test_cross_entropy.py and tests/test_kd_divergence.py)."""
+worse than the fla kernels they replace (without CUDA, through Triton's interpreter at smaller shapes:
+tests/support/gpu_path.py; the CPU twins of these tests are tests/test_rms_norm.py, tests/test_gated_norm.py,
+tests/test_cross_entropy.py and tests/test_kd_divergence.py)."""
 import pytest
 import torch
 
@@ -10,8 +11,9 @@ from conftest import rel_err
 from hybridlm.ops.cross_entropy import cross_entropy_kernel, cross_entropy_reference
 from hybridlm.ops.gated_norm import gated_norm_skip_reference, norm_then_gate_reference
 from hybridlm.ops.rms_norm import rms_norm_kernel, rms_norm_reference
+from tests.support.gpu_path import DEVICE, scaled
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 
 
@@ -28,11 +30,11 @@ def _norm_grads(fn, x, delta, weight, dy, ds):
 def test_rms_norm_matches_the_twin_and_fla(dtype, with_delta):
     from fla.modules.layernorm import rms_norm as fla_rms_norm
     torch.manual_seed(0)
-    R, D, eps = 4 * 2048 + 3, 1024, 1e-6  # rows not a multiple of any row block
-    x = torch.randn(R, D, device="cuda", dtype=dtype)
-    delta = torch.randn(R, D, device="cuda", dtype=dtype) if with_delta else None
-    weight = (1 + 0.1 * torch.randn(D, device="cuda")).to(dtype)
-    dy, ds = torch.randn(R, D, device="cuda", dtype=dtype), torch.randn(R, D, device="cuda", dtype=dtype)
+    R, D, eps = scaled(4 * 2048, 4 * 8) + 3, scaled(1024, 128), 1e-6  # rows not a multiple of any row block
+    x = torch.randn(R, D, device=DEVICE, dtype=dtype)
+    delta = torch.randn(R, D, device=DEVICE, dtype=dtype) if with_delta else None
+    weight = (1 + 0.1 * torch.randn(D, device=DEVICE)).to(dtype)
+    dy, ds = torch.randn(R, D, device=DEVICE, dtype=dtype), torch.randn(R, D, device=DEVICE, dtype=dtype)
 
     def ours(x, d, w):
         out = rms_norm_kernel(x, w, eps, d)
@@ -95,11 +97,11 @@ def test_gdn_output_norm_matches_the_twin_and_fla(dtype):
     head, as the layer passes it; the peer is fla's gated norm, which copies z first."""
     from hybridlm.ops.elementwise import gated_rms_norm
     torch.manual_seed(0)
-    R, H, V, eps = 4 * 1024 + 3, 8, 64, 1e-6
-    y = torch.randn(R, H, V, device="cuda", dtype=dtype)
-    z = torch.randn(R, 3 * H * V + 16, device="cuda", dtype=dtype)[:, 16 + 2 * H * V:].unflatten(-1, (H, V))
-    weight = (1 + 0.1 * torch.randn(V, device="cuda")).to(dtype)
-    dout = torch.randn(R, H, V, device="cuda", dtype=dtype)
+    R, H, V, eps = scaled(4 * 1024, 4 * 8) + 3, 8, 64, 1e-6
+    y = torch.randn(R, H, V, device=DEVICE, dtype=dtype)
+    z = torch.randn(R, 3 * H * V + 16, device=DEVICE, dtype=dtype)[:, 16 + 2 * H * V:].unflatten(-1, (H, V))
+    weight = (1 + 0.1 * torch.randn(V, device=DEVICE)).to(dtype)
+    dout = torch.randn(R, H, V, device=DEVICE, dtype=dtype)
     _check_output_stage(
         lambda y, z, w: gated_rms_norm(y, z, w, eps, triton=True),
         lambda y, z, w: norm_then_gate_reference(y.flatten(-2), z.flatten(-2), w, eps).view(y.shape),
@@ -108,17 +110,18 @@ def test_gdn_output_norm_matches_the_twin_and_fla(dtype):
 
 @DTYPES
 def test_mamba2_output_stage_matches_the_twin_and_fla(dtype):
-    """At Mamba2-300M's widths (2,048 channels, 32 heads, 8 groups), x and z strided slices of one projection;
-    the peer is the unfused path on fla's grouped gated norm."""
+    """At Mamba2-300M's widths (2,048 channels, 32 heads, 8 groups; interpreted: 512 channels, 8 heads, 2 groups,
+    4 heads a group either way), x and z strided slices of one projection; the peer is the unfused path on fla's
+    grouped gated norm."""
     from hybridlm.ops.elementwise import skip_gated_rms_norm
     torch.manual_seed(0)
-    R, C, H, G, eps = 4 * 1024 + 3, 2048, 32, 256, 1e-5
-    y = torch.randn(R, C, device="cuda", dtype=dtype)
-    proj = torch.randn(R, 2 * C + 64, device="cuda", dtype=dtype)
+    R, C, H, G, eps = scaled(4 * 1024, 4 * 8) + 3, scaled(2048, 512), scaled(32, 8), 256, 1e-5
+    y = torch.randn(R, C, device=DEVICE, dtype=dtype)
+    proj = torch.randn(R, 2 * C + 64, device=DEVICE, dtype=dtype)
     x, z = proj[:, 64:64 + C], proj[:, 64 + C:]
-    D = (1 + 0.3 * torch.randn(H, device="cuda")).to(dtype)
-    weight = (1 + 0.1 * torch.randn(C, device="cuda")).to(dtype)
-    dout = torch.randn(R, C, device="cuda", dtype=dtype)
+    D = (1 + 0.3 * torch.randn(H, device=DEVICE)).to(dtype)
+    weight = (1 + 0.1 * torch.randn(C, device=DEVICE)).to(dtype)
+    dout = torch.randn(R, C, device=DEVICE, dtype=dtype)
     _check_output_stage(
         lambda y, x, D, z, w: skip_gated_rms_norm(y, x, D, z, w, eps, G, triton=True),
         lambda *a: gated_norm_skip_reference(*a, eps, G),
@@ -129,9 +132,10 @@ def test_mamba2_output_stage_matches_the_twin_and_fla(dtype):
 def test_cross_entropy_matches_the_twin_and_fla(dtype):
     from fla.modules.fused_cross_entropy import cross_entropy_loss
     torch.manual_seed(0)
-    R, V = 300, 128256  # Llama-3's vocabulary: the sweeps' last block is partial
-    logits = (torch.randn(R, V, device="cuda") * 4).to(dtype)
-    target = torch.randint(0, V, (R,), device="cuda")
+    R, V = scaled(300, 37), scaled(128256, 200)  # Llama-3's vocabulary (interpreted: blocks of 16): the last
+    # block of the sweeps is partial
+    logits = (torch.randn(R, V, device=DEVICE) * 4).to(dtype)
+    target = torch.randint(0, V, (R,), device=DEVICE)
     target[::7] = -100
     inv_n = (target != -100).sum().float().reciprocal()
     buf = logits.clone()
@@ -153,9 +157,10 @@ def test_chunked_loss_with_either_kernel_agrees():
     from hybridlm.model.loss import linear_cross_entropy
     from hybridlm.ops.backend import set_kernel_source
     torch.manual_seed(0)
-    h = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
-    w = (torch.randn(128256, 1024, device="cuda") * 0.02).to(torch.bfloat16)
-    y = torch.randint(0, 128256, (4096,), device="cuda")
+    n, d, V = scaled(4096, 64), scaled(1024, 64), scaled(128256, 200)
+    h = torch.randn(n, d, device=DEVICE, dtype=torch.bfloat16)
+    w = (torch.randn(V, d, device=DEVICE) * 0.02).to(torch.bfloat16)
+    y = torch.randint(0, V, (n,), device=DEVICE)
     y[::11] = -100
     results = {}
     try:
@@ -176,9 +181,10 @@ def test_chunked_loss_gradients_match_full_fp32_logits():
     hybridlm/model/loss.py ``add_product_fp32``) against torch's cross-entropy of the whole fp32 logits."""
     from hybridlm.model.loss import linear_cross_entropy
     torch.manual_seed(1)
-    h = torch.randn(3000, 512, device="cuda", dtype=torch.bfloat16)
-    w = (torch.randn(32000, 512, device="cuda") * 0.02).to(torch.bfloat16)
-    y = torch.randint(0, 32000, (3000,), device="cuda")
+    n, d, V = scaled(3000, 75), scaled(512, 64), scaled(32000, 200)
+    h = torch.randn(n, d, device=DEVICE, dtype=torch.bfloat16)
+    w = (torch.randn(V, d, device=DEVICE) * 0.02).to(torch.bfloat16)
+    y = torch.randint(0, V, (n,), device=DEVICE)
     y[::7] = -100
     hl, wl = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
     loss = linear_cross_entropy(hl, wl, y, num_chunks=5, triton=True)
@@ -198,10 +204,10 @@ def test_kd_divergence_matches_the_twin(dtype, temperature, ce_weight):
     """KD's chunk kernel (hybridlm/ops/kd_divergence.py) at SmolLM2's vocabulary against its twin in fp64."""
     from hybridlm.ops.kd_divergence import kd_divergence_kernel, kd_divergence_reference
     torch.manual_seed(0)
-    R, V = 300, 49152
-    student = (torch.randn(R, V, device="cuda") * 4).to(dtype)
-    teacher = (torch.randn(R, V, device="cuda") * 4).to(dtype)
-    target = torch.randint(0, V, (R,), device="cuda")
+    R, V = scaled(300, 37), scaled(49152, 200)  # interpreted: the last block of 16 partial
+    student = (torch.randn(R, V, device=DEVICE) * 4).to(dtype)
+    teacher = (torch.randn(R, V, device=DEVICE) * 4).to(dtype)
+    target = torch.randint(0, V, (R,), device=DEVICE)
     buf = student.clone()
     kl, ce = kd_divergence_kernel(buf, teacher, target, temperature, 0.8, ce_weight, 1.0 / R, write_grad=True)
     want_kl, want_ce, want_grad = kd_divergence_reference(student.cpu().double(), teacher.cpu().double(),
@@ -217,17 +223,17 @@ def test_chunked_kd_on_the_kernel_equals_the_torch_ops():
     from distill.kd_loss import KDChunk
     from hybridlm.model.loss import ChunkedLinearHead
     torch.manual_seed(0)
-    n, d, V = 4096, 576, 49152  # SmolLM2-135M's width and vocabulary
-    hs = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
-    ws = (torch.randn(V, d, device="cuda") * 0.05).to(torch.bfloat16)
+    n, d, V = scaled(4096, 64), scaled(576, 64), scaled(49152, 200)  # on CUDA SmolLM2-135M's width and vocabulary
+    hs = torch.randn(n, d, device=DEVICE, dtype=torch.bfloat16)
+    ws = (torch.randn(V, d, device=DEVICE) * 0.05).to(torch.bfloat16)
     ht = hs + 0.3 * torch.randn_like(hs)
-    wt = ws + (0.01 * torch.randn(V, d, device="cuda")).to(torch.bfloat16)
-    target = torch.randint(0, V, (n,), device="cuda")
+    wt = ws + (0.01 * torch.randn(V, d, device=DEVICE)).to(torch.bfloat16)
+    target = torch.randint(0, V, (n,), device=DEVICE)
     results = {}
     for triton in (False, True):
         h, w = hs.clone().requires_grad_(True), ws.clone().requires_grad_(True)
         chunk = KDChunk(ht, wt, target, 1.5, 0.8, 0.2, triton=triton)
-        loss = ChunkedLinearHead.apply(h, w, chunk, 1024, True)
+        loss = ChunkedLinearHead.apply(h, w, chunk, scaled(1024, 16), True)
         loss.backward()
         results[triton] = (loss.detach(), chunk.kl_sum, chunk.ce_sum, h.grad, w.grad)
     for a, b in zip(results[True], results[False]):

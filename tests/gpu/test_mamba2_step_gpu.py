@@ -1,6 +1,8 @@
 """The fused Mamba2 decode step on CUDA (hybridlm/ops/mamba2_step.py): the Triton kernel against its torch twin
 in fp32 and bf16 at the tests' and the configs' shapes, the kernels a layer's step launches with and without it,
-and CUDA-graph captured decoding of a tiny hybrid giving the same tokens with and without it (needs CUDA)."""
+and CUDA-graph captured decoding of a tiny hybrid giving the same tokens with and without it. Without CUDA the kernel
+runs through Triton's interpreter (the 300M case at batch 2: tests/support/gpu_path.py); the kernel count and the
+graphs need CUDA."""
 import pytest
 import torch
 
@@ -9,8 +11,9 @@ from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.cache import HybridCache, InferenceContext
 from hybridlm.model.layers.mamba2 import Mamba2
 from hybridlm.ops.mamba2_step import mamba2_decode_step, mamba2_decode_step_reference
+from tests.support.gpu_path import DEVICE, generator, scaled
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 
 # fp32: the same math, GPU exp / log / rsqrt approximations apart; bf16: every rounding point is the composed
 # path's, so only a rare flip at a tie differs (the bound is the other GPU tests' bf16 tolerance)
@@ -19,7 +22,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 # (batch, heads, head_dim, d_state, n_groups, d_xb (None: d_inner), conv width, conv bias, z bias, padded row)
 CASES = {
     "tiny": (2, 8, 16, 16, 2, None, 4, True, False, False),                  # tests/conftest.py tiny_config
-    "300m": (4, 32, 64, 64, 8, None, 4, True, False, False),                 # configs/models/mamba2_300m*.yaml
+    "300m": (scaled(4, 2), 32, 64, 64, 8, None, 4, True, False, False),      # configs/models/mamba2_300m*.yaml
     "300m_b1": (1, 32, 64, 64, 8, None, 4, True, False, False),
     "route": (3, 9, 64, 64, 9, 192, 4, True, True, False),                   # SmolLM2 upcycled: x / B repeated 3x
     "one_group": (2, 16, 64, 128, 1, None, 4, False, True, False),           # Mamba2's n_groups 1, d_state 128
@@ -33,10 +36,10 @@ def _rel(a, b):
 
 def _inputs(case, dtype, seed=0):
     B, H, P, N, G, d_xb, W, conv_bias, z_bias, padded = case
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = generator(seed)
 
     def rnd(*shape, scale=1.0, dt=dtype):
-        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dt)
+        return (torch.randn(*shape, generator=g, device=DEVICE) * scale).to(dt)
     d_inner = H * P
     d_xb = d_xb or d_inner
     d_b = G * N * d_xb // d_inner
@@ -45,7 +48,7 @@ def _inputs(case, dtype, seed=0):
     states = rnd(B, conv_dim, W), rnd(B, H, N, P, scale=0.5, dt=torch.float32)
     params = [rnd(conv_dim, W, scale=0.5), rnd(conv_dim, scale=0.3) if conv_bias else None, rnd(H),
               rnd(H, scale=0.5), rnd(H), 1 + rnd(d_inner, scale=0.3), rnd(d_inner, scale=0.3) if z_bias else None]
-    keep = torch.tensor([i != B - 1 for i in range(B)], device="cuda") if padded else None
+    keep = torch.tensor([i != B - 1 for i in range(B)], device=DEVICE) if padded else None
     kw = dict(head_dim=P, d_state=N, n_groups=G, d_xb=d_xb, norm_eps=1e-6, keep=keep)
     return (z, xbc, dt), states, params, kw
 
