@@ -20,7 +20,6 @@ disk, a copy gone wrong) is refused by name instead of resuming from garbage.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -34,6 +33,7 @@ import torch
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.utils.atomic import TMP_PREFIX, write_json
+from hybridlm.utils.digest import sha256_of
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -79,14 +79,6 @@ def remove_tree(path: str) -> None:
 # -------------------------------------------------------------------------------- manifest / list
 
 
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_manifest(tag_dir: str, meta: Dict[str, Any]) -> None:
     """``manifest.json``: ``meta``, every file's size (``files``) and sha256 (``sha256``)."""
     files, digests = {}, {}
@@ -97,7 +89,7 @@ def write_manifest(tag_dir: str, meta: Dict[str, Any]) -> None:
             full = os.path.join(dirpath, name)
             rel = os.path.relpath(full, tag_dir)
             files[rel] = os.path.getsize(full)
-            digests[rel] = file_sha256(full)
+            digests[rel] = sha256_of(full)
     write_json(os.path.join(tag_dir, MANIFEST), {**meta, "files": files, "sha256": digests}, indent=1,
                sort_keys=True)
 
@@ -125,7 +117,7 @@ def read_manifest(tag_dir: str, verify: bool = True) -> Dict[str, Any]:
             raise CheckpointError(
                 f"checkpoint {tag_dir}: file {rel} has {os.path.getsize(full)} bytes, expected {size} (truncated?)"
             )
-        if verify and rel in digests and file_sha256(full) != digests[rel]:
+        if verify and rel in digests and sha256_of(full) != digests[rel]:
             raise CheckpointError(f"checkpoint {tag_dir}: file {rel} does not match the sha256 recorded when it "
                                   f"was saved (corrupt); resume from an older checkpoint (its step_<N> directory) "
                                   f"or start a new run.output_dir")

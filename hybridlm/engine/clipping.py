@@ -14,7 +14,7 @@ steps the wrapped optimizer one parameter group at a time, so a hook there would
 engine leaves its clipping to DeepSpeed.
 
 DeepSpeed still computes its own norm first: it is the step's reported gradient norm, and a non-finite one skips
-the step before the wrapped optimizer (and so this hook) runs (hybridlm/engine/engine.py, module docstring). The
+the step before the wrapped optimizer (and so this hook) runs (hybridlm/engine/step_runner.py, module docstring). The
 engine hands the hook that norm rather than taking it twice. DeepSpeed takes one norm per parameter's gradient
 (~110 small kernels a GDN-300M step, 1.3 ms on an H200, and as many launches);
 :func:`norm_over_flat_gradients` hands it the flat buffers those gradients live in instead.

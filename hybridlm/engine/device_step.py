@@ -13,13 +13,14 @@ then leaves the fp32 master weights, both moments and AdamW's step count as they
 fused AdamW subtracts ``found_inf`` from the step count it advanced). The host learns whether the step was
 skipped when it reads the step's results; the engine advances the LR schedule then
 (:class:`ScheduleAdvancedByEngine`), before the next step's optimizer runs, so a skipped step does not advance
-it, as in DeepSpeed's own skip (hybridlm/engine/engine.py, module docstring).
+it, as in DeepSpeed's own skip (hybridlm/engine/step_runner.py, module docstring).
 """
 from __future__ import annotations
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from hybridlm.engine.checkpoint_store import link_optimizer_state, set_deepspeed_grad_norm
 from hybridlm.engine.clipping import global_norm, scale_to_max_norm
 
 
@@ -47,7 +48,8 @@ class ScheduleAdvancedByEngine(LambdaLR):
 def step_on_device(bf16_optimizer, max_norm: float) -> None:
     """Replace ``bf16_optimizer.step`` (DeepSpeed's ``BF16_Optimizer``, wrapping a fused torch AdamW) by a step
     that never reads the device. After each step ``bf16_optimizer.found_inf`` is a 0-d float tensor, 1.0 when the
-    step was skipped, and ``bf16_optimizer._global_grad_norm`` the norm before clipping (a tensor)."""
+    step was skipped, and the norm that ``DeepSpeedEngine.get_global_grad_norm`` reports is the norm before
+    clipping (a tensor)."""
     adamw = bf16_optimizer.optimizer
     if not all(g.get("fused") for g in adamw.param_groups):
         raise ValueError("step_on_device: the wrapped optimizer must be a fused torch AdamW (it skips a step "
@@ -68,8 +70,9 @@ def step_on_device(bf16_optimizer, max_norm: float) -> None:
             master.grad = grad
         adamw.grad_scale, adamw.found_inf = None, found_inf
         adamw.step()
-        opt._global_grad_norm, opt.found_inf = norm, found_inf
-        opt._lazy_init_hp_params_optimizer_state()
+        set_deepspeed_grad_norm(opt, norm)
+        opt.found_inf = found_inf
+        link_optimizer_state(opt)
         opt.update_lp_params()  # unchanged masters on a skipped step: the copy changes nothing
         opt.clear_hp_grads()
 

@@ -1,0 +1,369 @@
+"""The engine's checkpoints: save, resolve and load, ZeRO-1 resharding, the precision check and the settings
+changed on resume. The files, their manifest and the RNG states are hybridlm/engine/checkpoint.py's.
+
+This module alone reads or writes DeepSpeed's private attributes (tests/test_engine_structure.py): the
+resharded load needs them, and so do the step's gradient norm and the linking of the optimizer's state to the
+parameters (:func:`deepspeed_grad_norm`, :func:`set_deepspeed_grad_norm`, :func:`link_optimizer_state`). A
+DeepSpeed upgrade that renames them changes this module only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from hybridlm.config.errors import ConfigError
+from hybridlm.engine import checkpoint as ckpt
+from hybridlm.engine.checkpoint import CheckpointError
+from hybridlm.engine.config import OptimConfig
+from hybridlm.engine.distributed import DistInfo, barrier
+from hybridlm.engine.schedule import lr_lambda_from_config
+from hybridlm.engine.step_runner import StepCounters
+from hybridlm.utils.atomic import TMP_PREFIX, atomic_write_text, disk_full_error, fsync_dir, fsync_tree
+from hybridlm.utils.faults import disk_full_in, kill_in
+
+ENGINE_STATE_KEY = "hybridlm_engine"
+CLIENT_STATE_KEY = "client_state"
+
+# ----------------------------------------------------------------------- DeepSpeed's private attributes
+
+
+def deepspeed_grad_norm(optimizer) -> Any:
+    """The gradient norm DeepSpeed's ZeRO / bf16 optimizer took in its current step (before clipping)."""
+    return optimizer._global_grad_norm
+
+
+def set_deepspeed_grad_norm(optimizer, norm: Any) -> None:
+    """Where ``DeepSpeedEngine`` reads a step's gradient norm from (``get_global_grad_norm``)."""
+    optimizer._global_grad_norm = norm
+
+
+def link_optimizer_state(optimizer) -> None:
+    """DeepSpeed's per-parameter views of the AdamW state, made once after the first step."""
+    optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def _partition_slice(param) -> Any:
+    """Where this rank's partition holds a slice of ``param`` (DeepSpeed's ``_hp_mapping``); None: no slice."""
+    return getattr(param, "_hp_mapping", None)
+
+
+def _relink_parameters(optimizer) -> None:
+    """DeepSpeed's per-parameter views of the fp32 partitions and their AdamW state, made again."""
+    optimizer._link_all_hp_params()
+
+
+def _set_last_lr(scheduler, lrs: Sequence[float]) -> None:
+    """The learning rates the scheduler reports (``get_last_lr``) and saves."""
+    scheduler._last_lr = list(lrs)
+
+
+# --------------------------------------------------------------------------------- loading safely
+
+
+def safe_checkpoint_engine(base):
+    """DeepSpeed's torch checkpoint engine with ``load`` through :func:`hybridlm.engine.checkpoint.safe_load`
+    (saving unchanged). Every DeepSpeed read of a checkpoint (model states, ZeRO optimizer shards) goes
+    through its checkpoint engine's ``load``."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    if type(base) is not TorchCheckpointEngine:
+        raise ConfigError(f"Engine: DeepSpeed chose the checkpoint engine {type(base).__name__}; only the torch "
+                          "checkpoint engine is supported (its loads are made safe)")
+
+    class SafeTorchCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location=None):
+            return ckpt.safe_load(path, map_location=map_location)
+
+    safe = SafeTorchCheckpointEngine.__new__(SafeTorchCheckpointEngine)
+    safe.__dict__.update(base.__dict__)  # the same settings (serialization format, name)
+    return safe
+
+
+_SIZE_MISMATCH = re.compile(r"size mismatch for ([\w.]+): copying a param with shape torch\.Size\((\[[^\]]*\])\) "
+                            r"from checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)")
+_KEY_MISMATCH = re.compile(r"(Missing|Unexpected) key\(s\) in state_dict: \"([^\"]+)\"")
+
+
+def state_dict_mismatch(message: str) -> Optional[str]:
+    """The first tensor that torch's ``load_state_dict`` error names (a shape or a key the model and the
+    checkpoint disagree on), as a phrase; None for any other error."""
+    m = _SIZE_MISMATCH.search(message)
+    if m:
+        return f"tensor {m.group(1)} has shape {m.group(2)} in the checkpoint, {m.group(3)} in this model"
+    m = _KEY_MISMATCH.search(message)
+    if m:
+        where = "this model has no" if m.group(1) == "Unexpected" else "the checkpoint has no"
+        return f"{where} tensor {m.group(2)}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ store
+
+
+@dataclass
+class Restored:
+    """What :meth:`CheckpointStore.load` read besides the DeepSpeed state it put back."""
+
+    client_state: Dict[str, Any]
+    counters: StepCounters
+    resume_note: Optional[str]  # which settings changed since the save (None: none did)
+
+
+class CheckpointStore:
+    """Atomic, reshardable checkpoints of one DeepSpeed engine (its model, optimizer and schedule), with the
+    RNG states and the step counters. Every method is collective: every rank calls it."""
+
+    def __init__(self, ds_engine, lr_scheduler, config: OptimConfig, dist_info: DistInfo,
+                 group_decay: Sequence[float]) -> None:
+        self.ds_engine, self.lr_scheduler = ds_engine, lr_scheduler
+        self.config, self.dist = config, dist_info
+        self.group_decay = list(group_decay)  # each param group's weight decay
+        # DeepSpeed's own loader unpickles with weights_only=False: ours reads tensors and plain data only
+        ds_engine.checkpoint_engine = safe_checkpoint_engine(ds_engine.checkpoint_engine)
+
+    def save(self, save_dir: str, step: int, client_state: Optional[Mapping[str, Any]], counters: StepCounters,
+             keep_last: Optional[int] = None) -> str:
+        """:meth:`hybridlm.engine.Engine.save_checkpoint`; returns the path of the new checkpoint."""
+        if keep_last is not None and keep_last < 1:
+            raise ConfigError(f"keep_last: expected a positive integer, got {keep_last!r}")
+        save_dir = os.path.abspath(os.fspath(save_dir))
+        tmp_tag = TMP_PREFIX + ckpt.step_tag(step)
+        tmp_dir = os.path.join(save_dir, tmp_tag)
+        rank = self.dist.rank
+
+        if rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            ckpt.remove_stale_temporaries(save_dir)
+        barrier()
+        # a step saved again (after a resume, or a pre-emption during its save) goes into a fresh directory:
+        # the earlier one stays loadable, and named by `latest`, until the new one is committed
+        tag = ckpt.free_tag(save_dir, step)
+        final_dir = os.path.join(save_dir, tag)
+
+        engine_state = {**dataclasses.asdict(counters), "world_size": self.dist.world_size,
+                        "optim": dataclasses.asdict(self.config)}
+        state = {
+            ENGINE_STATE_KEY: engine_state,
+            CLIENT_STATE_KEY: dict(client_state) if client_state is not None else {},
+        }
+        try:
+            self.ds_engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=state, save_latest=False)
+            rng_path = os.path.join(tmp_dir, ckpt.rng_file(rank))
+            torch.save(ckpt.get_rng_state(), rng_path)
+            disk_full_in("save", step)
+            kill_in("save", step)  # reliability drills: a kill with the files written, nothing committed
+            barrier()
+            if self.dist.local_rank == 0:  # one process per node: covers node-local and shared filesystems
+                fsync_tree(tmp_dir)
+            barrier()
+            if rank == 0:
+                ckpt.write_manifest(tmp_dir, {"step": int(step), "world_size": self.dist.world_size, "tag": tag,
+                                              "precision": self.config.precision})
+                fsync_dir(tmp_dir)
+        except Exception as e:
+            full = disk_full_error(e, tmp_dir, f"the checkpoint save of step {step}")
+            if full is None:
+                raise
+            if rank == 0:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise full from None
+
+        if rank == 0:
+            os.rename(tmp_dir, final_dir)  # a name not in use: nothing that `latest` names is touched
+            fsync_dir(save_dir)
+            kill_in("save-committed", step)
+            atomic_write_text(os.path.join(save_dir, ckpt.LATEST), tag + "\n")  # the commit point
+            kill_in("save-latest", step)
+            ckpt.remove_superseded(save_dir, tag)
+            if keep_last is not None:
+                ckpt.prune(save_dir, keep_last, protect=tag)
+        barrier()
+        return final_dir
+
+    def resolve(self, path: str, required: bool) -> Optional[Tuple[str, str]]:
+        """``(save_dir, tag)`` to load from ``path`` (a save dir or a ``step_<N>`` dir), or None."""
+        if not os.path.exists(path):
+            raise CheckpointError(f"checkpoint {path}: does not exist")
+        if not os.path.isdir(path):
+            raise CheckpointError(f"checkpoint {path}: is not a directory")
+        if os.path.isfile(os.path.join(path, ckpt.MANIFEST)) or os.path.isfile(
+            os.path.join(path, "mp_rank_00_model_states.pt")
+        ):
+            parent, tag = os.path.split(path)
+            return parent, tag
+        tag = ckpt.read_latest(path)
+        if tag is None:
+            # a save killed between its rename and the first `latest`: a step directory is complete once renamed
+            # (its manifest is written before), so the newest one is where the run stands
+            complete = [p for _step, p in ckpt.list_step_dirs(path)
+                        if os.path.isfile(os.path.join(p, ckpt.MANIFEST))]
+            if complete:
+                return path, os.path.basename(complete[-1])
+            if required or ckpt.list_step_dirs(path):
+                raise CheckpointError(f"checkpoint {path}: no '{ckpt.LATEST}' file naming a complete checkpoint")
+            return None
+        tag_dir = os.path.join(path, tag)
+        if not os.path.isdir(tag_dir):
+            raise CheckpointError(f"checkpoint {path}: '{ckpt.LATEST}' names {tag!r}, which does not exist")
+        return path, tag
+
+    def load(self, path: str, required: bool = False) -> Optional[Restored]:
+        """:meth:`hybridlm.engine.Engine.load_checkpoint`: the model, optimizer, schedule and RNG states put
+        back; None when ``path`` holds no checkpoint yet (unless ``required``)."""
+        path = os.path.abspath(os.fspath(path))
+        resolved = self.resolve(path, required)
+        if resolved is None:
+            return None
+        save_dir, tag = resolved
+        tag_dir = os.path.join(save_dir, tag)
+        manifest = ckpt.read_manifest(tag_dir)
+        self.check_precision(tag_dir, manifest)
+        saved_ws = manifest.get("world_size")
+        if isinstance(saved_ws, bool) or not isinstance(saved_ws, int) or saved_ws < 1:
+            raise CheckpointError(f"checkpoint {tag_dir}: manifest has no valid world_size ({saved_ws!r})")
+        resharded = saved_ws != self.dist.world_size
+        # a rank that did not exist at the save starts from rank 0's generators
+        rng_rank = self.dist.rank if self.dist.rank < saved_ws else 0
+        rng_path = os.path.join(tag_dir, ckpt.rng_file(rng_rank))
+        try:
+            # another number of ranks: DeepSpeed loads the model and the schedule, the optimizer state is
+            # re-partitioned from every saved shard below (the docstring of load_resharded_optimizer)
+            load_path, state = self.ds_engine.load_checkpoint(
+                save_dir, tag=tag, load_optimizer_states=not resharded, load_lr_scheduler_states=True
+            )
+            if resharded and load_path is not None:
+                self.load_resharded_optimizer(tag_dir, saved_ws)
+            rng = ckpt.safe_load(rng_path)
+        except CheckpointError:
+            raise
+        except Exception as e:  # torch/pickle/DeepSpeed errors on a damaged checkpoint
+            mismatch = state_dict_mismatch(str(e))
+            if mismatch:
+                raise CheckpointError(f"checkpoint {tag_dir}: {mismatch}; the model settings changed since the save "
+                                      f"(resume with the settings it was saved with, or start a new "
+                                      f"run.output_dir)") from None
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise CheckpointError(f"checkpoint {tag_dir}: could not be loaded ({type(e).__name__}: {msg})") from e
+        if load_path is None or state is None or ENGINE_STATE_KEY not in state:
+            raise CheckpointError(f"checkpoint {tag_dir}: not a checkpoint written by hybridlm.engine")
+        es = state[ENGINE_STATE_KEY]
+        counters = StepCounters(int(es["global_step"]), int(es["skipped_steps"]), int(es["consecutive_nonfinite"]))
+        ckpt.set_rng_state(rng)
+        note = self.apply_settings(es.get("optim") or {}, counters.global_step)
+        barrier()
+        return Restored(state.get(CLIENT_STATE_KEY, {}), counters, note)
+
+    def load_resharded_optimizer(self, tag_dir: str, saved_world_size: int) -> None:
+        """The fp32 master weights and AdamW moments of a checkpoint saved on ``saved_world_size`` ranks, put into
+        this engine's ZeRO partition on the current number of ranks.
+
+        Every saved shard records which slice of which parameter it holds (``param_slice_mappings``: name ->
+        start and length in that rank's flat partition); the shards of all ranks, read in rank order, give each
+        parameter's full fp32 value and moments. Each current rank then copies the slice of every parameter that
+        its own partition holds (DeepSpeed's ``_hp_mapping`` of each parameter: where the slice starts in the
+        parameter and in the partition). Values are copied, not recomputed, so the state is exact; the step
+        count is the saved one.
+        """
+        pattern = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+        shards = {int(m.group(1)): os.path.join(tag_dir, f) for f in os.listdir(tag_dir) if (m := pattern.match(f))}
+        if sorted(shards) != list(range(saved_world_size)):
+            raise CheckpointError(f"checkpoint {tag_dir}: expected the optimizer shards of ranks 0..{saved_world_size - 1}, "
+                                  f"found {sorted(shards)}")
+        pieces: Dict[str, Dict[str, List[torch.Tensor]]] = {}
+        steps = set()
+        for r in range(saved_world_size):
+            sd = ckpt.safe_load(shards[r])["optimizer_state_dict"]
+            states = sd["base_optimizer_state"]["state"]
+            for g, mapping in enumerate(sd["param_slice_mappings"]):
+                flat, state = sd["single_partition_of_fp32_groups"][g], states[g]
+                steps.add(float(state["step"]))
+                for name, addr in mapping.items():
+                    slot = pieces.setdefault(name, {"fp32": [], "exp_avg": [], "exp_avg_sq": []})
+                    slot["fp32"].append(flat.narrow(0, addr.start, addr.numel))
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        slot[key].append(state[key].narrow(0, addr.start, addr.numel))
+        if len(steps) != 1:
+            raise CheckpointError(f"checkpoint {tag_dir}: the shards disagree on the optimizer step ({sorted(steps)})")
+        full = {name: {k: torch.cat(v) for k, v in slot.items()} for name, slot in pieces.items()}
+        step = steps.pop()
+
+        base = self.ds_engine.optimizer.optimizer  # the torch AdamW stepping the flat fp32 partitions
+        for group in base.param_groups:  # AdamW creates its state at the first step: create it now
+            flat = group["params"][0]
+            on_device = group.get("fused") or group.get("capturable")
+            base.state[flat] = {"step": torch.tensor(step, dtype=torch.float32,
+                                                     device=flat.device if on_device else "cpu"),
+                                "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+        for name, param in self.ds_engine.module.named_parameters():
+            mapping = _partition_slice(param)
+            if mapping is None:  # no slice of it in this rank's partition
+                continue
+            if name not in full or full[name]["fp32"].numel() != param.numel():
+                raise CheckpointError(f"checkpoint {tag_dir}: optimizer state of {name} missing or of another size")
+            lo, n = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+            at = mapping.hp_fragment_address.start
+            group = base.param_groups[mapping.param_group_index]
+            flat = group["params"][0]
+            flat.data.narrow(0, at, n).copy_(full[name]["fp32"][lo:lo + n])
+            for key in ("exp_avg", "exp_avg_sq"):
+                base.state[flat][key].narrow(0, at, n).copy_(full[name][key][lo:lo + n])
+        # the learning rate lives in the optimizer's groups, which a full optimizer load would restore
+        for group, lr in zip(base.param_groups, self.ds_engine.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
+        _relink_parameters(self.ds_engine.optimizer)  # the per-parameter views of the new state
+
+    def check_precision(self, tag_dir: str, manifest: Mapping[str, Any]) -> None:
+        """Refuse, naming the setting, a checkpoint saved with another ``optim.precision`` (its optimizer files
+        are another kind: bf16 runs save ``bf16_zero_pp_rank_*``)."""
+        saved = manifest.get("precision")
+        now = self.config.precision
+        if saved is None:  # an older manifest: the kind of its optimizer files tells bf16 from the others
+            names = manifest.get("files") or {}
+            bf16_files = any(str(n).startswith("bf16_zero_pp_rank_") for n in names)
+            if bf16_files == (now == "bf16"):
+                return
+            saved = "bf16" if bf16_files else "fp32 or bf16-mixed"
+        if saved != now:
+            raise CheckpointError(f"checkpoint {tag_dir}: saved with optim.precision={saved}, this run has "
+                                  f"optim.precision={now}; resume with optim.precision={saved}, or start a new "
+                                  f"run.output_dir")
+
+    def apply_settings(self, saved: Mapping[str, Any], global_step: int) -> Optional[str]:
+        """After a load: the learning rate of the next step from this run's schedule (``optim.lr``, ``min_lr``,
+        ``warmup_steps``, ``max_steps``) at the number of updates applied so far, and this run's ``weight_decay``,
+        ``betas`` and ``eps`` in the optimizer's groups; DeepSpeed's load put back the saved ones. The saved
+        settings and the new ones are never blended: a changed setting applies from the resume step on, and
+        the returned line says which changed (None when none did). ``global_step``: the steps loaded."""
+        cfg = self.config
+        sched = self.lr_scheduler
+        groups = self.ds_engine.basic_optimizer.param_groups  # the AdamW that ZeRO steps (lr is read there)
+        applied = int(sched.last_epoch)
+        factor = lr_lambda_from_config(cfg)
+        sched.base_lrs = [cfg.lr for _ in groups]
+        lrs = [cfg.lr * factor(applied) for _ in groups]
+        for group, lr, decay in zip(groups, lrs, self.group_decay):
+            group["lr"] = lr
+            group["weight_decay"] = decay
+            group["betas"] = tuple(cfg.betas)
+            group["eps"] = cfg.eps
+        _set_last_lr(sched, lrs)
+        changed = []
+        for key in ("lr", "min_lr", "warmup_steps", "max_steps", "weight_decay", "betas", "eps", "grad_clip"):
+            if key not in saved:
+                continue
+            old, new = saved[key], getattr(cfg, key)
+            if isinstance(old, (list, tuple)):
+                old, new = list(old), list(new)
+            if old != new:
+                changed.append(f"optim.{key} {old} -> {new}")
+        if not changed:
+            return None
+        return (f"resumed with changed settings: {', '.join(changed)}; the new settings apply from step "
+                f"{global_step + 1} on (its lr {lrs[0]:.6g}: this run's schedule at {applied} applied updates), "
+                f"the steps before it kept the old ones")

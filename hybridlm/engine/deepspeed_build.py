@@ -1,0 +1,174 @@
+"""Building the DeepSpeed engine: the trainable parameters, AdamW and its groups, the DeepSpeed config dict,
+``deepspeed.initialize``, and how the built optimizer clips and steps (hybridlm/engine/clipping.py,
+hybridlm/engine/device_step.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Mapping, Optional
+
+import torch
+from torch import nn
+
+from hybridlm.config.errors import ConfigError
+from hybridlm.engine.checkpoint import seed_everything
+from hybridlm.engine.checkpoint_store import deepspeed_grad_norm
+from hybridlm.engine.clipping import clip_before_step, norm_over_flat_gradients
+from hybridlm.engine.config import OptimConfig
+from hybridlm.engine.device_step import ScheduleAdvancedByEngine, step_on_device
+from hybridlm.engine.distributed import DistInfo
+from hybridlm.engine.schedule import lr_lambda_from_config
+
+
+def no_weight_decay(param: nn.Parameter) -> bool:
+    """1-D parameters (norm weights, biases, scalars) and any tagged ``_no_weight_decay`` are not decayed."""
+    return param.ndim < 2 or bool(getattr(param, "_no_weight_decay", False))
+
+
+def build_param_groups(
+    model: nn.Module, weight_decay: float, trainable: Optional[Iterable[nn.Parameter]] = None
+) -> List[Dict[str, Any]]:
+    """AdamW param groups ``[decay, no_decay]`` of the parameters that require grad (or ``trainable``)."""
+    if trainable is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+    else:
+        params = list(trainable)
+    seen = set()
+    decay, no_decay = [], []
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        (no_decay if no_weight_decay(p) else decay).append(p)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def clips_in_engine(cfg: OptimConfig) -> bool:
+    """Whether the engine clips the gradients itself: where DeepSpeed runs its ``BF16_Optimizer`` (bf16 weights,
+    fp32 gradient accumulation, ZeRO-1), whose clipping loop the GPU waits for (hybridlm/engine/clipping.py)."""
+    return cfg.precision == "bf16" and cfg.zero_stage == 1 and cfg.grad_clip > 0
+
+
+def deepspeed_config(cfg: OptimConfig, world_size: int) -> Dict[str, Any]:
+    """The DeepSpeed config dict the engine runs with (no optimizer/scheduler: both are passed in)."""
+    gas = cfg.gradient_accumulation_steps(world_size)
+    bf16 = cfg.precision == "bf16"
+    ds: Dict[str, Any] = {
+        "train_batch_size": cfg.global_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": gas,
+        # bf16 + ZeRO-1 clips in the engine (hybridlm/engine/clipping.py): DeepSpeed's loop there stalls the GPU
+        "gradient_clipping": 0.0 if clips_in_engine(cfg) else float(cfg.grad_clip),
+        "zero_optimization": {"stage": cfg.zero_stage},
+        # check_grad_overflow: a non-finite gradient norm skips the update (hybridlm/engine/step_runner.py).
+        "bf16": {"enabled": bf16, "check_grad_overflow": True, "immediate_grad_update": cfg.immediate_grad_update},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default) synchronizes the device when each forward starts and each
+        # step ends: the GPU then waits for the host to launch the next step (the loop measures tokens/s itself)
+        "timers": {"throughput": {"enabled": False}},
+    }
+    if bf16:
+        # bf16 weights/activations, fp32 master weights, fp32 gradient accumulation.
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}
+    if cfg.precision == "bf16-mixed":
+        # fp32 weights; DeepSpeed runs the forward under torch.autocast(bf16) (engine(...) and eval alike)
+        ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    return ds
+
+
+@dataclass
+class BuiltEngine:
+    """What :func:`build_deepspeed_engine` returns."""
+
+    ds_engine: Any  # deepspeed.DeepSpeedEngine
+    optimizer: Any  # DeepSpeed's ZeRO or bf16 optimizer, wrapping the torch AdamW
+    lr_scheduler: Any  # LambdaLR, or ScheduleAdvancedByEngine with optim.step_on_device
+    group_decay: List[float]  # each AdamW param group's weight decay
+
+
+def _freeze_all_but(model: nn.Module, trainable: List[nn.Parameter]) -> None:
+    ids = {id(p) for p in trainable}
+    if not ids <= {id(p) for p in model.parameters()}:
+        raise ValueError("Engine: every parameter in `trainable` must belong to `model`")
+    for p in model.parameters():
+        p.requires_grad_(id(p) in ids)
+    for p in trainable:
+        p.requires_grad_(True)
+
+
+def _enable_activation_checkpointing(model: nn.Module) -> None:
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"optim.activation_checkpointing: {type(model).__name__} does not support it")
+    # transformers 5.24 names it activation_checkpointing_enable and warns on the old name
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def build_deepspeed_engine(model: nn.Module, config: OptimConfig, dist_info: DistInfo, *,
+                           trainable: Optional[Iterable[nn.Parameter]] = None,
+                           ds_overrides: Optional[Mapping[str, Any]] = None) -> BuiltEngine:
+    """``model`` (frozen but for ``trainable`` when given) on this rank's device, wrapped by DeepSpeed with a
+    torch AdamW and the warmup + cosine schedule. Seeds python/numpy/torch RNGs with ``config.seed + rank``."""
+    if trainable is not None:
+        trainable = list(trainable)
+        _freeze_all_but(model, trainable)
+    groups = build_param_groups(model, config.weight_decay, trainable)
+    if not groups:
+        raise ValueError("Engine: the model has no trainable parameters")
+    if config.activation_checkpointing:
+        _enable_activation_checkpointing(model)
+    seed_everything(config.seed + dist_info.rank)
+    model.to(dist_info.device)
+    optimizer = torch.optim.AdamW(
+        groups,
+        lr=config.lr,
+        betas=tuple(config.betas),
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        # fused on a GPU; and wherever the step runs on the device, which skips through fused AdamW's found_inf
+        fused=dist_info.device.type == "cuda" or config.step_on_device,
+    )
+    factor = lr_lambda_from_config(config)
+
+    ds_config = deepspeed_config(config, dist_info.world_size)
+    if ds_overrides:
+        ds_config.update(dict(ds_overrides))
+
+    import deepspeed
+
+    ds_engine, zero_optimizer, _, lr_scheduler = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=lambda opt: (ScheduleAdvancedByEngine(opt, factor) if config.step_on_device
+                                  else torch.optim.lr_scheduler.LambdaLR(opt, factor)),
+        config=ds_config,
+        dist_init_required=False,
+    )
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    bf16_optimizer = isinstance(zero_optimizer, BF16_Optimizer)
+    if (clips_in_engine(config) or config.step_on_device) and not bf16_optimizer:
+        raise RuntimeError(f"Engine: expected DeepSpeed's BF16_Optimizer for bf16 ZeRO-1, got "
+                           f"{type(zero_optimizer).__name__}; the engine's clipping and step assume it")
+    if config.step_on_device:  # it clips too (hybridlm/engine/device_step.py)
+        step_on_device(zero_optimizer, config.grad_clip)
+    elif clips_in_engine(config) and ds_config.get("gradient_clipping") == 0.0:  # not overridden
+        # DeepSpeed's norm, taken just before it steps the optimizer (hybridlm/engine/clipping.py)
+        clip_before_step(ds_engine.basic_optimizer, config.grad_clip,
+                         norm=lambda: deepspeed_grad_norm(zero_optimizer))
+    if bf16_optimizer and not config.step_on_device:  # (the device step takes its own norm over the same buffers)
+        norm_over_flat_gradients(zero_optimizer)
+    if bf16_optimizer and dist_info.world_size == 1:
+        # One rank: DeepSpeed's all-reduce of the fp32 gradient sums is a flatten into its bf16 communication
+        # dtype, a reduce over one rank and a copy back (1 ms a GDN-300M step on an H200); it would also round
+        # sums accumulated over micro-batches to bf16. Several ranks communicate in bf16 (DeepSpeed's
+        # communication_data_type).
+        ds_engine.enable_backward_allreduce = False
+    return BuiltEngine(ds_engine, zero_optimizer, lr_scheduler, [g["weight_decay"] for g in groups])
