@@ -27,8 +27,13 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from hybridlm.utils.atomic import write_json
 
 FORMAT = "hybridlm-kernel-tuning/1"
 SHIPPED_DIR = Path(__file__).resolve().parent / "tuned"
@@ -70,9 +75,8 @@ def entry_id(kernel: str, source: str, key: str, candidates: str) -> Tuple[str, 
 
 def fla_version() -> Optional[str]:
     try:
-        from importlib.metadata import version
-        return version("flash-linear-attention")
-    except Exception:
+        return metadata.version("flash-linear-attention")
+    except metadata.PackageNotFoundError:
         return None
 
 
@@ -157,7 +161,6 @@ def apply_shipped_tuning(device=None, quiet: bool = False) -> Optional[TuningSta
         return _STATUS
     if os.environ.get("TRITON_INTERPRET") == "1":
         return None
-    import torch
     if not torch.cuda.is_available():
         return None
     try:
@@ -241,7 +244,6 @@ def make_tuning_file(out: Path, records: List[Path], gpu: str, triton_version: s
     """A tuning file from the JSONL ``records`` of runs on ``gpu`` / ``triton_version`` (``HYBRIDLM_RECORD_TUNING``),
     merged with the file already at ``out`` if it is one for the same GPU and Triton (a later record of an entry
     wins). Lines for another GPU or Triton are left out. Written atomically; returns the content."""
-    from hybridlm.utils.atomic import write_json
     merged: Dict[tuple, dict] = {}
     if Path(out).is_file():
         try:

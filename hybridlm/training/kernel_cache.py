@@ -37,6 +37,8 @@ import tarfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import torch
+
 from hybridlm.ops import tuning
 from hybridlm.ops.tuning import triton_cache_dir
 from hybridlm.utils.atomic import atomic_write_bytes
@@ -109,7 +111,6 @@ def import_autotune(archive: Path, cache: Optional[Path] = None) -> int:
 
 def _this_gpu():
     """(GPU name, Triton version) of this machine; KernelCacheError without CUDA or triton."""
-    import torch
     if not torch.cuda.is_available():
         raise KernelCacheError("no CUDA GPU here: tuning files are made and matched on the GPU they are for")
     import triton
