@@ -205,7 +205,7 @@ def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[s
     setup = prepare_pretraining(sections)
     summary = model_summary(setup.config)
     n_mm = F.matmul_params(build_on_meta(setup.config))
-    mixers = F.hybrid_mixers(setup.config)
+    mixers = F.hybrid_mixers(setup.config, args.seq)
     # the loop reads each step's results (Readback) once the GPU has finished it, after launching the next step
     timer = StepTimer(args.warmup, setup.dist.device, args.steps, sync=False)
     profiler = make_profiler(args, setup.dist.device, name, sync=False)
@@ -221,7 +221,7 @@ def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[s
     return {**profile_result(profiler), "params": summary["params"], "non_embedding_params": summary["non_embedding_params"],
             "matmul_params": n_mm, "mixers": F.describe(mixers),
             "overrides": own,
-            "flops": F.train_flops_per_token(n_mm, mixers, args.seq), "timing": timer.summary(),
+            "flops": F.train_flops_per_token(n_mm, mixers), "timing": timer.summary(),
             "precision": args.precision,
             "recipe": f"pretrain.py: DeepSpeed ZeRO-1 {PRECISION_RECIPE[args.precision]}, "
                       f"{'fused ' if cuda else ''}AdamW, clip 1.0, backend {setup.config.runtime.backend}"
@@ -293,7 +293,7 @@ def run_peer(spec: str, mb: int, args, data_dir: Path, device: torch.device) -> 
               + (" (fused)" if device.type == "cuda" else "") + ", clip 1.0"
               + (", each loss read after the next step is launched" if late else ""))
     return {**profile_result(profiler), "params": params, "non_embedding_params": params - emb, "matmul_params": n_mm,
-            "mixers": F.describe(mixers), "flops": F.train_flops_per_token(n_mm, mixers, args.seq),
+            "mixers": F.describe(mixers), "flops": F.train_flops_per_token(n_mm, mixers),
             "timing": timer.summary(), "precision": args.precision, "recipe": recipe, "peer_config": cfg,
             "shapes_of": base_name or PEER_BASE[kind]}
 

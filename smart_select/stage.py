@@ -25,7 +25,7 @@ The stage's options are :class:`SmartConfig` (the route's ``smart:`` section, an
 CLI (wired into ``upcycle`` by :func:`add_subcommand`; ``upcycle compose --from-smart`` then builds the hybrid)::
 
     upcycle smart --teacher asset:smollm2 --mla-student runs/smollm2/ild_mla/final \\
-        --mamba-student runs/smollm2/ild_mamba2/final --data-path data_cache/alpaca-smollm2 \\
+        --linear-student runs/smollm2/ild_mamba2/final --data-path data_cache/alpaca-smollm2 \\
         --seq-len 256 --batches 8 --n-mla 8 --out runs/smollm2/smart
 """
 from __future__ import annotations
@@ -51,6 +51,7 @@ from hybridlm.kv_report import kv_report
 from hybridlm.students import check_layers, check_shared_weights, check_students, load_student, load_student_config
 from hybridlm.teacher import check_tokenizer_matches, load_teacher, load_teacher_tokenizer, resolve_teacher
 from hybridlm.utils.atomic import write_json
+from hybridlm.utils.flags import RenamedFlag
 from smart_select.report import write_smart_report
 from smart_select.selection import select_layers, sensitivities
 
@@ -306,7 +307,7 @@ def run_smart(cfg: SmartConfig, teacher, mla_dir: PathLike, mamba_dir: PathLike,
 
 # ---------------------------------------------------------------------------------------------- CLI
 def cmd_smart(args) -> Dict[str, Any]:
-    for flag, d in (("--mla-student", args.mla_student), ("--mamba-student", args.mamba_student)):
+    for flag, d in (("--mla-student", args.mla_student), ("--linear-student", args.linear_student)):
         if not Path(d).expanduser().is_dir():
             raise ConfigError(f"{flag}: {d} is not a directory")
     mla_layers = parse_layers(args.mla_layers, "--mla-layers") if args.mla_layers is not None else None
@@ -316,7 +317,7 @@ def cmd_smart(args) -> Dict[str, Any]:
                           tokenizer="teacher", text_field=args.text_field)
     # under a launcher (torch.distributed.run, deepspeed) every rank measures its share of the batches
     dist = init_distributed() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
-    return run_smart(cfg, args.teacher, args.mla_student, args.mamba_student, data_cfg, args.out, device=args.device,
+    return run_smart(cfg, args.teacher, args.mla_student, args.linear_student, data_cfg, args.out, device=args.device,
                      dist=dist)
 
 
@@ -326,7 +327,8 @@ def add_subcommand(subparsers) -> None:
     s = subparsers.add_parser("smart", help="SMART: per-layer KL sensitivities of the ILD students, MLA layer choice, report")
     s.add_argument("--teacher", required=True, help="Llama directory, .gguf file, or asset:smollm2")
     s.add_argument("--mla-student", required=True, help="the pure-MLA student directory (after ILD)")
-    s.add_argument("--mamba-student", required=True, help="the pure-Mamba2 student directory (after ILD)")
+    s.add_argument("--linear-student", "--mamba-student", required=True, action=RenamedFlag, old=("--mamba-student",),
+                   help="the pure linear-mixer student directory, after ILD (--mamba-student: its old name)")
     s.add_argument("--data-path", required=True, help="packed dataset directory (prepared here if missing)")
     s.add_argument("--data-source", action="append", default=None,
                    help="source file / dataset to prepare --data-path from with the teacher's tokenizer (repeatable)")

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from conftest import REPO, assert_chart, save_tiny_llama, demo_file, subprocess_env
 from distill.ild import ild_loss, teacher_trace
 from hybridlm.model import HybridForCausalLM
-from upcycle.init_mamba import init_student_from_teacher
+from upcycle.init_from_teacher import init_student_from_teacher
 from upcycle.student import student_config
 
 

@@ -43,7 +43,33 @@ def test_1b_exact_percentage_and_dict_input():
     assert rep["teacher_values_per_token"] == 16384 and rep["hybrid_values_per_token"] == 1280
     assert rep["teacher_bytes_per_token"] == 65536
     text = format_kv_report(rep)
-    assert "12.8x" in text and "7.81%" in text and "8 MLA + 8 Mamba2" in text
+    assert "12.8x" in text and "7.81%" in text and "8 MLA + 8 linear of 16 layers" in text
+    assert "8 linear layers not counted (mixer not named)" in text and rep["hybrid_state_values"] is None
+
+
+@pytest.mark.parametrize("linear", ["mamba2", "gdn", "kda"])
+def test_the_linear_layers_are_named_with_their_state(linear):
+    from hybridlm.model.registry import costs_of, mixer_spec
+    teacher = dict(num_hidden_layers=4, num_key_value_heads=2, num_attention_heads=4, hidden_size=256)
+    args = mixer_spec(linear).args(conv_size=2)
+    args.finalize(256, linear)
+    rep = kv_report(teacher, [1, 3], 32, 8, linear_mixer=linear, mixer_args={linear: args})
+    state = costs_of(linear).state_per_sequence(args)
+    defaults = mixer_spec(linear).args()  # not given: the registered defaults at the teacher's width
+    defaults.finalize(256, linear)
+    assert kv_report(teacher, [1, 3], 32, 8, linear_mixer=linear)["mixers"][0]["state_values"] == \
+        costs_of(linear).state_per_sequence(defaults) > state
+    assert [r["kind"] for r in rep["per_layer"]] == [linear, "mla", linear, "mla"]
+    assert [r["state_values"] for r in rep["per_layer"]] == [state, 0, state, 0] and rep["hybrid_state_values"] == 2 * state
+    assert rep["hybrid_values_per_token"] == 2 * 40
+    title = mixer_spec(linear).name
+    text = format_kv_report(rep)
+    assert f"KV cache: 2 {title} + 2 MLA of 4 layers (values per token and layer: {title} 0, MLA 40;" in text
+    assert f"fixed-size state per sequence: {title} 2 x {state:,} = {2 * state:,} values" in text
+    with pytest.raises(ConfigError, match="unknown mixer 'lstm'"):
+        kv_report(teacher, [1, 3], 32, 8, linear_mixer="lstm")
+    with pytest.raises(ConfigError, match="KV-cache layers are"):
+        kv_report(teacher, [1, 3], 32, 8, layer_kinds=[linear, "mla", linear, linear])
 
 
 def test_shipped_configs_match_the_public_shapes():
@@ -98,7 +124,7 @@ def test_layer_errors():
         kv_report(dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=3, hidden_size=64), [0], 8, 0)
 
 
-def test_all_mamba2_has_no_kv_cache():
+def test_all_linear_has_no_kv_cache():
     rep = kv_report(load_teacher_config("llama-3.2-1b"), [], 128, 32)
     assert rep["hybrid_values_per_token"] == 0 and rep["ratio"] == 0 and rep["compression"] is None
     assert "inf" in format_kv_report(rep)

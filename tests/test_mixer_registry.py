@@ -1,6 +1,7 @@
 """The mixer registry (hybridlm/model/registry.py): a mixer defined in this file alone, registered with
-``register_mixer``, goes through the pattern, the config, training, save / load, the generation cache and the
-KV report like a built-in one, and leaves nothing behind once unregistered."""
+``register_mixer``, goes through the pattern, the config, training, save / load, the generation cache, the
+KV report and ``upcycle plan`` (with the costs its entry gives) like a built-in one, and leaves nothing behind once
+unregistered."""
 import json
 from dataclasses import dataclass
 from typing import Optional
@@ -12,13 +13,13 @@ from torch import nn
 
 from conftest import tiny_config
 from hybridlm.config.errors import ConfigError
-from hybridlm.kv_report import kv_layers, kv_report
+from hybridlm.kv_report import format_kv_report, kv_layers, kv_report
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.cache import HybridCache, LatentCacheLayer, RecurrentCacheLayer
 from hybridlm.model.layers import SUBLAYERS
 from hybridlm.model.layers.conv import recurrent_context
-from hybridlm.model.registry import (cache_of, kind_of_symbol, linear_kinds, mixer_spec, register_mixer, symbol_of,
-                                     unregister_mixer)
+from hybridlm.model.registry import (MixerCosts, cache_of, costs_of, kind_of_symbol, linear_kinds, mixer_spec,
+                                     register_mixer, symbol_of, unregister_mixer)
 
 DECAY_BIAS = 2.0  # sigmoid(2) ~ 0.88: the recurrence starts out averaging over ~8 tokens
 
@@ -77,10 +78,16 @@ def init_gated_average(module: GatedAverage, config) -> None:
         module.decay_bias.fill_(DECAY_BIAS)
 
 
+# what the planners know of it: element-wise work only beyond its weights (a_t h, (1 - a_t) v, their sum, the gate
+# product), a state of ``width`` floats, and the backward keeps in_proj's output, the fp32 states and y
+GATED_AVERAGE_COSTS = MixerCosts(flops=lambda a, seq_len: 4.0 * a.width, state_per_sequence=lambda a: a.width,
+                                 activations=lambda a: 3 * a.width + 2 * a.width + a.width)
+
+
 @pytest.fixture
 def gated_average():
     spec = register_mixer("gatedavg", symbol="X", args=GatedAverageArgs, module=GatedAverage, cache="recurrent",
-                          init=init_gated_average)
+                          init=init_gated_average, costs=GATED_AVERAGE_COSTS)
     try:
         yield spec
     finally:
@@ -100,8 +107,19 @@ def test_builtin_entries():
         {"mla": "mla", "gdn": "gdn", "kda": "kda", "mamba2": "mamba2"}
     assert symbol_of("mla") == "*" and symbol_of("mlp") == "-"
     assert sorted(linear_kinds()) == ["gdn", "kda", "mamba2"]
-    assert cache_of("mla") == "kv" and cache_of("gdn") == cache_of("mamba2") == "recurrent" and cache_of("mlp") is None
+    assert cache_of("mla") == "latent" and cache_of("gdn") == cache_of("mamba2") == "recurrent" and cache_of("mlp") is None
     assert list(SUBLAYERS) == ["mla", "gdn", "kda", "mamba2", "mlp"]
+    assert [mixer_spec(k).name for k in ("mla", "gdn", "kda", "mamba2")] == ["MLA", "GDN", "KDA", "Mamba2"]
+    assert all(costs_of(k).activations is not None for k in ("mla", "gdn", "kda", "mamba2"))
+
+
+def test_the_old_cache_name_still_registers():
+    with pytest.warns(FutureWarning, match="cache='kv' is now cache='latent'"):
+        register_mixer("oldname", symbol="Y", args=GatedAverageArgs, module=GatedAverage, cache="kv")
+    try:
+        assert cache_of("oldname") == "latent"
+    finally:
+        unregister_mixer("oldname")
 
 
 def test_registration_is_checked(gated_average):
@@ -119,6 +137,8 @@ def test_registration_is_checked(gated_average):
         register_mixer("other", symbol="Y", args=GatedAverageArgs, module=GatedAverage, cache="paged")
     with pytest.raises(TypeError, match="dataclass"):
         register_mixer("other", symbol="Y", args=dict, module=GatedAverage, cache=None)
+    with pytest.raises(TypeError, match="MixerCosts"):
+        register_mixer("other", symbol="Y", args=GatedAverageArgs, module=GatedAverage, cache=None, costs={})
 
 
 def test_decorator_form():
@@ -146,10 +166,61 @@ def test_pattern_config_and_cache_read_the_registry(gated_average):
     static = HybridCache(cfg, max_length=8, batch_size=2)
     assert static.layers[2].state.shape == (2, 24)
     assert kv_layers(["mla", "gatedavg", "mla"]) == [0, 2]
+
+    # the KV report: its cache per token (0) and its state (width values) from its registry costs
     teacher = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
     rep = kv_report(teacher, [0, 2], 8, 8, layer_kinds=["mla", "gatedavg", "mla"])
     assert [r["kind"] for r in rep["per_layer"]] == ["mla", "gatedavg", "mla"]
-    assert rep["hybrid_values_per_token"] == 2 * 16
+    assert [r["hybrid_values"] for r in rep["per_layer"]] == [16, 0, 16] and rep["hybrid_values_per_token"] == 2 * 16
+    assert [r["state_values"] for r in rep["per_layer"]] == [0, 64, 0] and rep["hybrid_state_values"] == 64
+    text = format_kv_report(rep)
+    assert "KV cache: 2 MLA + 1 gatedavg of 3 layers (values per token and layer: MLA 16, gatedavg 0;" in text
+    assert "fixed-size state per sequence: gatedavg 1 x 64 = 64 values" in text
+    rep = kv_report(teacher, [0], 8, 8, linear_mixer="gatedavg", mixer_args={"gatedavg": cfg.mixer_args("gatedavg")})
+    assert rep["mixers"][1] == dict(kind="gatedavg", title="gatedavg", layers=2, values_per_token=0, state_values=24)
+
+
+def test_upcycle_plan_reads_its_costs(gated_average, tmp_path, capsys):
+    """``upcycle plan`` with the test mixer as the linear student: its own ILD stage, FLOPs, cache, state and
+    activation figures, from its registry entry."""
+    from types import SimpleNamespace
+
+    import yaml
+    from transformers import LlamaConfig
+
+    from upcycle.plan import BF16, MixerPlan, activation_bytes, cmd_plan, plan_route, student_kinds
+    from upcycle.student import student_config
+
+    teacher = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=300, tie_word_embeddings=True)
+    optim = {"micro_batch_size": 2, "global_batch_size": 16, "max_steps": 10, "lr": 1e-4}
+    route = {"init": {"q_lora_rank": 48, "kv_lora_rank": 24, "qk_rope_head_dim": 8, "linear_mixer": "gatedavg"},
+             "ild": {"data": {"seq_len": 32}, "optim": dict(optim)}, "smart": {"n_mla": 2, "batches": 2, "batch_size": 2},
+             "kd": {"data": {"seq_len": 32}, "optim": dict(optim)}}
+    plan = plan_route(route, teacher, 4)
+    stages = {p.name: p for p in plan.stages}
+    assert list(stages) == ["init", "ild_mla", "ild_gatedavg", "smart", "kd"]
+    assert plan.mixers[1] == MixerPlan("gatedavg", 2, 32, 4.0 * 64, 0, 64, 6 * 64)
+    kinds = ["gatedavg"] * 4
+    student = student_config(teacher, kinds, q_lora_rank=48, kv_lora_rank=24, qk_rope_head_dim=8)
+    assert stages["ild_gatedavg"].bytes["activations"] == activation_bytes(student, kinds, 2 * 32, False) \
+        == int(2 * 32 * BF16 * 4 * ((2 * 64 + 6 * 64) + (2 * 64 + 3 * 96)))
+    hybrid = student_config(teacher, student_kinds(4, 2, "gatedavg"), q_lora_rank=48, kv_lora_rank=24,
+                            qk_rope_head_dim=8)
+    # its FLOPs enter the stage's time: the hybrid's forward per token beyond 2 per parameter
+    mla = costs_of("mla").flops(hybrid.mixer_args("mla"), 32)
+    assert plan.mixers[0].flops_per_token == mla and plan.mixers[0].cache_per_token == 24 + 8
+
+    (tmp_path / "route.yaml").write_text(yaml.safe_dump({**route, "init": {**route["init"], "linear_mixer": "mamba2"}}))
+    teacher.to_json_file(tmp_path / "teacher.json")
+    args = SimpleNamespace(config=tmp_path / "route.yaml", teacher=str(tmp_path / "teacher.json"), gpus=4,
+                           overrides=["init.linear_mixer=gatedavg"], peak_tflops=989.0, mfu=0.3, gpu_mem_gib=80.0)
+    result = cmd_plan(args)
+    out = capsys.readouterr().out
+    assert "| ild_gatedavg |" in out
+    row = next(line for line in out.splitlines() if line.startswith("| gatedavg "))
+    assert [c.strip() for c in row.strip("|").split("|")] == ["gatedavg", "2", "256", "0", "64", "384"]
+    assert result["mixers"][1]["kind"] == "gatedavg" and result["mixers"][1]["flops_per_token"] == 256.0
 
 
 def test_train_save_load_generate(gated_average, tmp_path):

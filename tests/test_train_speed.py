@@ -41,7 +41,7 @@ def test_mlp_only_model_costs_six_n_per_token(tied):
     n = 16 * 24 + 24 * 16 + 100 * 16  # the two weights (bias is 1-D: not a matmul) + the LM head once
     assert F.matmul_params(model) == n
     tokens = 4 * 2048
-    f = F.train_flops_per_token(F.matmul_params(model), [], seq_len=2048)
+    f = F.train_flops_per_token(F.matmul_params(model), [])
     assert f["total"] * tokens == 6 * n * tokens and f["attention"] == f["recurrence"] == 0
 
 
@@ -55,12 +55,12 @@ def test_hybrid_gdn_layer_by_hand():
     gdn = d * (16 + 16 + 16 + 2 + 2 + 16) + 16 * d + 3 * 16 * 4  # q k v b a g, o_proj, three conv kernels
     n = gdn + 3 * d * 24 + 100 * d                                 # + SwiGLU + tied LM head
     assert F.matmul_params(build_on_meta(cfg)) == n == 4288
-    mixers = F.hybrid_mixers(cfg)
-    assert mixers == [F.MixerSpec(F.DELTA_RULE, 2, 8, 8)]
+    mixers = F.hybrid_mixers(cfg, 512)
     C = 64
-    rec = 2 * (18 * C * 8 + 12 * C * 8 + C * C + 18 * 8 * 8)       # = 41216
-    f = F.train_flops_per_token(n, mixers, seq_len=512)
-    assert f == {"dense": 6 * 4288, "attention": 0.0, "recurrence": rec, "total": 6 * 4288 + rec}
+    rec = 2 * (18 * C * 8 + 12 * C * 8 + C * C + 18 * 8 * 8)       # 2 value heads: 41216
+    assert [(m.kind, m.attention) for m in mixers] == [("gdn", False)] and 3 * mixers[0].forward == pytest.approx(rec)
+    f = F.train_flops_per_token(n, mixers)
+    assert f == pytest.approx({"dense": 6 * 4288, "attention": 0.0, "recurrence": rec, "total": 6 * 4288 + rec})
 
 
 def test_attention_and_chunk_terms_by_hand():
@@ -69,15 +69,19 @@ def test_attention_and_chunk_terms_by_hand():
                        runtime={"backend": "torch"}, mla=dict(num_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,
                                                  qk_rope_head_dim=4, v_head_dim=8),
                        mamba2=dict(d_state=4, head_dim=16, n_groups=1, expand=2))
-    mla, ssd = F.hybrid_mixers(cfg)
-    assert mla == F.MixerSpec(F.ATTENTION, 2, 8, 8) and ssd == F.MixerSpec(F.SIMPLE_GLA, 4, 4, 16)
+    from hybridlm.model.layers.mixing_flops import delta_rule_flops, simple_gla_flops
     T = 10  # causal: half of the 6 H T (d_qk + d_v) of unmasked attention
-    assert F.mixer_flops(mla, T) == 6 * 2 * T * (8 + 8) / 2 == 960
-    assert F.mixer_flops(ssd, T, chunk=2) == 4 * (6 * 2 * (4 + 16) + 12 * 4 * 16)
-    assert F.delta_rule_flops(1, 1, 1, chunk=1) == 18 + 12 + 1 + 18
+    mla, ssd = F.hybrid_mixers(cfg, T)
+    assert (mla.kind, mla.attention, ssd.kind, ssd.attention) == ("mla", True, "mamba2", False)
+    assert 3 * mla.forward == 6 * 2 * T * (8 + 8) / 2 == 960
+    assert 3 * ssd.forward == 4 * (6 * 64 * (4 + 16) + 12 * 4 * 16)  # 4 heads, d_state 4, head_dim 16
+    assert 3 * simple_gla_flops(4, 4, 16, chunk=2) == 4 * (6 * 2 * (4 + 16) + 12 * 4 * 16)
+    assert 3 * delta_rule_flops(1, 1, 1, chunk=1) == pytest.approx(18 + 12 + 1 + 18)
+    assert F.train_flops_per_token(0, [mla, ssd]) == {"dense": 0.0, "attention": 960.0, "recurrence": 3 * ssd.forward,
+                                                      "total": 960.0 + 3 * ssd.forward}
     from transformers import LlamaConfig
     llama = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=3)
-    assert F.llama_mixers(llama) == [F.MixerSpec(F.ATTENTION, 4, 16, 16)] * 3
+    assert F.llama_mixers(llama, T) == [F.MixerFlops(F.LLAMA_ATTENTION, True, 4 * T * (16 + 16))] * 3
     assert F.mfu(1e9, 2e5, 989.5, 2) == pytest.approx(1e9 * 2e5 / (2 * 989.5e12))
 
 
@@ -165,7 +169,7 @@ def test_cpu_run_writes_json_and_chart(tmp_path, austen_data):
     from benchmarks.harness.common import model_section
     from hybridlm.model.configuration import resolve_model_config
     cfg = resolve_model_config(model_section("tiny_hybrid", []), read_meta(austen_data), austen_data)
-    expected = F.train_flops_per_token(F.matmul_params(build_on_meta(cfg)), F.hybrid_mixers(cfg), 32)["total"]
+    expected = F.train_flops_per_token(F.matmul_params(build_on_meta(cfg)), F.hybrid_mixers(cfg, 32))["total"]
     ours, llama, late = entries["tiny_hybrid"], entries["llama:tiny_hybrid"], entries["llama:tiny_hybrid+late"]
     assert ours["flops_per_token"] == expected and ours["flops"]["attention"] > 0 and ours["flops"]["recurrence"] > 0
     # the same peer with its loss read one step late (and one more step run, for the profiler's last window)

@@ -45,7 +45,7 @@ def head_rows(w, h):
 
 # ---------------------------------------------------------------------------------------------- Mamba2
 def test_mamba2_mapping_copies_vkqo_identity_conv_constant_gate():
-    from upcycle.init_mamba import init_linear_mixer_from_attention
+    from upcycle.init_linear import init_linear_mixer_from_attention
     teacher = tiny_llama()
     student = tiny_student(teacher, ["mamba2", "mamba2"])
     m = student.model.layers[0].mixer
@@ -80,7 +80,7 @@ def test_mamba2_mapping_copies_vkqo_identity_conv_constant_gate():
 
 def test_mamba2_heads_follow_llama_gqa():
     """After the layer's own repetition, head h reads x / B from kv head h // g and C from query head h."""
-    from upcycle.init_mamba import init_linear_mixer_from_attention
+    from upcycle.init_linear import init_linear_mixer_from_attention
     teacher = tiny_llama()
     m = tiny_student(teacher, ["mamba2", "mamba2"]).model.layers[0].mixer
     init_linear_mixer_from_attention(m, teacher.model.layers[0].self_attn, "mamba2")
@@ -102,7 +102,7 @@ def test_mamba2_heads_follow_llama_gqa():
 def test_delta_rule_mapping_repeats_kv_per_group(kind):
     from transformers.models.llama.modeling_llama import repeat_kv
 
-    from upcycle.init_mamba import init_linear_mixer_from_attention
+    from upcycle.init_linear import init_linear_mixer_from_attention
     teacher = tiny_llama()
     m = tiny_student(teacher, [kind, kind]).model.layers[2].mixer
     untouched = {n: p.detach().clone() for n, p in m.named_parameters()
@@ -132,7 +132,7 @@ def test_delta_rule_mapping_repeats_kv_per_group(kind):
 
 # ------------------------------------------------------------------------------------------ errors
 def test_shape_mismatch_and_wrong_kind_raise():
-    from upcycle.init_mamba import init_linear_mixer_from_attention
+    from upcycle.init_linear import init_linear_mixer_from_attention
     other = tiny_llama(n_kv=4)                      # MHA teacher: its d_xb would be 64, not 32
     student = tiny_student(tiny_llama(), ["mamba2", "gdn"])
     with pytest.raises(ValueError, match=r"mamba2 init from attention: d_xb is 32, the teacher needs 64"):
@@ -148,7 +148,7 @@ def test_shape_mismatch_and_wrong_kind_raise():
 
 
 def test_student_teacher_layer_mismatch_raises():
-    from upcycle.init_mamba import init_student_from_teacher
+    from upcycle.init_from_teacher import init_student_from_teacher
     teacher = tiny_llama()
     student = tiny_student(teacher, ["mamba2", "gdn"])
     with pytest.raises(ValueError, match=r"student layer 1: sublayers are \('gdn', 'mlp'\)"):
@@ -160,7 +160,7 @@ def test_student_teacher_layer_mismatch_raises():
 # ------------------------------------------------------------------------------------ whole student
 @pytest.mark.parametrize("tie", [False, True])
 def test_student_copies_shared_weights_and_runs(tie):
-    from upcycle.init_mamba import init_student_from_teacher
+    from upcycle.init_from_teacher import init_student_from_teacher
     teacher = tiny_llama(tie=tie)
     kinds = ["mamba2", "mamba2"]
     student = tiny_student(teacher, kinds)
@@ -185,15 +185,15 @@ def test_student_copies_shared_weights_and_runs(tie):
 
 
 def test_student_mixed_kinds_routes_mla_to_init_mla(monkeypatch):
-    import upcycle.init_mamba as init_mamba
-    from upcycle.init_mamba import init_student_from_teacher
+    import upcycle.init_from_teacher as init_from_teacher
+    from upcycle.init_from_teacher import init_student_from_teacher
     calls = []
 
     def fake(mixer, attn, *, n_kv, rope_init="frequency_matched"):
         calls.append((type(mixer).__name__, attn, n_kv, rope_init))
         return {"q_energy": 1.0}
 
-    monkeypatch.setattr(init_mamba, "init_mla_from_attention", fake)  # the name init_mamba calls
+    monkeypatch.setattr(init_from_teacher, "init_mla_from_attention", fake)  # the name it calls
     teacher = tiny_llama(layers=4)
     kinds = ["mla", "gdn", "kda", "mamba2"]
     student = tiny_student(teacher, kinds)
@@ -292,7 +292,7 @@ def test_output_scale_fit_is_the_least_squares_solution(kind):
     """The fitted norm weight beats both the unit weight and a silent mixer on the calibration tokens, and
     it is the least-squares optimum: nudging any weight raises the error."""
     from upcycle.calibrate import calibrate_student
-    from upcycle.init_mamba import init_student_from_teacher
+    from upcycle.init_from_teacher import init_student_from_teacher
     teacher = tiny_llama(layers=2)
     kinds = [kind, kind]
     student = tiny_student(teacher, kinds)

@@ -15,7 +15,8 @@ from hybridlm.kv_report import kv_report, load_teacher_config
 from hybridlm.model import HybridForCausalLM
 from smart_select.stage import SmartConfig
 from upcycle.init_students import InitConfig
-from upcycle.plan import BF16, FP32, activation_bytes, activation_widths, plan_route, student_kinds
+from upcycle.plan import (BF16, FP32, activation_bytes, activation_widths, forward_flops_per_token, load_route,
+                          plan_route, student_kinds)
 from upcycle.route import ROUTE_SECTIONS, _stage_sections, check_route
 from upcycle.student import student_config
 
@@ -28,10 +29,11 @@ def tiny_teacher_config(tie):
                        num_key_value_heads=2, head_dim=16, vocab_size=300, tie_word_embeddings=tie)
 
 
-def tiny_route(ckpt=False):
+def tiny_route(ckpt=False, linear="mamba2"):
     optim = {"micro_batch_size": 2, "global_batch_size": 16, "max_steps": 10, "lr": 1e-4,
              "activation_checkpointing": ckpt}
-    return {"init": {"q_lora_rank": 48, "kv_lora_rank": 24, "qk_rope_head_dim": 8, "calib_tokens": 128},
+    return {"init": {"q_lora_rank": 48, "kv_lora_rank": 24, "qk_rope_head_dim": 8, "calib_tokens": 128,
+                     "linear_mixer": linear},
             "ild": {"data": {"seq_len": 32}, "optim": dict(optim)},
             "smart": {"n_mla": 2, "batches": 2, "batch_size": 2},
             "kd": {"data": {"seq_len": 32}, "kd": {"chunk_tokens": 16}, "optim": dict(optim)},
@@ -44,13 +46,15 @@ def direct(cfg, kinds):
     return model, sum(p.numel() for p in model.parameters()), layers
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_plan_bytes_match_a_direct_computation(tie):
+@pytest.mark.parametrize("tie,linear", [(True, "mamba2"), (False, "mamba2"), (True, "gdn"), (False, "kda")])
+def test_plan_bytes_match_a_direct_computation(tie, linear):
     cfg, ranks = tiny_teacher_config(tie), 4
-    plans = {p.name: p for p in plan_route(tiny_route(), cfg, ranks)}
+    plan = plan_route(tiny_route(linear=linear), cfg, ranks)
+    plans = {p.name: p for p in plan.stages}
+    assert list(plans) == ["init", "ild_mla", f"ild_{linear}", "smart", "kd", "dpo"]
     teacher = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
     L, d, V = 4, 64, 300
-    for kind in ("mla", "mamba2"):
+    for kind in ("mla", linear):
         model, total, layers = direct(cfg, [kind] * L)
         got = plans[f"ild_{kind}"].bytes
         assert got["teacher weights (bf16)"] == 2 * teacher
@@ -61,14 +65,18 @@ def test_plan_bytes_match_a_direct_computation(tie):
         assert got["activations"] == activation_bytes(model.config, [kind] * L, 2 * 32, False)
         assert plans[f"ild_{kind}"].total == sum(got.values())
         assert plans[f"ild_{kind}"].tokens == 10 * 16 * 32
-    hybrid, total, _ = direct(cfg, student_kinds(L, 2, "mamba2"))
+    hybrid, total, _ = direct(cfg, student_kinds(L, 2, linear))
     kd, dpo = plans["kd"].bytes, plans["dpo"].bytes
     assert kd["gradients (bf16 + fp32 accumulator)"] == 6 * total and dpo["reference weights (bf16)"] == 2 * total
     assert kd["master + Adam (fp32, ZeRO-1)"] == -(-12 * total // ranks)
     assert kd["teacher trace / logits"] == 3 * 4 * 16 * V  # one 16-token chunk of fp32 logits, 3 copies
     assert dpo["teacher trace / logits"] == 10 * (2 * 2) * 24 * V  # 2 pairs = 4 sequences of 24 tokens
     assert plans["init"].bytes == {"teacher weights (fp32)": 4 * teacher,
-                                   "student weights (fp32)": 4 * max(direct(cfg, [k] * L)[1] for k in ("mla", "mamba2"))}
+                                   "student weights (fp32)": 4 * max(direct(cfg, [k] * L)[1] for k in ("mla", linear))}
+    # the hybrid's mixers, per layer, from their registry entries
+    assert [(m.kind, m.layers, m.seq_len, m.cache_per_token) for m in plan.mixers] == [("mla", 2, 32, 24 + 8),
+                                                                                       (linear, 2, 32, 0)]
+    assert plan.mixers[1].state_per_sequence > 0 and plan.mixers[0].state_per_sequence == 0
 
 
 def test_activation_model_by_hand():
@@ -86,6 +94,33 @@ def test_activation_model_by_hand():
     assert activation_bytes(cfg, kinds, 100, False) == int(100 * BF16 * 2 * (layer["mla"] + layer["mamba2"]))
     # checkpointing: each block's input, plus one block recomputed
     assert activation_bytes(cfg, kinds, 100, True) == int(100 * BF16 * (4 * d + max(layer.values())))
+
+
+def test_delta_rule_activations_and_flops_by_hand():
+    cfg = student_config(tiny_teacher_config(True), ["mla", "gdn", "kda", "gdn"], q_lora_rank=48, kv_lora_rank=24,
+                         qk_rope_head_dim=8)
+    d, f, H, K, C = 64, 96, 4, 16, 64  # GDN / KDA at the teacher's heads: 4 heads of 16 for q, k and v
+    gdn = (2 * (3 * H * K)          # q, k, v before and after their convs
+           + 2 * H * K + H + H      # q and k normalised, beta, the scalar decay gate
+           + 3 * H * K              # the output gate, the recurrence output, the gated norm's output
+           + 2 * H * K * K / C)     # fp32 chunk states
+    kda = gdn - H + H * K + 2 * K   # the decay per key channel, and the two rank-16 gate bottlenecks
+    assert activation_widths(cfg, "gdn") == {"mixer": 2 * d + gdn, "mlp": 2 * d + 3 * f}
+    assert activation_widths(cfg, "kda") == {"mixer": 2 * d + kda, "mlp": 2 * d + 3 * f}
+    T = 32
+    attention = H * T * (16 + 16)
+    delta_rule = H * (6 * C * K + 4 * C * K + C * C / 3 + 6 * K * K)
+    assert forward_flops_per_token(cfg, ["mla", "gdn", "kda", "gdn"], 1000, T) == \
+        pytest.approx(2 * 1000 + attention + 3 * delta_rule)
+
+
+def test_overrides_pick_the_linear_student(tmp_path):
+    path = tmp_path / "route.yaml"
+    path.write_text(yaml.safe_dump(tiny_route()))
+    route = load_route(path, ["init.linear_mixer=gdn", "smart.n_mla=1"])
+    assert route["init"]["linear_mixer"] == "gdn" and route["smart"]["n_mla"] == 1 and route["init"]["kv_lora_rank"] == 24
+    stages = [p.name for p in plan_route(route, tiny_teacher_config(True), 2).stages]
+    assert stages == ["init", "ild_mla", "ild_gdn", "smart", "kd", "dpo"]
 
 
 def test_plan_refuses_what_it_does_not_model():

@@ -1,9 +1,10 @@
-"""``upcycle``: turn a pretrained Llama into MLA / Mamba2 students and report KV-cache sizes.
+"""``upcycle``: turn a pretrained Llama into MLA / linear-mixer students and report KV-cache sizes.
 
     upcycle init --teacher asset:smollm2 --out runs/upcycle/init [--kv-lora-rank 128 --qk-rope-head-dim 32 ...]
     upcycle kv-report --teacher configs/llama/llama-3.2-1b.json --mla-layers 0,5,10,14 --kv-lora-rank 128 \\
-        --qk-rope-head-dim 32
-    upcycle plan --config configs/upcycle/llama3.2-1b_8mla_route.yaml --gpus 8 --teacher configs/llama/llama-3.2-1b.json
+        --qk-rope-head-dim 32 [--linear-mixer gdn]
+    upcycle plan --config configs/upcycle/llama3.2-1b_8mla_route.yaml --gpus 8 --teacher configs/llama/llama-3.2-1b.json \\
+        [init.linear_mixer=gdn]
 
 Every stage reads and writes transformers-format directories; outputs appear atomically.
 """
@@ -20,23 +21,30 @@ from hybridlm.config.errors import ConfigError
 from hybridlm.config.layers import parse_layers
 from hybridlm.model.configuration import REMOTE_CODE_HELP
 from hybridlm.config.loader import load_config
-from hybridlm.kv_report import format_kv_report, kv_report, load_teacher_config
+from hybridlm.kv_report import ATTENTION_KIND, format_kv_report, kv_report, load_teacher_config
+from hybridlm.model.registry import linear_kinds
 from hybridlm.teacher import resolve_teacher
 from hybridlm.training.exits import run_cli
+from hybridlm.utils.flags import RenamedFlag
 from smart_select.stage import add_subcommand as add_smart
 from upcycle.compose import add_subcommand as add_compose
-from upcycle.init_mamba import LINEAR_KINDS
+from upcycle.init_linear import LINEAR_KINDS
 from upcycle.init_students import InitConfig, init_students  # flags default to the route's init section
 from upcycle.plan import add_subcommand as add_plan
 from upcycle.route import ROUTE_SECTIONS, run_route
 from upcycle.route_report import route_report
-from upcycle.student import ROPE_INITS
+from upcycle.student import ROPE_INITS, student_config
 
 
 def cmd_kv_report(args) -> dict:
     source = args.teacher if str(args.teacher).endswith(".json") else resolve_teacher(args.teacher)
-    report = kv_report(load_teacher_config(source), parse_layers(args.mla_layers, "--mla-layers"), args.kv_lora_rank,
-                       args.qk_rope_head_dim)
+    teacher_cfg = load_teacher_config(source)
+    layers = parse_layers(args.mla_layers, "--mla-layers")
+    # the students `upcycle init` builds: their mixers' settings give the linear layers' state sizes
+    student = student_config(teacher_cfg, [args.linear_mixer] * teacher_cfg.num_hidden_layers,
+                             kv_lora_rank=args.kv_lora_rank, qk_rope_head_dim=args.qk_rope_head_dim)
+    report = kv_report(teacher_cfg, layers, args.kv_lora_rank, args.qk_rope_head_dim, linear_mixer=args.linear_mixer,
+                       mixer_args={k: student.mixer_args(k) for k in (ATTENTION_KIND, args.linear_mixer)})
     print(format_kv_report(report))
     return report
 
@@ -124,8 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("kv-report", help="KV-cache size of a hybrid against its Llama teacher, without weights")
     k.add_argument("--teacher", required=True, help="config.json, model directory, or asset:smollm2")
     k.add_argument("--mla-layers", required=True, help="comma-separated MLA layer indices, e.g. 0,5,10,14")
-    k.add_argument("--kv-lora-rank", type=int, required=True)
-    k.add_argument("--qk-rope-head-dim", type=int, required=True)
+    k.add_argument("--kv-lora-rank", "--kv-rank", type=int, required=True, action=RenamedFlag, old=("--kv-rank",),
+                   help="the MLA layers' kv latent rank (--kv-rank: its old name)")
+    k.add_argument("--qk-rope-head-dim", "--rope-dim", type=int, required=True, action=RenamedFlag,
+                   old=("--rope-dim",), help="decoupled RoPE dims per head (--rope-dim: its old name)")
+    k.add_argument("--linear-mixer", choices=linear_kinds(), default=InitConfig.linear_mixer,
+                   help="the mixer of the other layers (its fixed-size state is reported)")
     k.set_defaults(fn=cmd_kv_report)
     add_plan(sub)
     return p

@@ -41,6 +41,7 @@ from hybridlm.model.generate import save_tokenizer, set_generation_defaults
 from hybridlm.students import check_layers, check_shared_weights, check_students, load_student, load_student_config
 from hybridlm.teacher import check_tokenizer_matches, load_teacher_tokenizer
 from hybridlm.utils.atomic import atomic_directory, write_json
+from hybridlm.utils.flags import RenamedFlag
 from smart_select.report import layers_from_report
 from upcycle.student import pattern_for
 
@@ -133,7 +134,7 @@ def compose_from_dirs(mla_dir: PathLike, mamba_dir: PathLike, mla_layers: Sequen
 
 # ---------------------------------------------------------------------------------------------- CLI
 def cmd_compose(args) -> Dict[str, Any]:
-    for flag, d in (("--mla-student", args.mla_student), ("--mamba-student", args.mamba_student)):
+    for flag, d in (("--mla-student", args.mla_student), ("--linear-student", args.linear_student)):
         if not Path(d).expanduser().is_dir():
             raise ConfigError(f"{flag}: {d} is not a directory")
     if (args.mla_layers is None) == (args.from_smart is None):
@@ -142,12 +143,12 @@ def cmd_compose(args) -> Dict[str, Any]:
         mla_layers = parse_layers(args.mla_layers, "--mla-layers")
     else:
         mla_layers, n = layers_from_report(args.from_smart)
-        cfg_file = Path(args.mamba_student).expanduser() / "config.json"
+        cfg_file = Path(args.linear_student).expanduser() / "config.json"
         if n is not None and cfg_file.is_file():
             plan_len = len(json.loads(cfg_file.read_text(encoding="utf-8")).get("hybrid_override_pattern", ""))
             if plan_len and plan_len != 2 * n:
                 raise ConfigError(f"--from-smart: the report is for {n} layers, the students have {plan_len // 2}")
-    info = compose_from_dirs(args.mla_student, args.mamba_student, mla_layers, args.out, overwrite=args.overwrite,
+    info = compose_from_dirs(args.mla_student, args.linear_student, mla_layers, args.out, overwrite=args.overwrite,
                              remote_code=args.remote_code)
     print(f"hybrid {info['pattern']} (MLA layers {','.join(map(str, info['mla_layers'])) or 'none'}) -> {info['out']}",
           flush=True)
@@ -158,7 +159,8 @@ def add_subcommand(subparsers) -> None:
     """Register ``compose`` on an ``argparse`` subparsers object (``fn`` takes the namespace)."""
     c = subparsers.add_parser("compose", help="compose the MLA + Mamba2 hybrid from the two students")
     c.add_argument("--mla-student", required=True)
-    c.add_argument("--mamba-student", required=True)
+    c.add_argument("--linear-student", "--mamba-student", required=True, action=RenamedFlag, old=("--mamba-student",),
+                   help="the pure linear-mixer student directory (--mamba-student: its old name)")
     g = c.add_mutually_exclusive_group(required=True)
     g.add_argument("--mla-layers", default=None, help="comma-separated MLA layers, e.g. 0,5,10,14")
     g.add_argument("--from-smart", default=None, help="smart_report.json (or its directory) of `upcycle smart`")

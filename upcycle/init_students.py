@@ -13,7 +13,7 @@ from hybridlm.model.generate import save_tokenizer, set_generation_defaults
 from hybridlm.teacher import load_teacher, load_teacher_tokenizer
 from hybridlm.utils.atomic import atomic_directory, write_json
 from upcycle.calibrate import calibrate_student, calibration_batch
-from upcycle.init_mamba import init_student_from_teacher
+from upcycle.init_from_teacher import init_student_from_teacher
 from upcycle.init_mla import energy_ranks
 from upcycle.student import llama_shapes, rope_mismatch, student_config
 
@@ -79,12 +79,13 @@ def init_students(cfg: InitConfig, teacher_spec, out, *, overwrite: bool = False
                       f"student keeps rotate at another frequency than the teacher's {s['rope']['rope_type']} RoPE "
                       f"(max relative error {summary['rope']['max_rel_err']:.3g})", flush=True)
         kv = kv_report(teacher.config, kv_layers(layer_kinds), ranks["kv_lora_rank"], cfg.qk_rope_head_dim,
-                       layer_kinds=layer_kinds)
+                       layer_kinds=layer_kinds, mixer_args={kind: student_cfg.mixer_args(kind)})
         energy_kept = info["mla"]
         summary["students"][kind] = {
             "path": str(target), "params": sum(p.numel() for p in student.parameters()),
             "kv_values_per_token": kv["hybrid_values_per_token"],
             "teacher_kv_values_per_token": kv["teacher_values_per_token"], "kv_ratio": kv["ratio"],
+            "state_values_per_sequence": kv["hybrid_state_values"],
             "min_energy_kept": ({k: min(e[k] for e in energy_kept.values()) for k in ("q_energy", "kv_energy")}
                                 if energy_kept else None)}
         print(f"{kind} student -> {target}")

@@ -1,6 +1,7 @@
 """``upcycle plan``: bytes per rank and GPU time of every stage of a route, from the teacher's config.json alone.
 
-    upcycle plan --config configs/upcycle/llama3.2-1b_8mla_route.yaml --gpus 8 [--teacher configs/llama/llama-3.2-1b.json]
+    upcycle plan --config configs/upcycle/llama3.2-1b_8mla_route.yaml --gpus 8 [--teacher configs/llama/llama-3.2-1b.json] \
+        [init.linear_mixer=gdn ...]
 
 No weights are read: the teacher and the students are built on PyTorch's ``meta`` device, so every parameter count
 is the real model's. Per rank and stage the plan counts:
@@ -13,10 +14,10 @@ is the real model's. Per rank and stage the plan counts:
 * **reference** (DPO): the frozen bf16 copy of the KD student.
 * **activations** (bf16, per micro-batch of b sequences of s tokens; :func:`activation_widths`): what the
   backward keeps of every sublayer, in values per token: a pre-norm's input and output (2d); a SwiGLU MLP's gate
-  and up outputs and their product (3f); an MLA mixer's q latent, q, the kv latent + rope key, the decompressed
-  keys and values, the expanded keys, the attention output and SDPA's fp32 log-sum-exp; a Mamba2 mixer's
-  in_proj output, conv output, x and B repeated to the heads, the SSD output and gated-norm output, and the fp32
-  chunk states (one n_heads x head_dim x d_state state per 64 tokens). With ``activation_checkpointing`` only
+  and up outputs and their product (3f); a mixer's own widths from its registry entry
+  (:class:`hybridlm.model.registry.MixerCosts` ``activations``; e.g. MLA's latents, queries, decompressed keys and
+  values, attention output and log-sum-exp, a linear mixer's projections, conv outputs, recurrence and gated-norm
+  outputs and fp32 chunk states; each mixer's file states its own). With ``activation_checkpointing`` only
   each block's input is kept, plus one block's activations while it is recomputed. ILD also keeps the teacher's
   trace (input, mixer output and layer output of every layer: 3 L s b d values). Logits: KD computes them in
   chunks (``kd.chunk_tokens`` tokens: ~3 x chunk x vocab fp32 for the student and teacher together); DPO keeps
@@ -27,13 +28,15 @@ is the real model's. Per rank and stage the plan counts:
 
 Time: 6 FLOPs per token and trainable-path parameter (forward 2, backward 4), 2 per frozen parameter the
 forward runs through (teacher, reference, ILD's frozen embeddings), +2 per student parameter with activation
-checkpointing, plus causal attention (s / 2 keys per query: 2 x (qk + v) x n_h x s / 2 FLOPs forward, 3x that
-trained) and Mamba2's chunked scan (intra-chunk 64 x n_h x (d_state + head_dim) x 2, state 6 x n_h x head_dim x
-d_state per token forward, 3x trained); divided by N x ``peak_tflops`` x ``mfu``.
+checkpointing, plus each mixer's forward FLOPs beyond its weights from its registry entry (``MixerCosts.flops``:
+causal attention's ``n_h x s x (qk + v)``, a chunked recurrence's intra-chunk and state terms;
+hybridlm/model/layers/mixing_flops.py), 3x that trained, and the teacher's causal attention by the same formula;
+divided by N x ``peak_tflops`` x ``mfu``. Beside the stages the plan lists the hybrid's mixers with their
+registry figures per layer: forward FLOPs per token, values cached per token, fixed-size state per sequence and
+activation widths.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -42,16 +45,18 @@ import torch
 import yaml
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.config.loader import deep_merge, parse_override
 from hybridlm.config.structured import build_dataclass
-from hybridlm.kv_report import load_teacher_config
+from hybridlm.kv_report import ATTENTION_KIND, load_teacher_config
 from hybridlm.model import HybridForCausalLM
+from hybridlm.model.layers.mixing_flops import causal_attention_flops
+from hybridlm.model.registry import costs_of
 from hybridlm.teacher import resolve_teacher
 from smart_select.stage import SmartConfig
 from upcycle.init_students import InitConfig
 from upcycle.student import llama_shapes, student_config
 
 GIB = 1024 ** 3
-SSD_CHUNK = 64
 BF16, FP32 = 2, 4
 
 
@@ -71,7 +76,7 @@ def param_counts(model) -> Dict[str, int]:
 def student_kinds(L: int, n_mla: int, linear: str) -> List[str]:
     """n_mla MLA layers spread over L (their places do not change any count), the rest ``linear``."""
     mla = {round(i * (L - 1) / max(n_mla - 1, 1)) for i in range(n_mla)} if n_mla else set()
-    return ["mla" if i in mla else linear for i in range(L)]
+    return [ATTENTION_KIND if i in mla else linear for i in range(L)]
 
 
 def models(teacher_cfg, init: InitConfig, n_mla: int) -> Dict[str, Dict[str, Any]]:
@@ -81,7 +86,7 @@ def models(teacher_cfg, init: InitConfig, n_mla: int) -> Dict[str, Dict[str, Any
     s = llama_shapes(teacher_cfg)
     L, linear = s["L"], init.linear_mixer
     out = {"teacher": {"params": param_counts(_meta(lambda: LlamaForCausalLM(teacher_cfg))), "shapes": s}}
-    for name, layer_kinds in (("mla_student", ["mla"] * L), (f"{linear}_student", [linear] * L),
+    for name, layer_kinds in ((f"{ATTENTION_KIND}_student", [ATTENTION_KIND] * L), (f"{linear}_student", [linear] * L),
                               ("hybrid", student_kinds(L, n_mla, linear))):
         cfg = student_config(teacher_cfg, layer_kinds, q_lora_rank=init.q_lora_rank, kv_lora_rank=init.kv_lora_rank,
                              qk_rope_head_dim=init.qk_rope_head_dim, rope_init=init.rope_init)
@@ -95,22 +100,11 @@ def activation_widths(cfg, kind: str) -> Dict[str, float]:
     """Values per token the backward keeps of one decoder layer (pre-norm + mixer ``kind``, pre-norm + MLP),
     bf16 values, with fp32 tensors counted as two. See the module docstring."""
     d, f = cfg.hidden_size, cfg.intermediate_size
-    mlp = 2 * d + 3 * f
-    if kind == "mla":
-        a = cfg.mixer_args("mla")
-        qk, H = a.qk_nope_head_dim + a.qk_rope_head_dim, a.num_heads
-        mixer = (2 * d + (a.q_lora_rank or 0) + H * qk + a.kv_lora_rank + a.qk_rope_head_dim
-                 + H * (a.qk_nope_head_dim + a.v_head_dim) + 2 * H * qk + H * a.v_head_dim + 2 * H)
-    elif kind == "mamba2":
-        a = cfg.mixer_args("mamba2")
-        di, dxb, heads = a.d_inner, a.d_xb or a.d_inner, a.d_inner // a.head_dim
-        conv = 2 * dxb + a.n_groups * a.d_state if a.d_xb else di + 2 * a.n_groups * a.d_state
-        in_proj = di + conv + heads  # z, x B C, dt
-        states = 2 * heads * a.head_dim * a.d_state / SSD_CHUNK
-        mixer = 2 * d + in_proj + conv + 2 * di + 2 * di + states
-    else:
-        raise ConfigError(f"plan: no activation model for mixer {kind!r} (mla, mamba2)")
-    return {"mixer": mixer, "mlp": mlp}
+    widths = costs_of(kind).activations
+    if widths is None:
+        raise ConfigError(f"plan: mixer {kind!r} has no activation model (MixerCosts.activations in its registry "
+                          f"entry)")
+    return {"mixer": 2 * d + widths(cfg.mixer_args(kind)), "mlp": 2 * d + 3 * f}
 
 
 def activation_bytes(cfg, layer_kinds: Sequence[str], tokens: int, checkpointing: bool) -> int:
@@ -123,25 +117,48 @@ def activation_bytes(cfg, layer_kinds: Sequence[str], tokens: int, checkpointing
 
 # -------------------------------------------------------------------------------------------- FLOPs
 def forward_flops_per_token(cfg, layer_kinds: Sequence[str], params: int, seq_len: int) -> float:
-    """2 per parameter, causal attention of the MLA layers, and the Mamba2 scan (see the module docstring)."""
-    flops = 2.0 * params
-    for k in layer_kinds:
-        if k == "mla":
-            a = cfg.mixer_args("mla")
-            flops += 2 * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * a.num_heads * seq_len / 2
-        elif k == "mamba2":
-            a = cfg.mixer_args("mamba2")
-            heads = a.d_inner // a.head_dim
-            flops += 2 * SSD_CHUNK * heads * (a.d_state + a.head_dim) + 6 * heads * a.head_dim * a.d_state
-    return flops
+    """2 per parameter and each mixer's forward FLOPs beyond its weights (its registry entry)."""
+    return 2.0 * params + sum(costs_of(k).flops(cfg.mixer_args(k), seq_len) for k in layer_kinds)
 
 
 def teacher_forward_flops(shapes: Dict[str, Any], params: int, seq_len: int) -> float:
     s = shapes
-    return 2.0 * params + s["L"] * 2 * (2 * s["d_h"]) * s["n_h"] * seq_len / 2
+    return 2.0 * params + s["L"] * causal_attention_flops(s["n_h"], s["d_h"], s["d_h"], seq_len)
+
+
+# ------------------------------------------------------------------------------------------- mixers
+@dataclasses.dataclass
+class MixerPlan:
+    """One mixer kind of the hybrid, per layer, from its registry entry (:class:`MixerCosts`)."""
+    kind: str
+    layers: int            # layers of the hybrid that use it
+    seq_len: int           # the context its FLOPs are counted at
+    flops_per_token: float  # forward, beyond the weight multiplies
+    cache_per_token: int    # values cached per token while generating
+    state_per_sequence: int  # values of the fixed-size generation state
+    activations_per_token: Optional[float]  # values the backward keeps (pre-norm not included)
+
+
+def mixer_plans(cfg, layer_kinds: Sequence[str], seq_len: int) -> List[MixerPlan]:
+    """One :class:`MixerPlan` per mixer kind of ``layer_kinds``, in order of first use."""
+    out: Dict[str, MixerPlan] = {}
+    for kind in layer_kinds:
+        if kind in out:
+            out[kind].layers += 1
+            continue
+        a, c = cfg.mixer_args(kind), costs_of(kind)
+        out[kind] = MixerPlan(kind, 1, seq_len, c.flops(a, seq_len), c.cache_per_token(a), c.state_per_sequence(a),
+                              None if c.activations is None else c.activations(a))
+    return list(out.values())
 
 
 # ------------------------------------------------------------------------------------------- stages
+@dataclasses.dataclass
+class RoutePlan:
+    stages: List["StagePlan"]
+    mixers: List[MixerPlan]  # of the composed hybrid, at the KD sequence length (else ILD's)
+
+
 @dataclasses.dataclass
 class StagePlan:
     name: str
@@ -176,8 +193,8 @@ def _optim(section: Dict[str, Any], where: str) -> Dict[str, Any]:
     return optim
 
 
-def plan_route(cfg: Dict[str, Any], teacher_cfg, gpus: int) -> List[StagePlan]:
-    """One :class:`StagePlan` per stage of the route config ``cfg`` on ``gpus`` ranks."""
+def plan_route(cfg: Dict[str, Any], teacher_cfg, gpus: int) -> RoutePlan:
+    """One :class:`StagePlan` per stage of the route config ``cfg`` on ``gpus`` ranks, and the hybrid's mixers."""
     if gpus < 1:
         raise ConfigError(f"--gpus: expected at least 1, got {gpus}")
     init = build_dataclass(InitConfig, cfg.get("init") or {}, "init")
@@ -194,7 +211,7 @@ def plan_route(cfg: Dict[str, Any], teacher_cfg, gpus: int) -> List[StagePlan]:
     plans: List[StagePlan] = []
 
     # init: rank 0, fp32 teacher and one fp32 student at a time (the calibration runs both on its GPU)
-    biggest = max(m["mla_student"]["params"]["total"], m[f"{linear}_student"]["params"]["total"])
+    biggest = max(m[f"{ATTENTION_KIND}_student"]["params"]["total"], m[f"{linear}_student"]["params"]["total"])
     plans.append(StagePlan("init", 1, 1, init.calib_seq_len, init.calib_tokens,
                            {"teacher weights (fp32)": FP32 * T, "student weights (fp32)": FP32 * biggest},
                            2.0 * (T + biggest) * init.calib_tokens,
@@ -206,7 +223,7 @@ def plan_route(cfg: Dict[str, Any], teacher_cfg, gpus: int) -> List[StagePlan]:
         s = int((ild.get("data") or {}).get("seq_len", 1024))
         b, ckpt = int(optim["micro_batch_size"]), bool(optim.get("activation_checkpointing", False))
         tokens = int(optim["max_steps"]) * int(optim["global_batch_size"]) * s
-        for kind in ("mla", linear):
+        for kind in (ATTENTION_KIND, linear):
             st = m[f"{kind}_student"]
             p = st["params"]
             by = {"teacher weights (bf16)": BF16 * T, **trained_bytes(p["total"], p["layers"], gpus),
@@ -221,7 +238,7 @@ def plan_route(cfg: Dict[str, Any], teacher_cfg, gpus: int) -> List[StagePlan]:
     s = int((ild.get("data") or {}).get("seq_len", 1024))
     b = smart.batch_size
     tokens = smart.batches * b * s
-    mla_p, lin_p = m["mla_student"]["params"]["total"], m[f"{linear}_student"]["params"]["total"]
+    mla_p, lin_p = m[f"{ATTENTION_KIND}_student"]["params"]["total"], m[f"{linear}_student"]["params"]["total"]
     by = {"teacher weights (bf16)": BF16 * T, "student weights (bf16)": BF16 * (mla_p + lin_p),
           "teacher trace / logits": 3 * FP32 * b * s * V}
     plans.append(StagePlan("smart", 1, b, s, tokens, by, 2.0 * (T_mm + (L + 1) * (lin_p - lookup)) * tokens,
@@ -259,7 +276,8 @@ def plan_route(cfg: Dict[str, Any], teacher_cfg, gpus: int) -> List[StagePlan]:
               + 3 * forward_flops_per_token(hy["config"], hy["layer_kinds"], 0, s) + 2.0 * hp_mm)
         plans.append(StagePlan("dpo", gpus, b, s, tokens, by, fl * tokens,
                                "b pairs = 2b sequences padded to max_length"))
-    return plans
+    s = int((kd.get("data") or ild.get("data") or {}).get("seq_len", 1024))
+    return RoutePlan(plans, mixer_plans(hy["config"], hy["layer_kinds"], s))
 
 
 # -------------------------------------------------------------------------------------------- output
@@ -286,17 +304,18 @@ def plan_rows(plans: Sequence[StagePlan], gpus: int, peak_tflops: float, mfu: fl
     return rows
 
 
-def _tokens(n: int) -> str:
+def _count(n: float) -> str:
+    """``1.4B``, ``8.39M``, ``32.8k``, ``256``."""
     for unit, div in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= div:
             return f"{n / div:.3g}{unit}"
-    return str(n)
+    return f"{n:.3g}"
 
 
 def format_plan(rows: Sequence[Dict[str, Any]], title: str, gpu_mem_gib: float) -> str:
     heads = ["stage", "ranks", "b x s", "tokens", "teacher", "weights", "grads", "optim", "activ.", "trace/logits",
              "total GiB", "fits", "wall h"]
-    body = [[r["stage"], str(r["ranks"]), f"{r['micro_batch']} x {r['seq_len']}", _tokens(r["tokens"]),
+    body = [[r["stage"], str(r["ranks"]), f"{r['micro_batch']} x {r['seq_len']}", _count(r["tokens"]),
              *(f"{r[k]:.2f}" for k in ("teacher", "weights", "grads", "optim", "activ.", "trace/logits",
                                        "total_gib")),
              "yes" if r["total_gib"] <= gpu_mem_gib else "NO", f"{r['wall_hours']:.2f}"] for r in rows]
@@ -306,7 +325,8 @@ def format_plan(rows: Sequence[Dict[str, Any]], title: str, gpu_mem_gib: float) 
     return "\n".join(lines)
 
 
-def load_route(path) -> Dict[str, Any]:
+def load_route(path, overrides: Sequence[str] = ()) -> Dict[str, Any]:
+    """The route YAML ``path`` with ``section.key=value`` overrides (``init.linear_mixer=gdn``)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--config {path}: no such file")
@@ -316,6 +336,8 @@ def load_route(path) -> Dict[str, Any]:
         raise ConfigError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{p}: expected a mapping of route sections")
+    for item in overrides:
+        cfg = deep_merge(cfg, parse_override(item))
     return cfg
 
 
@@ -332,14 +354,30 @@ def teacher_config_for(cfg: Dict[str, Any], teacher: Optional[str]):
     return load_teacher_config(spec)
 
 
+def format_mixers(mixers: Sequence[MixerPlan]) -> str:
+    heads = ["mixer", "layers", "fwd FLOP/token", "cache values/token", "state values/seq", "activ. values/token"]
+    body = [[m.kind, str(m.layers), _count(m.flops_per_token), f"{m.cache_per_token:,}",
+             f"{m.state_per_sequence:,}", "-" if m.activations_per_token is None else f"{m.activations_per_token:,.0f}"]
+            for m in mixers]
+    w = [max(len(x[i]) for x in [heads] + body) for i in range(len(heads))]
+    fmt = lambda cells: "| " + " | ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(cells)) + " |"
+    title = (f"hybrid mixers, per layer at {mixers[0].seq_len} tokens (registry costs: forward FLOPs beyond the "
+             f"weights, generation cache and state, activations the backward keeps)") if mixers else "hybrid mixers"
+    return "\n".join([title, fmt(heads), "|" + "|".join("-" * (x + 2) for x in w) + "|"] + [fmt(b) for b in body])
+
+
 def cmd_plan(args) -> Dict[str, Any]:
-    cfg = load_route(args.config)
+    cfg = load_route(args.config, args.overrides)
     teacher_cfg = teacher_config_for(cfg, args.teacher)
-    rows = plan_rows(plan_route(cfg, teacher_cfg, args.gpus), args.gpus, args.peak_tflops, args.mfu)
+    plan = plan_route(cfg, teacher_cfg, args.gpus)
+    rows = plan_rows(plan.stages, args.gpus, args.peak_tflops, args.mfu)
     title = (f"{args.config}: {args.gpus} ranks, per-rank GiB (bf16 ZeRO-1), time at {args.mfu:.0%} of "
              f"{args.peak_tflops:g} TFLOP/s")
     print(format_plan(rows, title, args.gpu_mem_gib))
-    return {"config": str(args.config), "gpus": args.gpus, "stages": rows}
+    print()
+    print(format_mixers(plan.mixers))
+    return {"config": str(args.config), "overrides": list(args.overrides), "gpus": args.gpus, "stages": rows,
+            "mixers": [dataclasses.asdict(m) for m in plan.mixers]}
 
 
 def add_subcommand(sub) -> None:
@@ -351,4 +389,5 @@ def add_subcommand(sub) -> None:
     pl.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory of one GPU, for the fits column")
     pl.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU (H100 SXM: 989)")
     pl.add_argument("--mfu", type=float, default=0.3, help="assumed fraction of the peak the stages reach")
+    pl.add_argument("overrides", nargs="*", help="section.key=value overrides of the route, e.g. init.linear_mixer=gdn")
     pl.set_defaults(fn=cmd_plan)

@@ -1,7 +1,9 @@
 """Hybrid configs of the students built from a Llama teacher: same width, MLPs, norms and vocabulary.
 
-Every Llama decoder layer ``i`` becomes two sublayers of the hybrid: mixer ``2i`` (MLA, Mamba2, GDN or
-KDA, pre-normed by the layer's ``input_layernorm``) and SwiGLU MLP ``2i + 1`` (``post_attention_layernorm``).
+Every Llama decoder layer ``i`` becomes two sublayers of the hybrid: mixer ``2i`` (MLA, Mamba2, GDN, KDA or any
+registered mixer, pre-normed by the layer's ``input_layernorm``) and SwiGLU MLP ``2i + 1``
+(``post_attention_layernorm``). The built-in mixers get the shapes their init from attention needs; another
+registered mixer its default settings at the teacher's width.
 """
 from __future__ import annotations
 
@@ -11,9 +13,7 @@ import torch
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.model import HybridConfig
-from hybridlm.model.registry import symbol_of
-
-STUDENT_KINDS = ("mla", "mamba2", "gdn", "kda")
+from hybridlm.model.registry import is_mixer, mixers, symbol_of
 
 
 def teacher_rope(cfg) -> Dict[str, Any]:
@@ -115,14 +115,14 @@ def delta_rule_args(s: Dict[str, Any]) -> Dict[str, Any]:
 
 def student_config(llama_cfg, layer_kinds: Sequence[str], *, kv_lora_rank: int, qk_rope_head_dim: int,
                    q_lora_rank: Optional[int] = None, rope_init: str = "frequency_matched") -> HybridConfig:
-    """A :class:`HybridConfig` whose layer ``i`` uses mixer ``layer_kinds[i]`` (``mla | mamba2 | gdn | kda``); the
+    """A :class:`HybridConfig` whose layer ``i`` uses mixer ``layer_kinds[i]`` (a registered kind); the
     MLA arguments are :func:`mla_args` of the ranks (``q_lora_rank`` None: the full ``n_heads * head_dim``)."""
     s = llama_shapes(llama_cfg)
     if len(layer_kinds) != s["L"]:
         raise ConfigError(f"layers: {len(layer_kinds)} kinds given for a teacher with {s['L']} layers")
-    bad = [k for k in layer_kinds if k not in STUDENT_KINDS]
+    bad = [k for k in layer_kinds if not is_mixer(k)]
     if bad:
-        raise ConfigError(f"layers: unknown mixer {bad[0]!r}; expected one of {', '.join(STUDENT_KINDS)}")
+        raise ConfigError(f"layers: unknown mixer {bad[0]!r}; expected one of {', '.join(m.kind for m in mixers())}")
     q_lora_rank = q_lora_rank if q_lora_rank is not None else s["n_h"] * s["d_h"]
     return HybridConfig(
         vocab_size=s["vocab"], hidden_size=s["d"], intermediate_size=s["ffn"],

@@ -5,10 +5,7 @@ counting 2. Work a kernel repeats (flash attention re-forming the scores in its 
 chunk kernels re-forming chunk states in theirs) is not counted, as is usual for MFU. Element-wise
 work (norms, activations, gates, RoPE, softmax, the loss itself) is left out.
 
-    flops/token = 6 * N_mm                                                   (dense)
-                + sum over softmax-attention layers   3 * H * T * (d_qk + d_v)
-                + sum over simple-GLA layers (Mamba2)  H * (6 C (K + V) + 12 K V)
-                + sum over delta-rule layers (GDN/KDA) H * (18 C K + 12 C V + C^2 + 18 K V)
+    flops/token = 6 * N_mm + sum over sequence-mixing layers 3 * (forward FLOPs per token beyond the weights)
 
     MFU = flops/token * tokens/s / (peak FLOP/s per GPU * GPUs)
 
@@ -18,32 +15,17 @@ channel per token) except the input embedding table (a lookup), plus the LM head
 (counted once even when tied to the embedding). A weight does 2 FLOPs per token forward, and 4
 backward (the input gradient and the weight gradient): 6 per token.
 
-**Softmax attention** (MLA, Llama), causal, sequence length ``T``, ``H`` query heads (grouped KV
-heads do not reduce this), head dims ``d_qk`` for scores and ``d_v`` for values. Without the mask a
-query meets ``T`` keys: scores ``2 H d_qk T`` and the weighted sum ``2 H d_v T`` forward; the backward
-has twice the matmuls (dQ and dK from dS; dV and dP): ``6 H T (d_qk + d_v)``. With the causal mask a
-query meets ``(T + 1) / 2 ~ T / 2`` keys on average and flash attention skips the masked tiles, so
-``6 H T (d_qk + d_v) / 2 = 3 H T (d_qk + d_v)`` (PaLM's ``12 L H Q T`` halved, ``d_qk = d_v = Q``).
+**Sequence mixing.** A hybrid layer's forward FLOPs beyond its weights are its mixer's registry entry
+(:class:`hybridlm.model.registry.MixerCosts` ``flops``, at the sequence length ``T``); the formulas and their
+derivations are in ``hybridlm/model/layers/mixing_flops.py``: causal softmax attention (MLA, and the Llama
+peer) ``H T (d_qk + d_v)``, Mamba2's chunked SSD ``H (2 C (K + V) + 4 K V)``, the gated delta rule (GDN,
+KDA) ``H (6 C K + 4 C V + C^2 / 3 + 6 K V)``, with ``C = 64``. Training costs 3x the forward, as for a
+matmul. Attention (the mixers with a per-token cache, whose cost grows with ``T``) and the recurrences
+are reported apart.
 
-**Chunked linear recurrences** (fla's chunk kernels, chunk ``C = 64``), per layer, per value head
-(``H``: Mamba2 heads, or GDN / KDA value heads, which run with their own beta and gate), key dim
-``K``, value dim ``V``, per token; the kernels compute the whole ``C x C`` intra-chunk tile and mask it
-afterwards, so the tile is counted whole. The training count is 3 x forward, as for a matmul.
-
-* Simple GLA (Mamba2's SSD, ``K = d_state``, ``V = head_dim``), forward: intra-chunk scores
-  ``Q K^T`` ``2 C K``; intra-chunk output ``A V`` ``2 C V``; inter-chunk output ``Q S`` ``2 K V``; the chunk's
-  state update ``S += K^T V`` ``2 K V``. Forward ``2 C (K + V) + 4 K V``; training ``6 C (K + V) + 12 K V``.
-* Gated delta rule (GDN; KDA folds its per-channel decay into q / k element-wise: same matmuls),
-  forward, WY form: ``beta K K^T`` ``2 C K``; the unit lower-triangular inverse ``(I + A)^-1``,
-  ``C^3 / 3`` per chunk = ``C^2 / 3``; ``W = T beta K`` ``2 C K`` and ``U = T beta V`` ``2 C V``;
-  ``V' = U - W S`` ``2 K V``; scores ``Q K^T`` ``2 C K``, ``A V'`` ``2 C V``, ``Q S`` ``2 K V``; state
-  ``S = decay S + K^T V'`` ``2 K V``. Forward ``6 C K + 4 C V + C^2 / 3 + 6 K V``; training
-  ``18 C K + 12 C V + C^2 + 18 K V``.
-
-These recurrence terms are estimates of what the algorithm must do (the real kernels split tiles
-further, e.g. KDA's 16-token sub-chunks). At the 300M shapes (T = 2048) they are 0.7-1.7 % of the
-total, the three MLA layers of a 75 % hybrid add 2 %, and the dense term dominates (the tied LM head,
-128256 x 1024, is 43 % of ``N_mm``): GDN-300M 1.866 GFLOP/token, Mamba2-300M 2.264, GDN-1B 7.27.
+At the 300M shapes (T = 2048) the recurrence terms are 0.7-1.7 % of the total, the three MLA layers of
+a 75 % hybrid add 2 %, and the dense term dominates (the tied LM head, 128256 x 1024, is 43 % of
+``N_mm``): GDN-300M 1.866 GFLOP/token, Mamba2-300M 2.264, GDN-1B 7.27.
 """
 from __future__ import annotations
 
@@ -52,46 +34,24 @@ from typing import Any, Dict, Iterable, List
 
 from torch import nn
 
-H200_BF16_DENSE_TFLOPS = 989.5  # NVIDIA H200 SXM, bf16 tensor cores, dense (1979 is with 2:4 sparsity)
-CHUNK_SIZE = 64  # fla's chunk length for chunk_gated_delta_rule, chunk_kda and chunk_simple_gla
+from hybridlm.model.layers.mixing_flops import causal_attention_flops
+from hybridlm.model.registry import LATENT, cache_of, costs_of, is_mixer, mixer_spec
 
-ATTENTION, SIMPLE_GLA, DELTA_RULE = "attention", "simple_gla", "delta_rule"
+H200_BF16_DENSE_TFLOPS = 989.5  # NVIDIA H200 SXM, bf16 tensor cores, dense (1979 is with 2:4 sparsity)
+LLAMA_ATTENTION = "llama"  # the Llama peer's softmax attention (not a registered mixer)
 
 
 @dataclass(frozen=True)
-class MixerSpec:
-    """One sequence-mixing layer as the FLOP count sees it."""
-    kind: str    # ATTENTION | SIMPLE_GLA | DELTA_RULE
-    heads: int   # query heads (attention) or value heads (recurrences)
-    k_dim: int   # d_qk, or the recurrence key / state dim
-    v_dim: int
+class MixerFlops:
+    """One sequence-mixing layer as the FLOP count sees it, at one sequence length."""
+    kind: str         # its registered mixer kind (or LLAMA_ATTENTION)
+    attention: bool   # a per-token cache: its cost grows with the sequence
+    forward: float    # forward FLOPs per token beyond the weight multiplies
 
 
-def attention_flops(heads: int, qk_dim: int, v_dim: int, seq_len: int) -> float:
-    """Causal softmax attention, training FLOPs per token: ``3 H T (d_qk + d_v)``."""
-    return 3.0 * heads * seq_len * (qk_dim + v_dim)
-
-
-def simple_gla_flops(heads: int, k_dim: int, v_dim: int, chunk: int = CHUNK_SIZE) -> float:
-    """Chunked scalar-decay linear attention (Mamba2 SSD), training FLOPs per token:
-    ``H (6 C (K + V) + 12 K V)``."""
-    return heads * (6.0 * chunk * (k_dim + v_dim) + 12.0 * k_dim * v_dim)
-
-
-def delta_rule_flops(heads: int, k_dim: int, v_dim: int, chunk: int = CHUNK_SIZE) -> float:
-    """Chunked gated delta rule (GDN, KDA) in WY form, training FLOPs per token:
-    ``H (18 C K + 12 C V + C^2 + 18 K V)``."""
-    return heads * (18.0 * chunk * k_dim + 12.0 * chunk * v_dim + chunk * chunk + 18.0 * k_dim * v_dim)
-
-
-def mixer_flops(spec: MixerSpec, seq_len: int, chunk: int = CHUNK_SIZE) -> float:
-    if spec.kind == ATTENTION:
-        return attention_flops(spec.heads, spec.k_dim, spec.v_dim, seq_len)
-    if spec.kind == SIMPLE_GLA:
-        return simple_gla_flops(spec.heads, spec.k_dim, spec.v_dim, chunk)
-    if spec.kind == DELTA_RULE:
-        return delta_rule_flops(spec.heads, spec.k_dim, spec.v_dim, chunk)
-    raise ValueError(f"unknown mixer kind {spec.kind!r}")
+def registered_mixer(kind: str, args, seq_len: int) -> MixerFlops:
+    """A layer of the registered mixer ``kind`` with finalized settings ``args`` (its registry costs)."""
+    return MixerFlops(kind, cache_of(kind) == LATENT, float(costs_of(kind).flops(args, seq_len)))
 
 
 def matmul_params(model: nn.Module) -> int:
@@ -111,17 +71,15 @@ def matmul_params(model: nn.Module) -> int:
     return total
 
 
-def train_flops_per_token(n_matmul: int, mixers: Iterable[MixerSpec], seq_len: int,
-                          chunk: int = CHUNK_SIZE) -> Dict[str, float]:
+def train_flops_per_token(n_matmul: int, mixers: Iterable[MixerFlops]) -> Dict[str, float]:
     """``{"dense", "attention", "recurrence", "total"}`` training FLOPs per token (module docstring)."""
     dense = 6.0 * n_matmul
     attn = rec = 0.0
     for m in mixers:
-        f = mixer_flops(m, seq_len, chunk)
-        if m.kind == ATTENTION:
-            attn += f
+        if m.attention:
+            attn += 3.0 * m.forward
         else:
-            rec += f
+            rec += 3.0 * m.forward
     return {"dense": dense, "attention": attn, "recurrence": rec, "total": dense + attn + rec}
 
 
@@ -132,48 +90,38 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_tflops: float, num_gpu
 
 # ------------------------------------------------------------------ mixer lists of the models we time
 
-def hybrid_mixers(config) -> List[MixerSpec]:
+def hybrid_mixers(config, seq_len: int) -> List[MixerFlops]:
     """The sequence mixers of a :class:`~hybridlm.model.HybridConfig`, in layer order."""
-    out = []
-    for kind in config.layer_plan:
-        if kind == "mla":
-            a = config.mixer_args("mla")
-            out.append(MixerSpec(ATTENTION, a.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim))
-        elif kind in ("gdn", "kda"):
-            a = config.mixer_args(kind)
-            out.append(MixerSpec(DELTA_RULE, a.num_v_heads, a.head_dim, a.head_v_dim))
-        elif kind == "mamba2":
-            a = config.mixer_args("mamba2")
-            d_inner = a.d_inner or a.expand * config.hidden_size
-            out.append(MixerSpec(SIMPLE_GLA, d_inner // a.head_dim, a.d_state, a.head_dim))
-        elif kind != "mlp":
-            raise ValueError(f"unknown sublayer kind {kind!r}")
-    return out
+    return [registered_mixer(kind, config.mixer_args(kind), seq_len) for kind in config.layer_plan if is_mixer(kind)]
 
 
-def fla_delta_rule_mixers(config) -> List[MixerSpec]:
-    """fla's GatedDeltaNetConfig / KDAConfig: ``num_hidden_layers`` delta-rule layers."""
-    heads = config.num_v_heads or config.num_heads
-    return [MixerSpec(DELTA_RULE, heads, config.head_dim, int(config.head_dim * config.expand_v))
-            for _ in range(config.num_hidden_layers)]
+def fla_delta_rule_mixers(config, kind: str, seq_len: int) -> List[MixerFlops]:
+    """fla's GatedDeltaNetConfig / KDAConfig: ``num_hidden_layers`` layers of our mixer ``kind`` (``gdn`` /
+    ``kda``) at its shapes."""
+    args = mixer_spec(kind).args(num_heads=config.num_heads, head_dim=config.head_dim,
+                                 num_v_heads=config.num_v_heads or config.num_heads,
+                                 head_v_dim=int(config.head_dim * config.expand_v))
+    args.finalize(config.hidden_size, kind)
+    return [registered_mixer(kind, args, seq_len)] * config.num_hidden_layers
 
 
-def llama_mixers(config) -> List[MixerSpec]:
+def llama_mixers(config, seq_len: int) -> List[MixerFlops]:
     """transformers' LlamaConfig: ``num_hidden_layers`` causal attention layers."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return [MixerSpec(ATTENTION, config.num_attention_heads, head_dim, head_dim)
-            for _ in range(config.num_hidden_layers)]
+    flops = causal_attention_flops(config.num_attention_heads, head_dim, head_dim, seq_len)
+    return [MixerFlops(LLAMA_ATTENTION, True, flops)] * config.num_hidden_layers
 
 
-def describe(mixers: Iterable[MixerSpec]) -> List[Dict[str, Any]]:
-    """Distinct mixer specs with their layer counts (for the JSON report)."""
-    counts: Dict[MixerSpec, int] = {}
+def describe(mixers: Iterable[MixerFlops]) -> List[Dict[str, Any]]:
+    """Distinct mixers with their layer counts (for the JSON report)."""
+    counts: Dict[MixerFlops, int] = {}
     for m in mixers:
         counts[m] = counts.get(m, 0) + 1
     return [{**asdict(m), "layers": n} for m, n in counts.items()]
 
 
-FORMULA = ("flops/token = 6*N_mm + sum_attn 3*H*T*(d_qk+d_v) + sum_mamba2 H*(6*C*(K+V) + 12*K*V) "
-           "+ sum_gdn/kda H*(18*C*K + 12*C*V + C^2 + 18*K*V); N_mm = params with >=2 dims except the input "
-           "embedding, plus the LM head (vocab*hidden) once; T = sequence length, C = 64 (fla chunk); "
-           "MFU = flops/token * tokens/s / (peak * GPUs). See benchmarks/harness/flops.py.")
+FORMULA = ("flops/token = 6*N_mm + sum over mixing layers 3*(forward FLOPs beyond the weights, the mixer's registry "
+           "costs: attention H*T*(d_qk+d_v), Mamba2 H*(2*C*(K+V) + 4*K*V), GDN/KDA H*(6*C*K + 4*C*V + C^2/3 + "
+           "6*K*V)); N_mm = params with >=2 dims except the input embedding, plus the LM head (vocab*hidden) once; "
+           "T = sequence length, C = 64 (fla chunk); MFU = flops/token * tokens/s / (peak * GPUs). See "
+           "benchmarks/harness/flops.py and hybridlm/model/layers/mixing_flops.py.")

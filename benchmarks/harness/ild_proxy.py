@@ -28,7 +28,7 @@ from hybridlm.eval.perplexity import token_windows
 from hybridlm.model import HybridForCausalLM
 from hybridlm.utils.atomic import json_text, save_figure, write_json
 from upcycle.calibrate import calibrate_student
-from upcycle.init_mamba import init_student_from_teacher
+from upcycle.init_from_teacher import init_student_from_teacher
 from benchmarks.harness.init_variants import published_mamba2
 from upcycle.student import student_config
 from hybridlm.teacher import load_teacher, load_teacher_tokenizer

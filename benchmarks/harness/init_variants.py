@@ -7,7 +7,7 @@ which part of the MambaInLlama mapping makes an untrained hybrid worse than a un
 
 ``published``: MambaInLlama (random conv, z rows and gate, norm weight 1); ``silent``: every Mamba2 out_proj
 zeroed (no token mixing); ``identity_conv`` / ``constant_gate`` / ``calibrated``: the three changes of
-``upcycle.init_mamba`` / ``upcycle.calibrate``; ``ours`` = all three, what ``upcycle init`` does. Calibration
+``upcycle.init_mamba2`` / ``upcycle.calibrate``; ``ours`` = all three, what ``upcycle init`` does. Calibration
 text and held-out text are different books of Jane Austen; the MLA layers are SMART's route choice.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hybridlm.eval.perplexity import perplexity, token_windows
 from hybridlm.model import HybridForCausalLM
 from hybridlm.utils.atomic import json_text, write_json
 from upcycle.calibrate import calibrate_student
-from upcycle.init_mamba import init_student_from_teacher
+from upcycle.init_from_teacher import init_student_from_teacher
 from upcycle.student import student_config
 from hybridlm.teacher import load_teacher, load_teacher_tokenizer
 

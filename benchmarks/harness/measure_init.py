@@ -15,7 +15,7 @@ from hybridlm.data.assets import corpus_path
 from hybridlm.eval.perplexity import perplexity, token_windows
 from hybridlm.model import HybridForCausalLM
 from hybridlm.utils.atomic import json_text, write_json
-from upcycle.init_mamba import init_student_from_teacher
+from upcycle.init_from_teacher import init_student_from_teacher
 from upcycle.student import ROPE_INITS, student_config
 from hybridlm.teacher import load_teacher, load_teacher_tokenizer
 

@@ -15,8 +15,8 @@ def num_blocks(config) -> int:
     return sum(1 for k in config.layer_plan if k != "mlp")
 
 
-def build_peer(kind: str, base, args) -> Tuple[torch.nn.Module, List[F.MixerSpec], Dict[str, Any]]:
-    """(model, mixers, its config as a dict) of a peer with ``base``'s shapes."""
+def build_peer(kind: str, base, args) -> Tuple[torch.nn.Module, List[F.MixerFlops], Dict[str, Any]]:
+    """(model, mixers at ``args.seq`` tokens, its config as a dict) of a peer with ``base``'s shapes."""
     common = dict(hidden_size=base.hidden_size, intermediate_size=base.intermediate_size,
                   num_hidden_layers=num_blocks(base), vocab_size=base.vocab_size,
                   tie_word_embeddings=base.tie_word_embeddings, initializer_range=base.initializer_range,
@@ -37,7 +37,7 @@ def build_peer(kind: str, base, args) -> Tuple[torch.nn.Module, List[F.MixerSpec
             from fla.models import KDAConfig, KDAForCausalLM
             cfg = KDAConfig(**shape, **common)
             model = KDAForCausalLM(cfg)
-        return model, F.fla_delta_rule_mixers(cfg), cfg.to_diff_dict()
+        return model, F.fla_delta_rule_mixers(cfg, mixer, args.seq), cfg.to_diff_dict()
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
         heads = max(1, base.hidden_size // 64)
@@ -46,5 +46,5 @@ def build_peer(kind: str, base, args) -> Tuple[torch.nn.Module, List[F.MixerSpec
                           max_position_embeddings=args.seq, rms_norm_eps=base.rms_norm_eps,
                           attn_implementation="sdpa", **common)
         model = LlamaForCausalLM(cfg)
-        return model, F.llama_mixers(cfg), cfg.to_diff_dict()
+        return model, F.llama_mixers(cfg, args.seq), cfg.to_diff_dict()
     raise ValueError(f"unknown peer {kind!r}; expected one of {', '.join(PEER_BASE)}")

@@ -9,7 +9,7 @@
 * MLP (``-``): nothing.
 
 Which entry a sublayer gets is its mixer's ``cache`` in the registry (:mod:`hybridlm.model.registry`):
-``"kv"`` a :class:`LatentCacheLayer`, ``"recurrent"`` a :class:`RecurrentCacheLayer`, None a plain
+``"latent"`` a :class:`LatentCacheLayer`, ``"recurrent"`` a :class:`RecurrentCacheLayer`, None a plain
 :class:`CacheLayer` holding nothing.
 
 :class:`HybridCache` is a transformers :class:`~transformers.cache_utils.Cache`, so ``model.generate`` carries
@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache
 
 from hybridlm.model.layers import SUBLAYERS
 from hybridlm.model.layers.rope import rope_cos_sin
-from hybridlm.model.registry import KV, RECURRENT, cache_of
+from hybridlm.model.registry import LATENT, RECURRENT, cache_of
 
 
 def _kept_length(length: int, crop_arg: int) -> int:
@@ -279,7 +279,7 @@ class HybridCache(Cache):
 
     def __init__(self, config, max_length: Optional[int] = None, batch_size: Optional[int] = None,
                  dtype: Optional[torch.dtype] = None, device=None):
-        entry = {KV: LatentCacheLayer, RECURRENT: RecurrentCacheLayer, None: CacheLayer}
+        entry = {LATENT: LatentCacheLayer, RECURRENT: RecurrentCacheLayer, None: CacheLayer}
         layers = [entry[cache_of(kind)]() for kind in config.layer_plan]
         super().__init__(layers=layers)
         self.max_length = max_length

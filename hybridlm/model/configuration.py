@@ -20,9 +20,13 @@ from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import build_dataclass, check_known_keys
 from hybridlm.model import registry
 from hybridlm.model.layers import GatedDeltaNet, KimiDeltaAttention, Mamba2, MultiHeadLatentAttention
+from hybridlm.model.layers.gated_deltanet import GDN_COSTS
 from hybridlm.model.layers.init import init_residual_out_proj, init_short_conv_uniform
+from hybridlm.model.layers.kda import KDA_COSTS
+from hybridlm.model.layers.mamba2 import MAMBA2_COSTS
+from hybridlm.model.layers.mla import MLA_COSTS
 from hybridlm.model.pattern import parse_pattern, pattern_from_ratio
-from hybridlm.model.registry import KV, RECURRENT, mixers, register_mixer
+from hybridlm.model.registry import LATENT, RECURRENT, mixers, register_mixer
 from hybridlm.model.runtime import RUNTIME_KEYS, RuntimeSettings, moved_key_error, runtime_settings
 
 
@@ -313,12 +317,14 @@ def _init_mamba2(module: Mamba2, config: HybridConfig) -> None:
 
 
 # the built-in mixers; every saved config.json holds the settings of all four (save_unused)
-register_mixer("mla", symbol="*", args=MLAArgs, module=MultiHeadLatentAttention, cache=KV, linear=False,
-               save_unused=True)
-register_mixer("gdn", symbol="G", args=DeltaRuleArgs, module=GatedDeltaNet, cache=RECURRENT, save_unused=True)
-register_mixer("kda", symbol="K", args=DeltaRuleArgs, module=KimiDeltaAttention, cache=RECURRENT, save_unused=True)
+register_mixer("mla", symbol="*", args=MLAArgs, module=MultiHeadLatentAttention, cache=LATENT, linear=False,
+               save_unused=True, costs=MLA_COSTS, title="MLA")
+register_mixer("gdn", symbol="G", args=DeltaRuleArgs, module=GatedDeltaNet, cache=RECURRENT, save_unused=True,
+               costs=GDN_COSTS, title="GDN")
+register_mixer("kda", symbol="K", args=DeltaRuleArgs, module=KimiDeltaAttention, cache=RECURRENT, save_unused=True,
+               costs=KDA_COSTS, title="KDA")
 register_mixer("mamba2", symbol="S", args=Mamba2Args, module=Mamba2, cache=RECURRENT, init=_init_mamba2,
-               save_unused=True)
+               save_unused=True, costs=MAMBA2_COSTS, title="Mamba2")
 
 
 def resolve_model_config(model_section: Dict[str, Any], meta: Dict[str, Any], data_path: Path) -> HybridConfig:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from hybridlm.config.errors import ConfigError
-from hybridlm.model.registry import (CONFIGURED_SYMBOL, KV, MLP_KIND, MLP_SYMBOL, cache_of, check_kind, is_mixer,
+from hybridlm.model.registry import (CONFIGURED_SYMBOL, LATENT, MLP_KIND, MLP_SYMBOL, cache_of, check_kind, is_mixer,
                                      kind_of_symbol, pattern_symbols)
 
 
@@ -63,7 +63,7 @@ def parse_pattern(pattern: str, num_layers: Optional[int], mixer: str,
         raise ConfigError(f"hybrid_override_pattern: length {len(pattern)} does not match num_layers {num_layers}")
     if attention_ratio is not None:
         n_seq = sum(is_mixer(kind) for kind in plan)
-        n_attn = sum(cache_of(kind) == KV for kind in plan)  # attention: the mixers with a per-token KV cache
+        n_attn = sum(cache_of(kind) == LATENT for kind in plan)  # attention: the mixers with a per-token cache
         if n_seq == 0 or round(attention_ratio * n_seq) != n_attn:
             raise ConfigError(f"hybrid_attention_ratio: {attention_ratio} disagrees with hybrid_override_pattern, "
                               f"which has {n_attn} MLA of {n_seq} sequence-mixer sublayers")

@@ -3,28 +3,54 @@
 An entry (:class:`MixerSpec`) holds a mixer's pattern symbol, its name (``kind``: the name in ``layer_plan``
 and the key of its settings in ``HybridConfig`` / ``config.json``), its settings dataclass (with
 ``finalize(hidden_size, where)``), its module class (built as ``module(config, layer_idx)``, reading its
-settings with ``config.mixer_args(kind)``) and what it caches while generating. The pattern parser, the
-config, the generation cache, the weight init and the KV report all read it. The built-in mixers are
-registered in :mod:`hybridlm.model.configuration`; :func:`register_mixer` adds another (before any config that
-uses it is built or loaded), :func:`unregister_mixer` removes it.
+settings with ``config.mixer_args(kind)``), what it caches while generating, and its costs
+(:class:`MixerCosts`: FLOPs, cache and state sizes, activation widths). The pattern parser, the config, the
+generation cache, the weight init, the KV report (:mod:`hybridlm.kv_report`), ``upcycle plan`` and the
+benchmarks' FLOP count all read it. The built-in mixers are registered in :mod:`hybridlm.model.configuration`;
+:func:`register_mixer` adds another (before any config that uses it is built or loaded),
+:func:`unregister_mixer` removes it.
 """
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from hybridlm.config.errors import ConfigError
 
 # what a mixer keeps between generation steps
-KV = "kv"                # a per-token cache that grows with the sequence (attention); counted as KV cache
+LATENT = "latent"        # a per-token cache that grows with the sequence (cache.LatentCacheLayer: MLA's latent and
+                         # RoPE key); the attention sublayers, counted as KV cache
 RECURRENT = "recurrent"  # a constant-size state (cache.RecurrentCacheLayer: ``state`` and named conv states)
-CACHES = (KV, RECURRENT, None)  # None: nothing cached (the mixer recomputes from the whole input)
+CACHES = (LATENT, RECURRENT, None)  # None: nothing cached (the mixer recomputes from the whole input)
+OLD_CACHE_NAMES = {"kv": LATENT}  # accepted by register_mixer until the next release, with a FutureWarning
 
 CONFIGURED_SYMBOL = "M"  # the configured linear mixer (``mixer:``)
 MLP_SYMBOL, MLP_KIND = "-", "mlp"  # the SwiGLU MLP sublayer: not a mixer
 # names a mixer may not take: config keys of ``HybridConfig`` (extended by hybridlm.model.configuration)
 RESERVED_KINDS = {MLP_KIND}
+
+
+def _none(args) -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class MixerCosts:
+    """What the planners (``upcycle plan``, the KV report, the benchmarks' FLOP count) know of a mixer. Each
+    function takes the mixer's finalized settings (``config.mixer_args(kind)``)."""
+    # forward FLOPs per token beyond the weight multiplies, ``flops(args, seq_len)``: attention's scores and
+    # weighted sums over the ``seq_len`` context, a chunked recurrence's intra-chunk and state terms. The weights'
+    # 2 FLOPs per parameter and token are counted from the built model; training costs 3x the forward
+    flops: Callable[[Any, int], float]
+    # values cached per token and sequence while generating (a latent / KV cache); 0 for a fixed-size state
+    cache_per_token: Callable[[Any], int] = _none
+    # values of the fixed-size generation state per sequence (recurrent state and conv tails); 0 for none
+    state_per_sequence: Callable[[Any], int] = _none
+    # values per token the backward keeps of the mixer (its pre-norm not included), bf16 values with an fp32
+    # tensor counted as two; None: no activation model (``upcycle plan`` then refuses a stage training it)
+    activations: Optional[Callable[[Any], float]] = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +69,13 @@ class MixerSpec:
     # write its settings into every saved config, used or not (the built-in mixers, whose sections every
     # config.json has always held); otherwise only configs that use or set it carry them
     save_unused: bool = False
+    costs: Optional[MixerCosts] = None
+    # the name messages and reports print (``MLA``, ``Mamba2``); the kind by default
+    title: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.title or self.kind
 
 
 _REGISTRY: Dict[str, MixerSpec] = {}
@@ -50,21 +83,26 @@ _REGISTRY: Dict[str, MixerSpec] = {}
 
 def register_mixer(kind: str, *, symbol: str, args: type, module: Optional[type] = None, cache: Optional[str],
                    linear: bool = True, init: Optional[Callable[[Any, Any], None]] = None,
-                   save_unused: bool = False):
+                   save_unused: bool = False, costs: Optional[MixerCosts] = None, title: str = ""):
     """Register a mixer; returns its :class:`MixerSpec`. Without ``module``, a class decorator:
-    ``@register_mixer("gla", symbol="L", args=GLAArgs, cache="recurrent")``.
+    ``@register_mixer("gla", symbol="L", args=GLAArgs, cache="recurrent", costs=GLA_COSTS)``.
 
     ``kind``: a lower-case identifier, its config key; ``symbol``: one character of the layer pattern;
     ``args``: a dataclass with defaults for every field and ``finalize(hidden_size, where)``; ``module``:
     ``module(config, layer_idx)``, ``forward(hidden, ctx)`` (ctx an InferenceContext or None) and, where
-    ``cache`` is not None, ``cache_shapes()`` (what a static cache preallocates); ``cache``: ``"kv"``,
-    ``"recurrent"`` or None."""
+    ``cache`` is not None, ``cache_shapes()`` (what a static cache preallocates); ``cache``: ``"latent"``,
+    ``"recurrent"`` or None; ``costs``: a :class:`MixerCosts` (without it the planners refuse the mixer);
+    ``title``: its name in reports."""
     if module is None:
         def decorate(cls):
             register_mixer(kind, symbol=symbol, args=args, module=cls, cache=cache, linear=linear, init=init,
-                           save_unused=save_unused)
+                           save_unused=save_unused, costs=costs, title=title)
             return cls
         return decorate
+    if cache in OLD_CACHE_NAMES:
+        warnings.warn(f"register_mixer: cache={cache!r} is now cache={OLD_CACHE_NAMES[cache]!r}; {cache!r} is "
+                      f"accepted until the next release", FutureWarning, stacklevel=2)
+        cache = OLD_CACHE_NAMES[cache]
     if not isinstance(kind, str) or not kind.isidentifier() or kind != kind.lower() or kind in RESERVED_KINDS:
         raise ValueError(f"register_mixer: kind {kind!r} must be a lower-case identifier other than "
                          f"{', '.join(sorted(RESERVED_KINDS))}")
@@ -80,7 +118,9 @@ def register_mixer(kind: str, *, symbol: str, args: type, module: Optional[type]
         raise TypeError(f"register_mixer: args of {kind!r} must be a dataclass with finalize(hidden_size, where)")
     if cache not in CACHES:
         raise ValueError(f"register_mixer: cache of {kind!r} must be one of {CACHES}, got {cache!r}")
-    spec = MixerSpec(kind, symbol, args, module, cache, linear, init, save_unused)
+    if costs is not None and not isinstance(costs, MixerCosts):
+        raise TypeError(f"register_mixer: costs of {kind!r} must be a MixerCosts, got {type(costs).__name__}")
+    spec = MixerSpec(kind, symbol, args, module, cache, linear, init, save_unused, costs, title)
     _REGISTRY[kind] = spec
     return spec
 
@@ -121,7 +161,7 @@ def symbol_of(kind: str) -> str:
 
 
 def cache_of(kind: str) -> Optional[str]:
-    """What a sublayer of ``kind`` caches while generating: ``"kv"``, ``"recurrent"`` or None (MLPs too)."""
+    """What a sublayer of ``kind`` caches while generating: ``"latent"``, ``"recurrent"`` or None (MLPs too)."""
     spec = _REGISTRY.get(kind)
     return None if spec is None else spec.cache
 
@@ -136,3 +176,14 @@ def check_kind(kind: str) -> None:
     """ConfigError unless ``mixer: kind`` names a registered linear mixer."""
     if kind not in linear_kinds():
         raise ConfigError(f"mixer: unknown mixer {kind!r}; expected one of {', '.join(linear_kinds())}")
+
+
+def costs_of(kind: str) -> MixerCosts:
+    """The :class:`MixerCosts` of a registered mixer; ConfigError for an unknown kind or one registered without."""
+    spec = _REGISTRY.get(kind)
+    if spec is None:
+        raise ConfigError(f"unknown mixer {kind!r}; registered: {', '.join(_REGISTRY)}")
+    if spec.costs is None:
+        raise ConfigError(f"mixer {kind!r}: its registry entry gives no costs (register_mixer(..., "
+                          f"costs=MixerCosts(...)), hybridlm/model/registry.py)")
+    return spec.costs

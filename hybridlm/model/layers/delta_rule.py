@@ -18,7 +18,9 @@ from torch import nn
 
 from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_conv, split_conv_applies
 from hybridlm.model.layers.init import init_A_log, init_dt_bias
+from hybridlm.model.layers.mixing_flops import CHUNK_SIZE, delta_rule_flops
 from hybridlm.model.layers.projections import project
+from hybridlm.model.registry import MixerCosts
 from hybridlm.ops.backend import use_triton, use_triton_elementwise
 from hybridlm.ops.causal_conv import HeadNorm, can_split, causal_conv_split
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state, l2_normalize
@@ -164,3 +166,31 @@ class DeltaRuleMixer(nn.Module):
                            activation=self.output_gate_activation,
                            triton=triton and use_triton_elementwise(self.runtime.backend, o), z_grad_slot=z_slot)
         return self.o_proj(o.reshape(B, T, self.value_dim).to(x.dtype))
+
+
+# ------------------------------------------------------------------------------------- registry costs
+def delta_rule_mixer_flops(a, seq_len: int) -> float:
+    """The chunked gated delta rule over the value heads; independent of the context length."""
+    return delta_rule_flops(a.num_v_heads, a.head_dim, a.head_v_dim)
+
+
+def delta_rule_state(a) -> int:
+    """The state (value heads x head_dim x head_v_dim) and the q / k / v convs' last conv_size inputs."""
+    key_dim, value_dim = a.num_heads * a.head_dim, a.num_v_heads * a.head_v_dim
+    return a.num_v_heads * a.head_dim * a.head_v_dim + (2 * key_dim + value_dim) * a.conv_size
+
+
+def delta_rule_activations(a, gate_per_key_channel: bool, gate_rank: int = 0) -> float:
+    """q / k / v before and after their convs, q and k L2-normalised for the value heads, beta and the decay
+    gate's input, the output gate, the recurrence and gated-norm outputs, ``gate_rank``'s two low-rank
+    bottlenecks, and the fp32 chunk states (one value heads x head_dim x head_v_dim state per chunk)."""
+    key_dim, value_dim, hv = a.num_heads * a.head_dim, a.num_v_heads * a.head_v_dim, a.num_v_heads
+    decay = hv * (a.head_dim if gate_per_key_channel else 1)
+    states = 2 * hv * a.head_dim * a.head_v_dim / CHUNK_SIZE
+    return (2 * (2 * key_dim + value_dim) + 2 * hv * a.head_dim + hv + decay + 3 * value_dim + 2 * gate_rank
+            + states)
+
+
+def delta_rule_costs(activations) -> MixerCosts:
+    """The registry costs of a delta-rule mixer whose activation widths are ``activations(args)``."""
+    return MixerCosts(flops=delta_rule_mixer_flops, state_per_sequence=delta_rule_state, activations=activations)

@@ -1,7 +1,7 @@
 """Gated DeltaNet mixer: one scalar forget gate per value head, delta-rule state update, swish output gate."""
 from torch import nn
 
-from hybridlm.model.layers.delta_rule import DeltaRuleMixer
+from hybridlm.model.layers.delta_rule import DeltaRuleMixer, delta_rule_activations, delta_rule_costs
 
 
 class GatedDeltaNet(DeltaRuleMixer):
@@ -31,3 +31,6 @@ class GatedDeltaNet(DeltaRuleMixer):
                   initial_state=initial_state, output_final_state=output_final_state,
                   use_qk_l2norm_in_kernel=not qk_normalized, use_beta_sigmoid_in_kernel=True,
                   use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias)
+
+
+GDN_COSTS = delta_rule_costs(lambda a: delta_rule_activations(a, gate_per_key_channel=False))

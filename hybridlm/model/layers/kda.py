@@ -1,7 +1,7 @@
 """Kimi Delta Attention mixer: a forget gate per key channel from a low-rank projection, sigmoid output gate."""
 from torch import nn
 
-from hybridlm.model.layers.delta_rule import DeltaRuleMixer
+from hybridlm.model.layers.delta_rule import DeltaRuleMixer, delta_rule_activations, delta_rule_costs
 
 
 class KimiDeltaAttention(DeltaRuleMixer):
@@ -35,3 +35,8 @@ class KimiDeltaAttention(DeltaRuleMixer):
                   scale=self.head_k_dim ** -0.5, initial_state=initial_state, output_final_state=output_final_state,
                   use_qk_l2norm_in_kernel=not qk_normalized, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                   A_log=self.A_log, dt_bias=self.dt_bias)
+
+
+# the gate's bottleneck defaults to head_v_dim, as build_gate_projections sets it
+KDA_COSTS = delta_rule_costs(lambda a: delta_rule_activations(a, gate_per_key_channel=True,
+                                                              gate_rank=a.gate_rank or a.head_v_dim))

@@ -22,6 +22,8 @@ from torch import nn
 
 from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_conv, split_conv_applies
 from hybridlm.model.layers.init import init_A_log, init_dt_bias, init_short_conv_uniform
+from hybridlm.model.layers.mixing_flops import CHUNK_SIZE, simple_gla_flops
+from hybridlm.model.registry import MixerCosts
 from hybridlm.ops.backend import use_triton, use_triton_elementwise
 from hybridlm.ops.causal_conv import causal_conv_split
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state
@@ -156,3 +158,33 @@ class Mamba2(nn.Module):
         state = None if cache is None else cache.state
         op = fused_recurrent_simple_gla if state is not None and v.shape[1] == 1 else chunk_simple_gla
         return op(q=c, k=b, v=v, g=g, scale=1.0, initial_state=state, output_final_state=cache is not None)
+
+
+# ------------------------------------------------------------------------------------- registry costs
+def _widths(a):
+    """(heads, conv channels: x, B before repetition and C) of finalized settings, as the layer builds them."""
+    heads, d_xb = a.d_inner // a.head_dim, a.d_xb or a.d_inner
+    d_b = a.n_groups * a.d_state // (a.d_inner // d_xb)
+    return heads, d_xb + d_b + a.n_groups * a.d_state
+
+
+def mamba2_flops(a, seq_len: int) -> float:
+    """The chunked SSD (simple GLA with K = d_state, V = head_dim); independent of the context length."""
+    return simple_gla_flops(a.d_inner // a.head_dim, a.d_state, a.head_dim)
+
+
+def mamba2_state(a) -> int:
+    """The SSD state (heads x d_state x head_dim) and the conv's last conv_size inputs of x, B, C."""
+    heads, conv = _widths(a)
+    return heads * a.d_state * a.head_dim + conv * a.conv_size
+
+
+def mamba2_activations(a) -> float:
+    """in_proj's output (z, x B C, dt), the conv output, x and B repeated to the heads, the SSD output and the
+    gated-norm output, and the fp32 chunk states (one heads x head_dim x d_state state per chunk)."""
+    heads, conv = _widths(a)
+    states = 2 * heads * a.head_dim * a.d_state / CHUNK_SIZE
+    return (a.d_inner + conv + heads) + conv + 2 * a.d_inner + 2 * a.d_inner + states
+
+
+MAMBA2_COSTS = MixerCosts(flops=mamba2_flops, state_per_sequence=mamba2_state, activations=mamba2_activations)

@@ -26,7 +26,9 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybridlm.model.layers.norm import RMSNorm
+from hybridlm.model.layers.mixing_flops import causal_attention_flops
 from hybridlm.model.layers.rope import apply_rope, rope_cos_sin
+from hybridlm.model.registry import MixerCosts
 from hybridlm.ops.backend import use_triton
 from hybridlm.ops.latent_decode import MAX_ROWS, latent_attention_decode
 
@@ -154,3 +156,25 @@ class MultiHeadLatentAttention(nn.Module):
                 cache.update(latent, k_rope)
             return self._attend_expanded(q_nope, q_rope, latent, k_rope, mask)
         return self._attend_absorbed(q_nope, q_rope, cache.update(latent, k_rope), mask)
+
+
+# ------------------------------------------------------------------------------------- registry costs
+def mla_flops(a, seq_len: int) -> float:
+    """Causal attention over the decompressed heads: scores over nope + rope dims, values of v_head_dim."""
+    return causal_attention_flops(a.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim, seq_len)
+
+
+def mla_cache_per_token(a) -> int:
+    """The latent and the shared RoPE key."""
+    return a.kv_lora_rank + a.qk_rope_head_dim
+
+
+def mla_activations(a) -> float:
+    """The q latent, q, the kv latent + rope key, the decompressed keys and values, the expanded keys, the
+    attention output and SDPA's fp32 log-sum-exp."""
+    qk, H = a.qk_nope_head_dim + a.qk_rope_head_dim, a.num_heads
+    return ((a.q_lora_rank or 0) + H * qk + a.kv_lora_rank + a.qk_rope_head_dim + H * (a.qk_nope_head_dim + a.v_head_dim)
+            + 2 * H * qk + H * a.v_head_dim + 2 * H)
+
+
+MLA_COSTS = MixerCosts(flops=mla_flops, cache_per_token=mla_cache_per_token, activations=mla_activations)
