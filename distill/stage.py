@@ -25,7 +25,8 @@ from hybridlm.model import HybridForCausalLM
 from hybridlm.model.runtime import RuntimeSettings
 from hybridlm.teacher import check_tokenizer_matches, load_teacher, load_teacher_tokenizer
 from hybridlm.training import RunConfig, train_loop
-from hybridlm.utils.atomic import atomic_directory, json_text, write_json
+from hybridlm.training.shell import RunShell, export_model
+from hybridlm.utils.atomic import json_text, write_json
 
 STAGE_SECTIONS = ("teacher", "student", "data", "optim", "run", "runtime")
 
@@ -84,6 +85,12 @@ def run_stage(name: str, configs: Dict[str, Any],
     supplies the data (default: packed LM windows). ``make_loss`` receives the frozen teacher (a
     LlamaForCausalLM for KD / ILD; None for a stage without a teacher: DPO brings its own frozen reference)."""
 
+    run = configs["run"]
+    with RunShell(run.output_dir) as shell:
+        return _run_stage(name, configs, make_loss, trainable, make_batches, shell)
+
+
+def _run_stage(name, configs, make_loss, trainable, make_batches, shell: RunShell) -> Dict[str, Any]:
     # a stage without a teacher (DPO) reads the tokenizer from the student's own directory
     teacher_cfg = configs.get("teacher")
     student_cfg, data_cfg, optim, run = configs["student"], configs["data"], configs["optim"], configs["run"]
@@ -112,18 +119,20 @@ def run_stage(name: str, configs: Dict[str, Any],
                     trainable=list(trainable(student)))
     outcome = train_loop(engine, train_batches, run, val_batches, title=f"{name}: {student_dir.name}",
                          loss_is_nll=False)
-    result = {"stage": name, "student": str(student_dir), "teacher": teacher_cfg.path if teacher_cfg else None, "steps": outcome.steps,
-              "tokens": outcome.tokens, "final_loss": outcome.final_loss, "val_loss": outcome.val_loss,
-              "val": outcome.val,
+    result = {"stage": name, "student": str(student_dir), "teacher": teacher_cfg.path if teacher_cfg else None,
+              "steps": outcome.steps, "tokens": outcome.tokens, "final_loss": outcome.final_loss,
+              "val_loss": outcome.val_loss, "val": outcome.val,
               "seconds": round(outcome.seconds, 3), "seconds_per_step": outcome.seconds_per_step,
               "config": {"data": to_dict(data_cfg), "optim": to_dict(optim)}}
-    if dist.rank == 0:
-        with atomic_directory(done.parent, overwrite=True) as tmp:
-            engine.module.save_pretrained(tmp, remote_code=run.remote_code)
-            teacher_tok.save_pretrained(tmp)
-            write_json(tmp / "stage.json", result)
-        print(json_text({k: v for k, v in result.items() if k != "config"}), flush=True)
-    barrier()
+    with shell.committing(f"the {name} stage's export"):
+        if dist.rank == 0:
+            def write(tmp: Path) -> None:
+                engine.module.save_pretrained(tmp, remote_code=run.remote_code)
+                teacher_tok.save_pretrained(tmp)
+                write_json(tmp / "stage.json", result)  # the stage's completeness record, in the same rename
+            export_model(done.parent, write, f"the {name} stage's export")
+            print(json_text({k: v for k, v in result.items() if k != "config"}), flush=True)
+        barrier()
     if dist.rank == 0 and run.checkpoint_dir.exists():
         # a finished stage is skipped on rerun, so its resume checkpoints (optimizer state: ~12 bytes per
         # parameter) are dead weight once final/ is complete

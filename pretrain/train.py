@@ -27,10 +27,9 @@ from hybridlm.model.runtime import RuntimeSettings
 from hybridlm.model.summary import model_summary
 from hybridlm.training import RunConfig, train_loop
 from hybridlm.config.errors import ConfigError
-from hybridlm.training.lock import RunLock
-from hybridlm.utils.faults import disk_full_in, kill_in, with_nan_faults
-from hybridlm.utils.atomic import (DiskFullError, atomic_directory, disk_full_error, is_complete_directory, json_text,
-                                   write_json)
+from hybridlm.training.shell import RunShell, export_model
+from hybridlm.utils.faults import kill_in, with_nan_faults
+from hybridlm.utils.atomic import is_complete_directory, json_text, write_json
 
 
 # a pre-training config's sections; ``runtime`` (optional): how the model runs (hybridlm/model/runtime.py)
@@ -175,23 +174,15 @@ def sample_settings(run: RunConfig, steps: int) -> str:
     return f"{how}; {steps} steps of training, expect rough text"
 
 
-_HELD: List[RunLock] = []  # the run directory's lock, held until the process ends
-
-
-def lock_run_directory(output_dir) -> None:
-    """Rank 0 takes ``output_dir``'s lock (:class:`hybridlm.training.lock.RunLock`) for the rest of the process;
-    another live process on the same directory is refused in one line naming it and its pid."""
-    if int(os.environ.get("RANK", "0")) != 0 or _HELD:
-        return
-    try:
-        _HELD.append(RunLock(Path(output_dir).expanduser()).acquire())
-    except (NotADirectoryError, FileExistsError) as e:
-        raise ConfigError(f"run.output_dir: {output_dir} cannot be a directory ({e.strerror}: {e.filename})") from None
-
-
 def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None) -> Dict[str, Any]:
+    """Check every section, then run in the run shell (hybridlm/training/shell.py): the run directory's lock, the
+    pre-emption signals from start to exit, the export and result committed whole."""
     _data_cfg, _optim, run_cfg = check_sections(sections)
-    lock_run_directory(run_cfg.output_dir)
+    with RunShell(run_cfg.output_dir) as shell:
+        return _pretrain(sections, run_cfg, shell, config_path)
+
+
+def _pretrain(sections: Dict[str, Any], run_cfg: RunConfig, shell: RunShell, config_path: Optional[str]):
     done = completed_result(sections)
     if done is not None:
         if int(os.environ.get("RANK", "0")) == 0:
@@ -226,42 +217,28 @@ def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None)
               "val_ppl": math.exp(outcome.val_loss) if outcome.val_loss is not None else None,
               "skipped_steps": outcome.skipped_steps, "max_single_step_loss_increase": outcome.max_loss_increase,
               "seconds": round(outcome.seconds, 1)}
-    if main:
-        module = engine.module
-        tokenizer = load_tokenizer(meta["tokenizer"]["path"]) if meta.get("tokenizer", {}).get("path") else None
-        if run.export:
-            final = out / "final"
-            try:
-                # built aside, marked complete, then renamed into place; an earlier final/ is renamed aside first
-                # and deleted last: final/ is at every instant absent, the old export or the new one, whole
-                with atomic_directory(final, overwrite=True, marker=True,
-                                      before_commit=lambda stage: kill_in(f"export-{stage}")) as tmp:
-                    try:
-                        set_generation_defaults(module, tokenizer)  # pad, eos, greedy in the saved configs
-                        module.save_pretrained(tmp, remote_code=run.remote_code)
-                        kill_in("export")  # reliability drills: a kill with the weights written, the tokenizer not
-                        disk_full_in("export")
-                        if tokenizer is not None:
-                            save_tokenizer(tokenizer, tmp)  # pads on the left
-                    except Exception as e:  # (told apart before the partial export is removed: it holds the space)
-                        full = disk_full_error(e, final, "the export")
-                        if full is None:
-                            raise
-                        raise full from None
-            except DiskFullError:
-                raise
-            except Exception as e:
-                full = disk_full_error(e, final, "the export")
-                if full is None:
-                    raise
-                raise full from None
-            kill_in("export-done")
-            result["exported_to"] = str(final)
-        if run.sample_tokens and tokenizer is not None:
-            result["sample"] = sample_text(module, tokenizer, run, config.eos_token_id)
-            result["sample_settings"] = sample_settings(run, outcome.steps)
-            print(f"sample ({result['sample_settings']}): {result['sample']!r}", flush=True)
-        write_json(out / "result.json", result)
-        print(json_text(result), flush=True)
+    with shell.committing("the export and result.json"):
+        if main:
+            _commit(engine.module, meta, run, out, config, outcome, result)
     barrier()
     return result
+
+
+def _commit(module, meta: Dict[str, Any], run: RunConfig, out: Path, config, outcome, result: Dict[str, Any]) -> None:
+    """Rank 0: ``final/`` (a transformers model and tokenizer, built aside and renamed into place), the sample, then
+    ``result.json``, the run's last file."""
+    tokenizer = load_tokenizer(meta["tokenizer"]["path"]) if meta.get("tokenizer", {}).get("path") else None
+    if run.export:
+        def write(tmp: Path) -> None:
+            set_generation_defaults(module, tokenizer)  # pad, eos, greedy in the saved configs
+            module.save_pretrained(tmp, remote_code=run.remote_code)
+            kill_in("export")  # reliability drills: a kill with the weights written, the tokenizer not
+            if tokenizer is not None:
+                save_tokenizer(tokenizer, tmp)  # pads on the left
+        result["exported_to"] = str(export_model(out / "final", write))
+    if run.sample_tokens and tokenizer is not None:
+        result["sample"] = sample_text(module, tokenizer, run, config.eos_token_id)
+        result["sample_settings"] = sample_settings(run, outcome.steps)
+        print(f"sample ({result['sample_settings']}): {result['sample']!r}", flush=True)
+    write_json(out / "result.json", result)
+    print(json_text(result), flush=True)

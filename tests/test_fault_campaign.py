@@ -378,6 +378,11 @@ def test_bad_inputs_are_one_error_line(tmp_path, austen_data, reference):
         "sd['planted'] = P()\n"
         "torch.save(sd, os.path.join(d, 'pytorch_model.bin'))\n"
         "os.remove(os.path.join(d, 'model.safetensors'))\n"), str(pickled)], check=True, env=subprocess_env())
+    pickled_llama = tmp_path / "pickled_llama"  # the same weights file in a folder whose config says llama
+    shutil.copytree(pickled, pickled_llama)
+    config = json.loads((pickled_llama / "config.json").read_text())
+    (pickled_llama / "config.json").write_text(json.dumps({**config, "model_type": "llama",
+                                                           "architectures": ["LlamaForCausalLM"]}))
     text = tmp_path / "text.txt"
     text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 4)
 
@@ -392,6 +397,10 @@ def test_bad_inputs_are_one_error_line(tmp_path, austen_data, reference):
         "precision": (pretrain_argv(precise, austen_data, "optim.max_steps=6", "optim.precision=bf16"), None),
         "eval-pickle": ([sys.executable, "-m", "hybridlm.eval", "ppl", "--model", str(pickled), "--text", str(text)],
                         None),
+        "eval-pickle-llama": ([sys.executable, "-m", "hybridlm.eval", "ppl", "--model", str(pickled_llama), "--text",
+                               str(text)], None),
+        "sample-prompt-empty": (pretrain_argv(tmp_path / "r2", austen_data, "run.sample_prompt=", "run.sample_tokens=4"),
+                                None),
     }
     done = run_all(commands)
     one_error_line(done["prepare-empty"], 2, "sources", str(empty))
@@ -404,6 +413,9 @@ def test_bad_inputs_are_one_error_line(tmp_path, austen_data, reference):
     one_error_line(done["shape"], 2, "checkpoint", "tensor ", "shape", "model settings changed")
     one_error_line(done["precision"], 2, "optim.precision=fp32", "optim.precision=bf16")
     one_error_line(done["eval-pickle"], 2, str(pickled), "pytorch_model.bin", "posix.system")
+    one_error_line(done["eval-pickle-llama"], 2, str(pickled_llama), "pytorch_model.bin", "posix.system")
+    one_error_line(done["sample-prompt-empty"], 2, "run.sample_prompt")
+    assert not (tmp_path / "r2" / "metrics.jsonl").exists()  # refused before training, not after the export
 
 
 # ---------------------------------------------------------------------------------------- prepare

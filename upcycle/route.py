@@ -19,6 +19,7 @@ from hybridlm.config.structured import build_dataclass, check_known_keys
 from hybridlm.data import ensure_prepared
 from hybridlm.engine import barrier, init_distributed
 from hybridlm.teacher import load_teacher_tokenizer
+from hybridlm.training.shell import RunShell
 from hybridlm.utils.atomic import write_json
 from smart_select.report import layers_from_report
 from smart_select.stage import SmartConfig, run_smart
@@ -94,6 +95,12 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     built = check_route(stages)
     calib = [init_cfg.calib_sources] if isinstance(init_cfg.calib_sources, str) else list(init_cfg.calib_sources)
     check_route_inputs(teacher, built, calib, report_opts.get("heldout_sources"))
+    with RunShell(out, what="output_dir"):  # every stage below runs in it: one lock, the signals, from start to exit
+        return _run_stages(cfg, out, teacher, init_cfg, smart_cfg, linear, report_opts, built, calib)
+
+
+def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, report_opts, built, calib):
+    hybrid = out / "hybrid"
     dist = init_distributed()
     ild_data = built["ild"]["data"]
     init_dir = out / "init"

@@ -139,10 +139,18 @@ def list_step_dirs(save_dir: str) -> List[Tuple[int, str]]:
 def read_latest(save_dir: str) -> Optional[str]:
     """The tag named by ``<save_dir>/latest``, or None when there is no such file."""
     path = os.path.join(save_dir, LATEST)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return None
-    with open(path) as f:
-        tag = f.read().strip()
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path}: is not a file (expected one line naming a checkpoint tag); "
+                              f"remove it to resume from the newest complete step_<N> directory")
+    with open(path, "rb") as f:
+        raw = f.read(4096)
+    try:
+        tag = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"checkpoint {path}: holds bytes that are not a checkpoint tag (not text); remove it "
+                              f"to resume from the newest complete step_<N> directory") from None
     if not tag or os.sep in tag or tag in (".", ".."):
         raise CheckpointError(f"checkpoint {path}: does not name a checkpoint tag (content {tag!r})")
     return tag

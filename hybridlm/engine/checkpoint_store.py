@@ -178,7 +178,15 @@ class CheckpointStore:
             os.rename(tmp_dir, final_dir)  # a name not in use: nothing that `latest` names is touched
             fsync_dir(save_dir)
             kill_in("save-committed", step)
-            atomic_write_text(os.path.join(save_dir, ckpt.LATEST), tag + "\n")  # the commit point
+            try:
+                disk_full_in("save-latest", step)
+                atomic_write_text(os.path.join(save_dir, ckpt.LATEST), tag + "\n")  # the commit point
+            except Exception as e:
+                full = disk_full_error(e, final_dir, f"the checkpoint save of step {step}")
+                if full is None:
+                    raise
+                shutil.rmtree(final_dir, ignore_errors=True)  # never named: `latest` still names the one before
+                raise full from None
             kill_in("save-latest", step)
             ckpt.remove_superseded(save_dir, tag)
             if keep_last is not None:

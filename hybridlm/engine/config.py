@@ -37,7 +37,7 @@ class OptimConfig(Section):
     grad_clip: float = setting(1.0, ge=0)  # max global L2 norm; 0 disables clipping
     precision: str = setting("bf16", choices=PRECISIONS)  # PRECISIONS (above)
     zero_stage: int = setting(1, choices=ZERO_STAGES)
-    seed: int = setting(42, ge=0)
+    seed: int = setting(42, ge=0, lt=2**64)  # torch.manual_seed takes 64 bits
     max_consecutive_nonfinite: int = setting(5, ge=1)
     # recompute each block's activations in the backward pass (transformers' gradient checkpointing):
     # about a third more compute for a micro-batch several times larger

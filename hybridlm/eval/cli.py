@@ -95,20 +95,20 @@ def load_model(kind: str, path: Path, gguf: Optional[str], dtype: str, device):
     """The model in eval mode on ``device``. Hybrids load through ``AutoModelForCausalLM`` (the type is
     registered on ``import hybridlm.model``), whose ``from_pretrained`` is strict; Llama teachers through
     :func:`hybridlm.teacher.load_teacher` (strict too)."""
-    if kind == "llama":
-        model = load_teacher(path / gguf if gguf else path, dtype=torch_dtype(dtype))
-    else:
-        from transformers import AutoModelForCausalLM
-
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype))
-        except pickle.UnpicklingError as e:  # a pickled weights file (pytorch_model.bin) naming code to run
-            found = re.search(r"GLOBAL ([\w.]+)", str(e))
-            named = f"references {found.group(1)}" if found else "holds more than tensors"
-            raise ConfigError(f"{path}: a pickled weights file there (pytorch_model.bin) {named}; refusing to "
-                              f"unpickle it (a pickle can run code); use a model saved as safetensors") from None
-        except weight_load_errors() as e:
-            raise ConfigError(f"{path}: cannot be loaded as a hybrid ({last_line(str(e))})") from None
+    try:
+        if kind == "llama":
+            model = load_teacher(path / gguf if gguf else path, dtype=torch_dtype(dtype))
+        else:
+            from transformers import AutoModelForCausalLM
+            try:
+                model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype))
+            except weight_load_errors() as e:
+                raise ConfigError(f"{path}: cannot be loaded as a hybrid ({last_line(str(e))})") from None
+    except pickle.UnpicklingError as e:  # a pickled weights file (pytorch_model.bin) naming code to run
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        named = f"references {found.group(1)}" if found else "holds more than tensors"
+        raise ConfigError(f"{path}: a pickled weights file there (pytorch_model.bin) {named}; refusing to "
+                          f"unpickle it (a pickle can run code); use a model saved as safetensors") from None
     return model.to(device).eval()
 
 

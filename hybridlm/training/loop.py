@@ -19,12 +19,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import Section, setting
 from hybridlm.data.prefetch import Prefetcher
 from hybridlm.engine import (Engine, NonFiniteLossError, PendingStep, StepResult, all_reduce_sum, barrier,
                              is_main)
 from hybridlm.training.cold_start import first_step_done, first_step_notice
 from hybridlm.training.preempt import Preempted, PreemptionFlag, preemption_flag
+from hybridlm.training.shell import note_signal
 from hybridlm.utils.faults import kill_if_requested
 from hybridlm.utils.metrics import MetricsLogger, plot_curves, read_jsonl
 
@@ -57,6 +59,12 @@ class RunConfig(Section):
     # model's ops are short: with one thread per core, another job on the machine stalls every op's join, and a
     # step slows far past the run's share of the cores (BENCHMARKS.md, "Test suites")
     cpu_threads: int = setting(0, ge=0)
+
+    def validate(self, where: str) -> None:
+        super().validate(where)
+        if self.sample_tokens and not self.sample_prompt.strip():
+            raise ConfigError(f"{where}.sample_prompt: expected text for the end-of-run sample to continue (or "
+                              f"{where}.sample_tokens=0 for no sample)")
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -328,6 +336,8 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
                 logger.log(engine.global_step, val)
                 validation_line(engine.global_step, val)
         save()
+        if flag.signal_name:  # received in the last step or the final validation: the run shell stops after the export
+            note_signal(flag.signal_name)
     finally:
         signals.close()
         if bar is not None:

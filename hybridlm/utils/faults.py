@@ -20,7 +20,10 @@
                                        ``prepare``         in a tokenizer worker of ``prepare``: the preparing
                                                            process is killed
                                        a point without ``:k`` matches every step
-``HYBRIDLM_FAULT_DISK_FULL_IN=point[:k]``  at that instant (``save``, ``export``) a write fails with ENOSPC,
+``HYBRIDLM_FAULT_TERM_IN=point``         SIGTERM (a scheduler's notice) at a named instant of the run shell:
+                                       ``startup``  the run checked, its data and model not yet built
+                                       ``export``   inside the export, as ``HYBRIDLM_FAULT_KILL_IN=export``
+``HYBRIDLM_FAULT_DISK_FULL_IN=point[:k]``  at that instant (``save``, ``save-latest``, ``export``) a write fails with ENOSPC,
                                        as on a full disk
 Unset (the normal case) they cost nothing.
 """
@@ -75,6 +78,12 @@ def kill_in(point: str, step: int = -1, pid: Optional[int] = None) -> None:
     ``step``)."""
     if _matches("HYBRIDLM_FAULT_KILL_IN", point, step):
         os.kill(pid if pid is not None else os.getpid(), signal.SIGKILL)
+
+
+def term_in(point: str) -> None:
+    """SIGTERM this process if ``HYBRIDLM_FAULT_TERM_IN`` names ``point``."""
+    if _matches("HYBRIDLM_FAULT_TERM_IN", point, -1):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def disk_full_in(point: str, step: int = -1) -> None:
