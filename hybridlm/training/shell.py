@@ -35,8 +35,8 @@ def is_rank_zero() -> bool:
 
 class RunShell:
     """``with RunShell(output_dir, what="run.output_dir"):`` around a run's whole work. Nested shells (a stage inside
-    the route) share the outer shell's signal handling; each takes its own directory's lock unless an outer shell's
-    directory contains it."""
+    the route) share the outer shell's signal handling; each takes its own directory's lock (rank 0), and none starts
+    inside the directory of another live process's run."""
 
     def __init__(self, output_dir, what: str = "run.output_dir") -> None:
         self.dir = Path(output_dir).expanduser()
@@ -49,9 +49,9 @@ class RunShell:
     # ------------------------------------------------------------------ enter / exit
     def __enter__(self) -> "RunShell":
         outer = _SHELLS[0] if _SHELLS else None
-        if is_rank_zero() and not (outer and _inside(self.dir, outer.dir)):
+        if is_rank_zero():  # a stage inside the route takes its own folder's lock too: a stage run alone there waits
             try:
-                self.lock = RunLock(self.dir, self.what).acquire()
+                self.lock = RunLock(self.dir, self.what).acquire(held_here=[s.lock.path for s in _SHELLS if s.lock])
             except (NotADirectoryError, FileExistsError) as e:
                 raise ConfigError(f"{self.what}: {self.dir} cannot be a directory ({e.strerror}: {e.filename})") \
                     from None
@@ -106,14 +106,6 @@ def note_signal(name: str) -> None:
     what follows is committed."""
     for s in _SHELLS:
         s.signal_name = s.signal_name or name
-
-
-def _inside(path: Path, root: Path) -> bool:
-    try:
-        path.resolve().relative_to(root.resolve())
-        return True
-    except ValueError:
-        return False
 
 
 def export_model(final: Path, write: Callable[[Path], None], what: str = "the export") -> Path:
