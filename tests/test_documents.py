@@ -34,7 +34,7 @@ def test_no_development_history_in_the_product():
 
 def test_readme_and_benchmarks_stay_short():
     assert len((REPO / "README.md").read_text(encoding="utf-8").splitlines()) <= 250
-    assert len((REPO / "BENCHMARKS.md").read_text(encoding="utf-8").splitlines()) <= 600
+    assert len((REPO / "BENCHMARKS.md").read_text(encoding="utf-8").splitlines()) <= 640
 
 
 def test_results_folder_holds_exactly_what_benchmarks_cites():
@@ -45,3 +45,17 @@ def test_results_folder_holds_exactly_what_benchmarks_cites():
     kept = {str(f.relative_to(REPO)) for f in (REPO / "docs" / "results").rglob("*") if f.is_file()}
     uncited = sorted(k for k in kept if not any(k == c or k.startswith(c.rstrip("/") + "/") for c in cited))
     assert not uncited, f"docs/results files no table cites: {uncited}"
+
+
+# a figure in milliseconds or microseconds (``12 ms``, ``0.5us``): measured on one GPU, it belongs in BENCHMARKS.md
+TIMING = re.compile(r"[0-9][0-9.]* ?(ms|µs|us)\b")
+
+
+def test_no_timing_figures_in_the_toolkit_comments():
+    """The toolkit's comments state what is slow and why, and name the BENCHMARKS.md section that holds the figure."""
+    hits = []
+    for f in sorted((REPO / "hybridlm").rglob("*.py")):
+        for n, line in enumerate(f.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if TIMING.search(line):
+                hits.append(f"{f.relative_to(REPO)}:{n}: {line.strip()[:120]}")
+    assert not hits, "timing figures (BENCHMARKS.md holds them):\n" + "\n".join(hits)

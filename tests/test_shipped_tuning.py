@@ -168,7 +168,11 @@ def test_make_merges_with_the_file_there_and_skips_other_gpus(hooked, tmp_path):
 def test_every_shipped_file_is_valid():
     """The files in hybridlm/ops/tuned/ (package data): named for their GPU and Triton, each entry complete, the
     content matching its digest, each loading into a table for its own GPU and Triton."""
-    for path in T.shipped_files():
+    files = T.shipped_files()
+    if not files:
+        pytest.skip("no tuning file in hybridlm/ops/tuned/ (made on a GPU: python -m hybridlm.training.kernel_cache "
+                    "--help)")
+    for path in files:
         data = T.read_tuning_file(path)
         assert path.name == T.shipped_file(data["gpu"], data["triton"]).name
         status = T.load_tuning(path, data["gpu"], data["triton"])
