@@ -1,13 +1,20 @@
-"""generate() through both paths, CPU fp32: the static-cache fast path (``fast_path=True``: on a CPU it runs the
-decision code CUDA's default runs, with a static cache and eager steps) and transformers' own loop
-(``fast_path=False``). A call the fast path takes gives transformers' tokens (greedy, and seeded sampling: the same
-top-k / temperature resolution, so the same draws); a call it cannot serve says why once and takes the loop.
+"""generate() through both paths, fp32: the static-cache fast path (``fast_path=True``: on a CPU it runs the
+decision code CUDA's default runs, with a static cache and eager steps; on CUDA it replays a captured CUDA-graph
+decode step) and transformers' own loop (``fast_path=False``). A call the fast path takes gives transformers'
+tokens (greedy, and seeded sampling: the same top-k / temperature resolution, so the same draws) and leaves the
+global random state the loop leaves; a call it cannot serve says why once and takes the loop.
 Also: hidden states from forward and generate, prefill chunking with the default cache, and an export that carries
-padding and greedy defaults to transformers' generate() and pipeline()."""
+padding and greedy defaults to transformers' generate() and pipeline().
+
+Device: the CPU by default; ``HYBRIDLM_TEST_DEVICE=cuda`` runs the same tests with the model, its inputs and the
+generators on the current CUDA device (and fails at collection when CUDA is unavailable), comparing the CUDA
+generator's state as well as the CPU one's (the fast path samples on the device's generator). benchmarks/acceptance.py
+(part "generate") runs it so on a GPU host."""
 import contextlib
 import copy
 import json
 import logging
+import os
 import threading
 import warnings
 
@@ -24,15 +31,39 @@ from hybridlm.model.generate import greedy_generate, save_tokenizer, set_generat
 LOGGER = "hybridlm.model.fast_generate"
 P = 7  # prompt length
 
+DEVICE = os.environ.get("HYBRIDLM_TEST_DEVICE") or "cpu"
+if DEVICE not in ("cpu", "cuda"):
+    pytest.fail(f"HYBRIDLM_TEST_DEVICE={DEVICE!r}: 'cpu' (the default) or 'cuda'", pytrace=False)
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.fail(f"HYBRIDLM_TEST_DEVICE=cuda, but CUDA is unavailable (torch {torch.__version__}, "
+                f"torch.cuda.is_available() is False)", pytrace=False)
+
+
+def _rng_state() -> tuple:
+    """The global random state generate() may draw from: the CPU generator's, and on CUDA the current device's."""
+    cpu = torch.random.get_rng_state()
+    return (cpu, torch.cuda.get_rng_state()) if DEVICE == "cuda" else (cpu,)
+
+
+def _set_rng_state(state: tuple) -> None:
+    torch.random.set_rng_state(state[0])
+    if DEVICE == "cuda":
+        torch.cuda.set_rng_state(state[1])
+
+
+def _same_rng_state(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
 
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return HybridForCausalLM(tiny_config("*-G-K-S-", mixer="gdn")).eval()
+    return HybridForCausalLM(tiny_config("*-G-K-S-", mixer="gdn")).eval().to(DEVICE)
 
 
 def _ids(B=2, T=P, seed=1):
-    return torch.randint(1, 512, (B, T), generator=torch.Generator().manual_seed(seed))
+    """[B, T] token ids on DEVICE, drawn on the CPU: the same ids on either device."""
+    return torch.randint(1, 512, (B, T), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
 def _left_padded(pad=0):
@@ -47,7 +78,7 @@ def _left_padded(pad=0):
 def both(model, monkeypatch, caplog):
     """``both(inputs, seed, **kw)`` -> (fast_path=True result, fast_path=False result, the fast path's
     graphed_generate arguments or None, what the fast path logged). Each call seeds the global RNG with ``seed``
-    and gets its own copy of ``kw``."""
+    and gets its own copy of ``kw``; the global random state after the two calls must be the same."""
     calls = count_graphed_generate(monkeypatch)
 
     def run(inputs, seed=0, **kw):
@@ -57,11 +88,13 @@ def both(model, monkeypatch, caplog):
             torch.manual_seed(seed)
             fast = model.generate(inputs, fast_path=True, **copy.deepcopy(kw))
         said = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+        state = _rng_state()
         plan = calls[-1] if calls else None
         calls.clear()
         torch.manual_seed(seed)
         loop = model.generate(inputs, fast_path=False, **copy.deepcopy(kw))
         assert not calls
+        assert _same_rng_state(state, _rng_state()), "the fast path left another random state than the loop"
         return fast, loop, plan, said
     return run
 
@@ -85,7 +118,8 @@ TAKEN = {
     # greedy: transformers ignores the sampling settings
     "greedy_with_sampling_settings": (dict(do_sample=False, top_p=0.5, top_k=3, max_new_tokens=6),
                                       dict(do_sample=False)),
-    "all_ones_mask": (dict(attention_mask=torch.ones(2, P, dtype=torch.long), pad_token_id=0, max_new_tokens=8),
+    "all_ones_mask": (dict(attention_mask=torch.ones(2, P, dtype=torch.long, device=DEVICE), pad_token_id=0,
+                           max_new_tokens=8),
                       dict(pad_token_id=0)),
     # a pad id that is not in the rows: nothing to infer
     "pad_id_no_pads": (dict(pad_token_id=0, max_new_tokens=8), dict(pad_token_id=0)),
@@ -181,7 +215,7 @@ FALLBACK = {
     "forced_eos_token_id": (None, dict(forced_eos_token_id=3, max_new_tokens=4), "ForcedEOSTokenLogitsProcessor"),
     "cache_implementation": (None, dict(cache_implementation="dynamic", max_new_tokens=4),
                              "cache_implementation='dynamic'"),
-    "position_ids": (None, dict(position_ids=torch.arange(P).expand(2, P), max_new_tokens=4),
+    "position_ids": (None, dict(position_ids=torch.arange(P, device=DEVICE).expand(2, P), max_new_tokens=4),
                      "argument 'position_ids'"),
 }
 
@@ -235,7 +269,8 @@ def test_streamer_gets_the_loops_tokens(model, both):
         streamer = Collect()
         fast_generate._SAID.clear()
         out = model.generate(_ids(), max_new_tokens=5, streamer=streamer, fast_path=fast_path)
-        assert streamer.ended and torch.equal(torch.cat([t.reshape(2, -1) for t in streamer.tokens], 1), out)
+        streamed = torch.cat([t.reshape(2, -1) for t in streamer.tokens], 1)  # transformers streams CPU tensors
+        assert streamer.ended and torch.equal(streamed.to(out.device), out)
         streams.append(out)
     assert torch.equal(*streams) and torch.equal(streams[0], greedy_generate(model, _ids(), 5))
     fast, loop, plan, said = both(_ids(), max_new_tokens=5, streamer=Collect())
@@ -328,15 +363,15 @@ def test_export_carries_padding_and_greedy_defaults(exported):
 def test_exported_model_generates_left_padded_batches(exported):
     out, _ = exported
     tok = AutoTokenizer.from_pretrained(out)
-    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    model = AutoModelForCausalLM.from_pretrained(out).eval().to(DEVICE)
     prompts = ["It is a truth universally acknowledged", "Emma"]
-    batch = tok(prompts, return_tensors="pt", padding=True)
+    batch = tok(prompts, return_tensors="pt", padding=True).to(DEVICE)
     assert (batch["attention_mask"][:, -1] == 1).all()  # padded on the left
     for fast_path in (True, False):
         for kw in (dict(attention_mask=batch["attention_mask"]), dict()):  # the mask given, or inferred
             got = model.generate(batch["input_ids"], max_new_tokens=4, fast_path=fast_path, **kw)
             for i, text in enumerate(prompts):
-                alone = tok(text, return_tensors="pt")["input_ids"]
+                alone = tok(text, return_tensors="pt")["input_ids"].to(DEVICE)
                 n = alone.shape[1]
                 assert torch.equal(got[i, -(n + 4):], greedy_generate(model, alone, 4)[0]), (fast_path, kw, i)
 
@@ -345,14 +380,14 @@ def test_exported_model_generates_left_padded_batches(exported):
 def test_exported_model_pipeline_is_greedy(exported):
     out, _ = exported
     tok = AutoTokenizer.from_pretrained(out)
-    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    model = AutoModelForCausalLM.from_pretrained(out).eval().to(DEVICE)
     prompts = ["It is a truth universally acknowledged", "Emma"]
-    generator = pipeline("text-generation", model=model, tokenizer=tok)
+    generator = pipeline("text-generation", model=model, tokenizer=tok, device=model.device)
     texts = []
     for seed in (0, 1):
         torch.manual_seed(seed)
         texts.append(generator(prompts[1], max_new_tokens=5, return_full_text=False)[0]["generated_text"])
-    alone = tok(prompts[1], return_tensors="pt")["input_ids"]
+    alone = tok(prompts[1], return_tensors="pt")["input_ids"].to(DEVICE)
     assert texts[0] == texts[1] == tok.decode(greedy_generate(model, alone, 5)[0, alone.shape[1]:])
 
 
@@ -401,9 +436,9 @@ def test_seeded_sampling_calls_leave_the_random_state_the_loop_leaves(model, mon
     loop = []
     for name, rows, kw, window, all_rows in SAMPLED_CALLS:
         kw = {"do_sample": True, "max_new_tokens": new_tokens, **kw}
-        state = torch.random.get_rng_state()
+        state = _rng_state()
         probe = model.generate(_ids(rows), fast_path=False, **kw)[:, P:]
-        torch.random.set_rng_state(state)
+        _set_rng_state(state)
         if window is None:
             kw["eos_token_id"] = next(t for t in range(512) if t not in probe)
         else:
@@ -411,7 +446,7 @@ def test_seeded_sampling_calls_leave_the_random_state_the_loop_leaves(model, mon
             assert kw["eos_token_id"] is not None, f"{name}: no such EOS in the draws {probe.tolist()}"
         plans.append(kw)
         out = model.generate(_ids(rows), fast_path=False, **kw)
-        loop.append((out, torch.random.get_rng_state()))
+        loop.append((out, _rng_state()))
         steps.append(_first_eos(out[:, P:], kw["eos_token_id"]))
     assert not calls
     torch.manual_seed(0)
@@ -419,7 +454,7 @@ def test_seeded_sampling_calls_leave_the_random_state_the_loop_leaves(model, mon
         got = model.generate(_ids(want.shape[0]), fast_path=True, **kw)
         assert calls.pop()["do_sample"] == kw["do_sample"]
         assert torch.equal(got, want), name
-        assert torch.equal(torch.random.get_rng_state(), state), (name, first, got.shape[1] - P)
+        assert _same_rng_state(_rng_state(), state), (name, first, got.shape[1] - P)
     # what the calls covered: rows finishing at different steps, stops on both sides of the first look, and stops
     # by max_new_tokens with and without a finished row
     lengths = [out.shape[1] - P for out, _ in loop]
@@ -431,17 +466,20 @@ def test_seeded_sampling_calls_leave_the_random_state_the_loop_leaves(model, mon
 
 @torch.no_grad()
 def test_graphed_generate_rewinds_the_generator_it_is_given(model):
-    """A generator passed to graphed_generate is left where the loop leaves the global one, seeded alike."""
+    """A generator passed to graphed_generate (on DEVICE) is left where the loop leaves DEVICE's global one, seeded
+    alike; the global random state is not touched."""
     from hybridlm.model.graphs import graphed_generate
     torch.manual_seed(4)
     probe = model.generate(_ids(1), fast_path=False, do_sample=True, top_k=3, max_new_tokens=40)[0, P:]
     eos = int(probe[1])  # stops at step 1 or 2, 30 or more draws before the fast path's first look
     torch.manual_seed(4)
     want = model.generate(_ids(1), fast_path=False, do_sample=True, top_k=3, max_new_tokens=40, eos_token_id=eos)
-    generator = torch.Generator().manual_seed(4)
+    state = _rng_state()
+    generator = torch.Generator(device=DEVICE).manual_seed(4)
     got = graphed_generate(model, _ids(1), 40, eos_token_id=eos, do_sample=True, top_k=3, generator=generator)
     assert torch.equal(got, want) and want.shape[1] <= P + 2
-    assert torch.equal(generator.get_state(), torch.random.get_rng_state())
+    assert _same_rng_state(_rng_state(), state)
+    assert torch.equal(generator.get_state(), state[-1])  # DEVICE's global generator: the CPU's or CUDA's
 
 def _said_by_transformers(caplog, monkeypatch, run):
     """(transformers' log records, Python warnings) while ``run()`` runs: (logger, level, text) and (category, text,
@@ -481,8 +519,8 @@ SAID = {
     "right_padded_with_eos_no_mask": (_padded_with(9, right=True), dict(eos_token_id=9, pad_token_id=9,
                                                                          max_new_tokens=4), True, RIGHT_PADDING),
     "eos_no_pad_no_mask": (_ids(), dict(eos_token_id=9, max_new_tokens=4), True, NO_MASK_NO_PAD),
-    "all_ones_mask": (_ids(), dict(attention_mask=torch.ones(2, P, dtype=torch.long), eos_token_id=9,
-                                   max_new_tokens=4), True, None),
+    "all_ones_mask": (_ids(), dict(attention_mask=torch.ones(2, P, dtype=torch.long, device=DEVICE),
+                                   eos_token_id=9, max_new_tokens=4), True, None),
     # a mask transformers infers from the pad id: the loop, which says nothing about it
     "padded_no_mask": (_padded_with(0), dict(pad_token_id=0, max_new_tokens=4), False, None),
     # the loop's own warnings, said once and not also by the fast path's look at the call
