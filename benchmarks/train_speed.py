@@ -66,8 +66,8 @@ from hybridlm.data import DataConfig, PackedBatches, PackedTokens, ensure_prepar
 from hybridlm.engine import barrier, init_distributed
 from hybridlm.engine.config import PRECISIONS
 from hybridlm.model.configuration import resolve_model_config
+from hybridlm.model.runtime import KERNEL_SOURCES
 from hybridlm.model.summary import build_on_meta, model_summary
-from hybridlm.ops.backend import KERNEL_SOURCES, set_kernel_source
 from hybridlm.ops.causal_conv import offer_pass1_x_once
 from hybridlm.training import train_loop
 from hybridlm.utils.atomic import save_figure
@@ -396,7 +396,7 @@ def merge(paths: Sequence[str], out: Path) -> Dict[str, Any]:
     return merged
 
 
-# --<op>-kernel switches (hybridlm/ops/backend.py set_kernel_source): what the op is, ours, fla's
+# --<op>-kernel switches (ours: runtime.<op>_kernel, hybridlm/model/runtime.py): what the op is, ours, fla's
 KERNEL_SWITCHES = {
     "conv": ("the mixers' short convs", "hybridlm/ops/causal_conv.py", "fla's causal_conv1d"),
     "norm": ("the RMSNorms, residual-add RMSNorms and Mamba2's output stage",
@@ -478,8 +478,10 @@ def main(argv=None) -> Dict[str, Any]:
     t0 = time.perf_counter()
     if args.mamba2_compile_inputs == "on":  # a runtime setting of ours (hybridlm/model/runtime.py)
         args.runtime_override = [*args.runtime_override, "compile_ssd_inputs=true"]
-    for op in KERNEL_SWITCHES:
-        set_kernel_source(op, getattr(args, f"{op}_kernel"))
+    for op in KERNEL_SWITCHES:  # runtime.<op>_kernel of ours; a config's own runtime overrides come after these
+        choice = getattr(args, f"{op}_kernel")
+        if choice != "project":
+            args.runtime_override = [*args.runtime_override, f"{op}_kernel={choice}"]
     offer_pass1_x_once(args.conv_x_once == "on")
     dist = init_distributed()
     world, main_rank, device = dist.world_size, dist.rank == 0, dist.device

@@ -85,17 +85,13 @@ def test_twin_equals_the_torch_path_and_the_formula(case):
 def test_a_decode_steps_rows_keep_fla_s_kernel():
     """The project's kernel runs in training and on long inference inputs; a decode step's few rows (no autograd)
     keep fla's, with which the captured decode step was measured."""
-    from hybridlm.ops.backend import SMALL_CALL_ROWS, set_kernel_source
+    from hybridlm.ops.backend import SMALL_CALL_ROWS
     from hybridlm.ops.elementwise import _project_norm
     step, prompt = torch.randn(4, 1, 64), torch.randn(2, SMALL_CALL_ROWS, 64)
-    assert _project_norm(step) and _project_norm(prompt)  # grad mode on: training
+    assert _project_norm(step, "project") and _project_norm(prompt, "project")  # grad mode on: training
     with torch.no_grad():
-        assert not _project_norm(step) and _project_norm(prompt)
-        set_kernel_source("norm", "fla")
-        try:
-            assert not _project_norm(prompt)
-        finally:
-            set_kernel_source("norm", "project")
+        assert not _project_norm(step, "project") and _project_norm(prompt, "project")
+        assert not _project_norm(prompt, "fla")  # runtime.norm_kernel: fla
 
 
 def test_bad_shapes_are_named():

@@ -4,11 +4,14 @@
    config.json, which says backend torch, loss_chunks 3, fuse_projections false) loads through
    ``from_pretrained`` and the Auto classes, runs with the defaults (or with ``runtime=...``), computes what the
    model it was saved from computes, and a re-save writes no runtime key.
-2. A new export's config.json holds none; ``set_runtime`` reaches every module and refuses a bad value whole.
+2. A new export's config.json holds none; ``set_runtime`` reaches every module and refuses a bad value whole; the
+   Triton kernel choices (``conv_kernel``, ``norm_kernel``, ``loss_kernel``) reach the ops that take them.
 3. YAML: a runtime key in a model section is one line naming the ``runtime`` section; ``runtime.*`` is checked.
 """
+import inspect
 import json
 import shutil
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,7 @@ from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.runtime import RUNTIME_KEYS, RuntimeSettings
 
 OLD_EXPORT = Path(__file__).parent / "data" / "export_before_runtime_settings"
+KERNEL_KEYS = ("conv_kernel", "norm_kernel", "loss_kernel")
 
 
 def _old_export(tmp_path):
@@ -80,10 +84,49 @@ def test_the_switches_change_how_it_runs_not_what_it_computes():
 
 
 def test_a_new_export_holds_no_runtime_key(tmp_path):
-    HybridForCausalLM(tiny_config(loss_chunks=5)).save_pretrained(tmp_path)
+    HybridForCausalLM(tiny_config(loss_chunks=5, conv_kernel="fla", norm_kernel="fla", loss_kernel="fla")
+                      ).save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
+    assert set(KERNEL_KEYS) <= set(RUNTIME_KEYS)
     assert not set(saved) & (set(RUNTIME_KEYS) | {"runtime", "_runtime"})
-    assert HybridForCausalLM.from_pretrained(tmp_path).runtime.loss_chunks == 8
+    loaded = HybridForCausalLM.from_pretrained(tmp_path).runtime
+    assert loaded.loss_chunks == 8 and all(getattr(loaded, key) == "project" for key in KERNEL_KEYS)
+
+
+def test_the_kernel_choices_reach_the_ops(monkeypatch):
+    """Each op with a project kernel and an fla one gets the model's choice as an argument: the norms and the
+    gated output norms ``norm_kernel``, the short convs ``conv_kernel``, the LM-head loss ``loss_kernel``."""
+    import hybridlm.model.layers.conv as conv
+    import hybridlm.model.layers.delta_rule as delta_rule
+    import hybridlm.model.layers.mamba2 as mamba2
+    import hybridlm.model.layers.norm as norm
+    import hybridlm.model.modeling as modeling
+    seen = defaultdict(set)
+
+    def spy(module, name, key):
+        real = getattr(module, name)
+
+        def call(*args, **kwargs):
+            bound = inspect.signature(real).bind(*args, **kwargs)
+            bound.apply_defaults()
+            seen[name].add(bound.arguments[key])
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, call)
+
+    ops = {"rms_norm": norm, "add_rms_norm": norm, "gated_rms_norm": delta_rule, "skip_gated_rms_norm": mamba2,
+           "short_conv": conv, "linear_cross_entropy": modeling}
+    for name, module in ops.items():
+        spy(module, name, {"short_conv": "conv_kernel", "linear_cross_entropy": "loss_kernel"}.get(name, "norm_kernel"))
+    model = HybridForCausalLM(tiny_config(conv_kernel="fla", norm_kernel="fla", loss_kernel="fla")).train()
+    ids = torch.randint(0, 512, (2, 16))
+    model(input_ids=ids, labels=ids)
+    assert seen == {name: {"fla"} for name in ops}
+    seen.clear()
+    model.set_runtime(conv_kernel="project", norm_kernel="project", loss_kernel="project")
+    model(input_ids=ids, labels=ids)
+    assert seen == {name: {"project"} for name in ops}
+    with pytest.raises(ConfigError, match=r"^runtime.norm_kernel: expected one of"):
+        model.set_runtime(norm_kernel="cuda")
 
 
 @pytest.mark.parametrize("values,message", [

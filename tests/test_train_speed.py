@@ -129,10 +129,13 @@ def test_keep_going_reports_a_failed_entry_and_runs_the_next(tmp_path, austen_da
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "benchmarks.train_speed", "--out", str(out), "--data", str(austen_data),
            "--configs", "tiny_hybrid:model.rms_norm_eps=-1", "tiny_hybrid", "--peers", "--micro-batch", "2",
-           "--seq", "32", "--steps", "1", "--warmup", "1", "--keep-going"]
+           "--seq", "32", "--steps", "1", "--warmup", "1", "--keep-going", "--norm-kernel", "fla"]
     proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "train_speed: 1 entries failed: tiny_hybrid:model.rms_norm_eps=-1" in proc.stderr
-    bad, good = json.loads((out / "train_speed.json").read_text())["entries"]
+    report = json.loads((out / "train_speed.json").read_text())
+    # --norm-kernel: our models' runtime.norm_kernel
+    assert report["norm_kernel"] == "fla" and report["runtime_override"] == ["norm_kernel=fla"]
+    bad, good = report["entries"]
     assert bad["status"] == "failed" and "rms_norm_eps: must be a positive number" in bad["reason"]
     assert good["status"] == "ok" and good["tokens_per_s"] > 0
     assert_chart(out / "train_speed.png")

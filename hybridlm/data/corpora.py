@@ -70,8 +70,8 @@ def _manifest(corpus: Corpus) -> Dict:
 
 
 def _is_current(final: Path, corpus: Corpus) -> bool:
-    """True for a build of the pinned packages, and for a directory the earlier code wrote without a record
-    (only ``janeausten`` existed then, from the same package)."""
+    """True for a build of the pinned packages, and for a directory without a record (a ``janeausten`` built
+    by an older version, from the same package)."""
     if not final.is_dir():
         return False
     if not (final / MANIFEST).exists():

@@ -1,9 +1,9 @@
 """The next training batch made on a background thread while the GPU runs the current step.
 
 A batch stream's ``next()`` (reading the token shards, stacking the windows) runs on the host between two steps,
-while the GPU waits for the next forward: ~2-4 ms of a 64 x 2048 batch on the H200 host measured, every
-step (BENCHMARKS.md, "Training step breakdown"). :class:`Prefetcher` makes the next batches on a thread and, on a CUDA run, copies
-them into pinned memory, so that the engine's host-to-device copy does not wait either.
+while the GPU waits for the next forward, every step (BENCHMARKS.md, "Training step breakdown").
+:class:`Prefetcher` makes the next batches on a thread and, on a CUDA run, copies them into pinned memory, so
+that the engine's host-to-device copy does not wait either.
 
 When the thread runs matters: Python threads share one interpreter lock, and a batch made while the step's forward
 is being launched slows those launches down, which the GPU then waits for. So the thread makes batches when asked

@@ -2,8 +2,8 @@
 
 DeepSpeed's bf16 optimizer (``BF16_Optimizer``: ZeRO-1 with bf16 weights and fp32 gradient accumulation, the
 engine's default) clips in a Python loop over every parameter's fp32 gradient, after reading the clip coefficient
-on the host: a device sync and then ~250 tiny kernels that the GPU waits for one launch at a time (4-5 ms a step
-of GDN-300M on an H200, BENCHMARKS.md, "Training step breakdown"). That optimizer hands the optimizer it wraps
+on the host: a device sync and then ~250 tiny kernels that the GPU waits for one launch at a time, every step
+(BENCHMARKS.md, "Training step breakdown"). That optimizer hands the optimizer it wraps
 this rank's partition of the reduced fp32 gradients as one flat tensor per parameter group, and steps it once with all
 groups. So for it the engine turns DeepSpeed's clipping off and clips those here: one norm per tensor, one
 all-reduce of the sum of squares over the ranks (their partitions are disjoint), one multiply by
@@ -16,7 +16,7 @@ engine leaves its clipping to DeepSpeed.
 DeepSpeed still computes its own norm first: it is the step's reported gradient norm, and a non-finite one skips
 the step before the wrapped optimizer (and so this hook) runs (hybridlm/engine/step_runner.py, module docstring). The
 engine hands the hook that norm rather than taking it twice. DeepSpeed takes one norm per parameter's gradient
-(~110 small kernels a GDN-300M step, 1.3 ms on an H200, and as many launches);
+(~110 small kernels a GDN-300M step, and as many launches);
 :func:`norm_over_flat_gradients` hands it the flat buffers those gradients live in instead.
 """
 from __future__ import annotations

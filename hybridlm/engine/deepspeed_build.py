@@ -167,7 +167,7 @@ def build_deepspeed_engine(model: nn.Module, config: OptimConfig, dist_info: Dis
         norm_over_flat_gradients(zero_optimizer)
     if bf16_optimizer and dist_info.world_size == 1:
         # One rank: DeepSpeed's all-reduce of the fp32 gradient sums is a flatten into its bf16 communication
-        # dtype, a reduce over one rank and a copy back (1 ms a GDN-300M step on an H200); it would also round
+        # dtype, a reduce over one rank and a copy back (passes over every gradient each step); it would also round
         # sums accumulated over micro-batches to bf16. Several ranks communicate in bf16 (DeepSpeed's
         # communication_data_type).
         ds_engine.enable_backward_allreduce = False

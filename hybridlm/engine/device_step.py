@@ -3,8 +3,8 @@
 DeepSpeed's ``BF16_Optimizer.step`` (ZeRO-1, bf16 weights, fp32 gradient accumulation) reads the gradient norm
 on the host to decide whether to skip the step (``get_global_norm_of_tensors`` masks it with a host-made tensor,
 ``is_invalid_grad_norm`` reads it). So every step waits there for its backward, and the next forward is launched
-only after the optimizer, with the GPU's queue nearly empty: on an H200, 6-8 ms a GDN-300M step of the GPU waiting
-for the host to launch the forward's first layers (BENCHMARKS.md, "Training step breakdown").
+only after the optimizer, with the GPU's queue nearly empty: every step the GPU then waits for the host to launch
+the forward's first layers (BENCHMARKS.md, "Training step breakdown"; the switch: "Switches").
 
 :func:`step_on_device` replaces that step on one optimizer instance. It takes the norm over every rank's partition
 of the flat fp32 gradients (hybridlm/engine/clipping.py ``global_norm``), clips this rank's partitions by

@@ -6,7 +6,7 @@ during the forward pass, so at most one chunk of logits exists at a time. Per ch
 * logits = hidden @ weight.T in the activations' dtype (bf16 GEMM on tensor cores in training);
 * the loss and d loss / d logits = (softmax - onehot) / n_valid: one Triton kernel on GPU that writes the
   gradient over the chunk's logits (hybridlm/ops/cross_entropy.py; fla's fused cross-entropy with
-  ``--loss-kernel fla``), torch ops on CPU;
+  ``runtime.loss_kernel: fla``), torch ops on CPU;
 * grad_hidden = dlogits @ weight (through a transposed copy of the weight, so that both operands run along
   the vocabulary) and grad_weight += dlogits.T @ hidden: GEMMs in the activations' dtype, the weight gradient
   summed over chunks in fp32.
@@ -21,7 +21,6 @@ from typing import Callable
 
 import torch
 
-from hybridlm.ops.backend import kernel_source
 from hybridlm.ops.cross_entropy import cross_entropy_kernel
 
 IGNORE_INDEX = -100
@@ -29,8 +28,8 @@ IGNORE_INDEX = -100
 
 def add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` for an fp32 ``acc``. bf16 ``a``, ``b`` on CUDA: one GEMM that accumulates into ``acc`` in its
-    epilogue. The bf16 product, its fp32 copy and the add cost two passes over the [vocab, hidden] weight gradient
-    per chunk: 6 ms a GDN-300M step on an H200 (BENCHMARKS.md, "Training step breakdown")."""
+    epilogue. The bf16 product, its fp32 copy and the add cost two more passes over the [vocab, hidden] weight
+    gradient per chunk (BENCHMARKS.md, "The GEMMs by shape (GDN-300M)", the head's weight gradient)."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
     elif acc.is_cuda:
@@ -82,16 +81,16 @@ class ChunkedLinearHead(torch.autograd.Function):
 
 class CrossEntropyChunk:
     """Per-chunk mean token cross-entropy for :class:`ChunkedLinearHead`: loss and d (loss / n_valid) / d logits,
-    written over the chunk's logits: a Triton kernel (``triton``: the project's or fla's, see
-    hybridlm/ops/backend.py ``kernel_source``) or torch ops."""
+    written over the chunk's logits: a Triton kernel (``triton``: the project's or fla's, as ``loss_kernel``
+    says, the model's ``runtime.loss_kernel``) or torch ops."""
 
-    def __init__(self, labels: torch.Tensor, triton: bool = False):
-        self.labels, self.triton = labels, triton
+    def __init__(self, labels: torch.Tensor, triton: bool = False, loss_kernel: str = "project"):
+        self.labels, self.triton, self.loss_kernel = labels, triton, loss_kernel
         self.inv_n = (labels != IGNORE_INDEX).sum().clamp(min=1).float().reciprocal()
 
     def __call__(self, logits: torch.Tensor, rows: slice, need_grad: bool):
         target, inv_n = self.labels[rows], self.inv_n
-        if self.triton and kernel_source("loss") == "project":
+        if self.triton and self.loss_kernel == "project":
             # one kernel: the losses, and the gradient written over this chunk's logits (which are ours)
             losses = cross_entropy_kernel(logits, target, inv_n, write_grad=need_grad, ignore_index=IGNORE_INDEX)
             return losses.sum() * inv_n, (logits if need_grad else None)
@@ -119,11 +118,13 @@ class CrossEntropyChunk:
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         num_chunks: int = 8, triton: bool = False) -> torch.Tensor:
+                         num_chunks: int = 8, triton: bool = False, loss_kernel: str = "project") -> torch.Tensor:
     """Mean token cross-entropy of ``hidden @ weight.T`` against ``labels`` (``-100`` ignored).
 
     hidden ``[N, d]``, weight ``[V, d]``, labels ``[N]`` (already aligned: label i is the target of row i).
-    ``triton``: fla's fused cross-entropy kernel per chunk (CUDA, or the Triton interpreter).
+    ``triton``: a Triton cross-entropy kernel per chunk (CUDA, or the Triton interpreter): the project's
+    (``loss_kernel="project"``) or fla's fused cross-entropy (``"fla"``).
     """
     rows = -(-hidden.shape[0] // max(1, num_chunks))
-    return ChunkedLinearHead.apply(hidden, weight, CrossEntropyChunk(labels, triton), rows, torch.is_grad_enabled())
+    return ChunkedLinearHead.apply(hidden, weight, CrossEntropyChunk(labels, triton, loss_kernel), rows,
+                                   torch.is_grad_enabled())

@@ -299,7 +299,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         if shift_labels is not None:
             loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight,
                                         shift_labels.reshape(-1), self.config.runtime.loss_chunks,
-                                        triton=use_triton(self.config.runtime.backend, hidden))
+                                        triton=use_triton(self.config.runtime.backend, hidden),
+                                        loss_kernel=self.config.runtime.loss_kernel)
             if not return_logits:
                 return HybridCausalLMOutput(loss=loss, logits=None, hidden_states=states)
         if logits_to_keep:

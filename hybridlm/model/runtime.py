@@ -6,8 +6,8 @@ runtime=...)``, ``from_pretrained(path, runtime=...)`` or :meth:`HybridForCausal
 change the function the model computes; each switch is checked against its other setting by the tests
 (tests/test_fused_training.py, tests/gpu/). Precision is the engine's (``optim.precision``).
 
-Exports written before these settings left the model config carry them in ``config.json``; loading such a folder
-ignores them (:data:`RUNTIME_KEYS`), and the next save drops them.
+A ``config.json`` that carries any of these settings (an older export) loads with them ignored
+(:data:`RUNTIME_KEYS`), and the next save drops them.
 """
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from typing import Any, Mapping, Optional, Union
 
 from hybridlm.config.structured import Section, build_dataclass, setting
 from hybridlm.ops.backend import BACKENDS
+
+# where the project has its own Triton kernel for an op that fla also has: which one the Triton path runs
+KERNEL_SOURCES = ("project", "fla")
 
 
 @dataclass
@@ -47,24 +50,36 @@ class RuntimeSettings(Section):
     # --mamba2-fused-step off
     mamba2_fused_step: bool = True
     # decoding: MLA's absorbed attention of a decode step through the split-K Triton kernel
-    # (hybridlm/ops/latent_decode.py): on an H200 it took the route's decode step from 5.93 to 2.91 ms at 8k /
-    # batch 48 and 5.56 to 2.19 at 8k / batch 1 (BENCHMARKS.md, "Generation throughput"); off puts SDPA back
-    # (--mla-split-k off)
+    # (hybridlm/ops/latent_decode.py): SDPA walks the whole cache with one thread block a row, so its time grows
+    # with the context far faster than the bytes read; the kernel spreads the keys over the GPU, and the step
+    # then grows little from a 1k to an 8k context (BENCHMARKS.md, "The MLA decode kernel"); off is SDPA (the
+    # generation bench's --mla-split-k off)
     mla_split_k_decode: bool = True
     # decoding: a captured CUDA-graph step runs its norms and SwiGLU through fla's fused Triton kernels instead of
-    # the torch ops an eager decode step uses (fewer graph nodes; hybridlm/ops/backend.py). On: 1.24-1.33x faster
-    # per step on an H200 (BENCHMARKS.md, "Generation throughput"); --graph-small-kernels off is the before
+    # the torch ops an eager decode step uses (one graph node a norm where the torch ops are four;
+    # hybridlm/ops/backend.py; BENCHMARKS.md, "The decode fast path: what each piece is worth"); off is the
+    # generation bench's --graph-small-kernels off
     graph_small_kernels: bool = True
     # decoding: a captured step leaves each block's residual add to the next norm's kernel
-    # (hybridlm/ops/backend.py). On: 60 fewer kernels and 0.08-0.12 ms less per step on an H200 (BENCHMARKS.md,
-    # "Generation throughput"); --graph-fuse-residual off is the before
+    # (hybridlm/ops/backend.py): 60 fewer kernels a step (BENCHMARKS.md, "The decode fast path: what each piece is
+    # worth"); off is the generation bench's --graph-fuse-residual off
     graph_fuse_residual: bool = True
+    # Triton path: the mixers' short convs through the project's kernel (hybridlm/ops/causal_conv.py) or fla's
+    # causal_conv1d; "fla" also turns off the split conv (split_conv_outputs)
+    conv_kernel: str = setting("project", choices=KERNEL_SOURCES)
+    # Triton path: the RMSNorms and residual-add RMSNorms (hybridlm/ops/rms_norm.py), GDN's SiLU-gated and
+    # Mamba2's output norms (hybridlm/ops/gated_norm.py) through the project's kernels or fla's
+    norm_kernel: str = setting("project", choices=KERNEL_SOURCES)
+    # Triton path: the LM-head cross-entropy of each chunk through the project's kernel
+    # (hybridlm/ops/cross_entropy.py) or fla's fused cross-entropy
+    loss_kernel: str = setting("project", choices=KERNEL_SOURCES)
 
 
 RUNTIME_KEYS = tuple(f.name for f in dataclasses.fields(RuntimeSettings))
 # the settings a captured decode step bakes in: a model's kept decoder (hybridlm/model/graphs.py) serves a
 # generate call only under the values it was captured with
-DECODE_RUNTIME_KEYS = ("mamba2_fused_step", "mla_split_k_decode", "graph_small_kernels", "graph_fuse_residual")
+DECODE_RUNTIME_KEYS = ("mamba2_fused_step", "mla_split_k_decode", "graph_small_kernels", "graph_fuse_residual",
+                       "norm_kernel")
 
 
 def runtime_settings(value: Union[None, RuntimeSettings, Mapping[str, Any]], where: str = "runtime") -> RuntimeSettings:
@@ -86,4 +101,5 @@ def moved_key_error(where: str, key: str) -> Optional[str]:
     return None
 
 
-__all__ = ["RuntimeSettings", "RUNTIME_KEYS", "DECODE_RUNTIME_KEYS", "runtime_settings", "moved_key_error"]
+__all__ = ["RuntimeSettings", "KERNEL_SOURCES", "RUNTIME_KEYS", "DECODE_RUNTIME_KEYS", "runtime_settings",
+           "moved_key_error"]

@@ -45,10 +45,11 @@ def use_triton(backend: str, x: torch.Tensor) -> bool:
     return True
 
 
-# A decode step's norms and activations cover a few rows; through fla's Triton wrappers each costs ~0.2 ms of
-# host time (autograd Function, contiguity checks, the autotuner's lookup, the launch), several times the few
-# torch ops that do the same work. Measured on an H200: 61 RMSNorms were 12 of the 49 ms of an eager decode
-# step of the route's hybrid (benchmarks/decode_probe.py).
+# A decode step's norms and activations cover a few rows; through fla's Triton wrappers each costs host time
+# (autograd Function, contiguity checks, the autotuner's lookup, the launch), several times the few torch ops
+# that do the same work: in an eager decode step of the route's hybrid its 61 RMSNorms take about a quarter of
+# the step (benchmarks/decode_probe.py; the eager step: BENCHMARKS.md, "The decode fast path: what each piece
+# is worth").
 SMALL_CALL_ROWS = 256
 
 
@@ -75,14 +76,19 @@ class ScopedFlag:
         return self._var.get()
 
 
-# Inside, small inference calls take the fused Triton kernels too. For a CUDA graph's capture and its warm-up (which
-# must run the same kernels, to tune them outside the capture): a replay has no host-side launch cost, so one fused
-# kernel is one node of the graph where the torch ops of a norm are four.
+# ``runtime.graph_small_kernels`` (hybridlm/model/runtime.py) applied to a captured CUDA-graph decode step:
+# hybridlm/model/graphs.py ``GraphedDecoder.kernel_choices`` turns it on for the step's warm-up and capture (which
+# must run the same kernels) when the setting is on. Inside, small inference calls take the fused Triton kernels
+# too (:func:`use_triton_elementwise`): a replay has no host-side launch cost, so one fused kernel is one graph node
+# where the torch ops of a norm are four.
 SMALL_CALLS_THROUGH_KERNELS = ScopedFlag("small_calls_through_kernels")
 small_calls_through_kernels = SMALL_CALLS_THROUGH_KERNELS.on
 
-# Inside, the model leaves each sublayer's residual add to the next norm (fla's norm takes the residual: one kernel
-# where there were two). For a CUDA graph's capture too (hybridlm/model/modeling.py _forward_residual_adds_in_norms).
+# ``runtime.graph_fuse_residual`` (hybridlm/model/runtime.py) applied to a captured CUDA-graph decode step:
+# hybridlm/model/graphs.py ``GraphedDecoder.kernel_choices`` turns it on for the step's warm-up and capture when the
+# setting is on. Inside, the model outside training leaves each sublayer's residual add to the next norm (one
+# kernel instead of an add and a norm: hybridlm/model/modeling.py ``_forward_residual_adds_in_norms``); in training
+# ``runtime.fuse_residual_norm`` decides.
 RESIDUAL_ADDS_IN_NORMS = ScopedFlag("residual_adds_in_norms")
 residual_adds_in_norms = RESIDUAL_ADDS_IN_NORMS.on
 residual_adds_in_norms_active = RESIDUAL_ADDS_IN_NORMS.active
@@ -94,26 +100,3 @@ def use_triton_elementwise(backend: str, x: torch.Tensor) -> bool:
     ``triton`` backend keeps the kernels."""
     return use_triton(backend, x) and (backend != "auto" or SMALL_CALLS_THROUGH_KERNELS.active()
                                        or not is_small_inference_call(x))
-
-
-# Where the project has its own Triton kernel for an op that fla also has, which one the Triton path runs: the
-# project's (the default) or fla's. Process-wide switches (benchmarks.train_speed --conv-kernel / --norm-kernel /
-# --loss-kernel) for measuring both. conv: hybridlm/ops/causal_conv.py against fla's causal_conv1d; norm:
-# hybridlm/ops/rms_norm.py against fla's rms_norm (the plain and the residual-add RMSNorm) and
-# hybridlm/ops/gated_norm.py against fla's gated norms (Mamba2's grouped one; GDN's per-head one with its SiLU gate,
-# KDA's sigmoid gate stays fla's);
-# loss: hybridlm/ops/cross_entropy.py against fla's fused cross-entropy.
-KERNEL_SOURCES = ("project", "fla")
-_kernel_source = {"conv": "project", "norm": "project", "loss": "project"}
-
-
-def set_kernel_source(op: str, source: str) -> None:
-    if op not in _kernel_source:
-        raise ValueError(f"kernel switch: op must be one of {sorted(_kernel_source)}, got {op!r}")
-    if source not in KERNEL_SOURCES:
-        raise ValueError(f"{op} kernel must be one of {KERNEL_SOURCES}, got {source!r}")
-    _kernel_source[op] = source
-
-
-def kernel_source(op: str) -> str:
-    return _kernel_source[op]

@@ -3,23 +3,24 @@
 The training path of every recurrent mixer runs one such conv per layer (Mamba2 over ``[x | B | C]``, 3,072
 channels at 300M; GDN / KDA over q, k and v). fla's ``causal_conv1d`` (fla/modules/causal_conv1d/ops.py) first
 recomputes the forward into a new tensor, then one kernel reads that tensor and ``dy`` once per tap and writes the
-weight gradient as one fp32 row per tile and tap. On an H200 that backward took 41 ms of Mamba2-300M's 756 ms step
-(12 layers of [64, 2048, 3072]; 3.4 ms a layer where reading x and dy and writing dx is ~0.5 ms of memory traffic).
+weight gradient as one fp32 row per tile and tap. At Mamba2-300M's shape (12 layers of [64, 2048, 3072]) that
+backward takes several times what reading x and dy and writing dx once would take (BENCHMARKS.md, "Non-GEMM
+kernels alone", fla's conv against the memory floor).
 
 :func:`causal_conv` computes the same function (``silu(b + sum_i w[:, i] x[t - W + 1 + i])``, fp32 sums in fla's
 tap order). Backward, pass 1 per ``[BT, BD]`` tile (a program takes :func:`pass1_tiles` of them in time): the
 pre-activation from ``x`` (its shifted tiles come from cache), ``da = dy * silu'(pre)`` stored in dy's dtype, and
 fp32 partials of ``dw`` and ``db`` from the same x tiles, accumulated element-wise and summed over time once per
-program (one row per program, summed after); pass 2: ``dx``, the transposed conv of ``da``. A first version did
-it in one pass, recomputing the pre-activation of the ``W - 1`` following rows for every tap instead of storing
-``da``: at the Mamba2 shape it was slower than fla's (BENCHMARKS.md, "Training step breakdown").
+program (one row per program, summed after); pass 2: ``dx``, the transposed conv of ``da``. Two passes,
+because one pass would recompute the pre-activation of the ``W - 1`` following rows for every tap instead of
+storing ``da``, slower than fla's at the Mamba2 shape (BENCHMARKS.md, "Training step breakdown").
 
 :func:`causal_conv_reference` is the torch twin the tests hold the kernels to (through Triton's interpreter on
 CPU, compiled on GPU). No cached state: generation's conv continues from a state through
 ``hybridlm.ops.elementwise.short_conv_with_state``, which prepends the state and calls this.
 
 :func:`causal_conv_split` writes the conv's output over adjacent column blocks of one input as one contiguous
-tensor per block (GDN / KDA's q, k and v, which the fused projection leaves side by side and which had a conv each;
+tensor per block (GDN / KDA's q, k and v, which the fused projection leaves side by side and which have a conv each;
 Mamba2's x, B and C): what fla's recurrence kernels take without a copy. The kernels take up to three output
 segments; a channel block never straddles two (the autotuner keeps only channel blocks that divide every
 segment's width). Its backward can write dx into the input's slot of a split projection's gradient
@@ -166,8 +167,8 @@ def _causal_conv_bwd_weight_kernel(x, w, b, dy0, dy1, dy2, da, dw, db, T, NG, s_
     ``db [B * NG, D]``, NG = the tile groups per sequence). The products accumulate element-wise in a
     ``[BR, WP, BD]`` tile (all taps' shifted x rows in one load, from cache: the pre-activation just read them)
     and are summed over time once per program, not once per tap and tile (a sum over a tile's rows crosses
-    warps): at Mamba2's width the conv went from 3.29 to 2.70 ms forward + backward (BENCHMARKS.md,
-    "Training step breakdown"); the pass is still ~3x its memory time. With ``BR = BT`` that tile takes 186 registers a
+    warps), which makes the conv faster at Mamba2's width; the pass still takes ~3x its memory time
+    (BENCHMARKS.md, "Non-GEMM kernels alone"). With ``BR = BT`` that tile takes 186 registers a
     thread at 64 channels and 8 warps (one block an SM: few loads in flight for a memory-bound pass); fewer rows
     at a time take fewer (``python -m benchmarks.harness.kernel_compile``), and the autotuner picks.
     In the first ``NW`` channels (a head a block) ``dy`` is the sum over the head's ``REPEAT`` copies, taken back

@@ -4,16 +4,16 @@ The chunked LM-head loss (hybridlm/model/loss.py) needs, per chunk of ``[rows, v
 and ``d loss / d logits = (softmax - onehot) * scale`` before the chunk's GEMMs fold that gradient into the hidden
 states' and the head's. fla's kernel (fla/modules/fused_cross_entropy) does it in two launches: the forward reads
 the logits for the log-sum-exp, then autograd runs its backward, which reads them again and writes the gradient.
-At 131k tokens and Llama-3's 128,256-word vocabulary that is 34 GB read twice and written once per step: 31 ms of
-GDN-300M's 520 ms step on an H200 (BENCHMARKS.md, "Training step breakdown").
+At 131k tokens and Llama-3's 128,256-word vocabulary that is 34 GB read twice and written once per step
+(BENCHMARKS.md, "Non-GEMM kernels alone", the LM-head cross-entropy against fla's and the memory floor).
 
 Here one program per row computes the log-sum-exp in one sweep (an online max and sum per lane), then sweeps the
 row again to write the gradient over the logits in place. A row is 256 KB in bf16: with ~2,000 rows in flight on
 an H200 the second sweep reads HBM again, so three passes over the chunk bound it, not the two of its floor.
-Tried on an H200 and dropped (BENCHMARKS.md, "Training step breakdown"): a loop over rows, so that a bounded number
-of programs could keep the rows in flight within L2 for the second sweep. With 132-528 programs it was 1.5-2.8x
-slower (too few loads in flight); even at one row per program the loop cost the training step ~5 ms. A one-exp
-online update of the first sweep ran only together with that loop, so its own effect is unmeasured.
+No loop over rows: a bounded number of programs could keep their rows within L2 for the second sweep, but with
+one to four programs an SM that is 1.5-2.8x slower (too few loads in flight), and even at one row per program
+the loop slows the training step. A one-exp online update of the first sweep has been measured only together
+with that loop, so its own effect is unknown.
 
 :func:`cross_entropy_reference` is the torch twin the tests hold the kernel to.
 """
@@ -27,8 +27,8 @@ tl = None  # triton.language, bound by load_triton(globals()) on first use (hybr
 _KERNEL = None
 # columns per sweep step and warps (not autotuned: the kernel writes over its input, so the autotuner's repeated
 # runs would need a copy of the chunk, GiBs at the training shapes); benchmarks/kernel_bench.py sweeps them.
-# On an H200 2048 x 4 beat 4096 x 8 alone (3.16 against 3.26 ms a chunk) and in GDN-300M's step (29.4 against
-# 32.9 ms of loss kernels, measured with the row loop dropped since): BENCHMARKS.md, "Training step breakdown".
+# 2048 x 4 is the fastest of the tilings swept alone, and beats 4096 x 8 in GDN-300M's step too (BENCHMARKS.md,
+# "Non-GEMM kernels alone").
 BLOCK_V, NUM_WARPS = 2048, 4
 
 

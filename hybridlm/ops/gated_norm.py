@@ -1,14 +1,14 @@
 """The mixers' gated output norms in one Triton kernel, forward and backward.
 
 - Mamba2 (:func:`gated_norm_skip`): the D skip, the SiLU gate and the grouped RMSNorm,
-  ``out = rms_norm_per_group((y + D_h x) * silu(z)) * w``. On the Triton training path these were an ``addcmul``
-  for the skip (its backward a multiply for x's gradient and a reduction for D's) and fla's grouped gated norm
-  (fla/modules/layernorm_gated.py), whose backward alone took 21.8 ms of Mamba2-300M's ~740 ms step on an H200
-  (1.8 ms a layer where its reads and writes are ~0.6 ms of memory traffic; BENCHMARKS.md,
-  "Training step breakdown").
+  ``out = rms_norm_per_group((y + D_h x) * silu(z)) * w``. Through fla (``runtime.norm_kernel: fla``) that is an
+  ``addcmul`` for the skip (its backward a multiply for x's gradient and a reduction for D's) and fla's grouped
+  gated norm (fla/modules/layernorm_gated.py), whose backward alone takes about three times its memory traffic
+  (BENCHMARKS.md, "Non-GEMM kernels alone", the Mamba2-300M output stage).
 - GDN (:func:`norm_then_gate`): the per-head RMSNorm, then the gate, ``out = rms_norm_per_head(y) * w * silu(z)``,
   the heads sharing ``w``. fla's kernel for it (fla/modules/fused_norm_gate.py) first copies z, which the fused
-  projection hands over as a column slice: 2.0 ms a GDN-300M step (BENCHMARKS.md, "Training step breakdown").
+  projection hands over as a column slice: one more read and write of z a layer (BENCHMARKS.md, "Training step
+  breakdown").
 
 The forward reads y, (x,) and z once and writes ``out`` and one fp32 ``rstd`` per row and group; the backward
 recomputes the rest from those inputs and writes dy, (the skip's gradient of x,) dz, and fp32 partials of dw

@@ -3,8 +3,8 @@
 A mixer's fused projection (hybridlm/model/layers/projections.py; Mamba2's ``in_proj``) is one GEMM whose output
 is split into column blocks (GDN: q | k | v, beta, decay, gate; Mamba2: z, x | B | C, dt). Through ``split``,
 autograd assembles the output's gradient by concatenating the blocks' gradients: one more full-size write and
-read a layer, ``CatArrayBatchedCopy`` in a profile (on an H200: 2.8 ms of GDN-300M's step, 8.7 ms of
-Mamba2-300M's; BENCHMARKS.md, "Training step breakdown").
+read a layer, ``CatArrayBatchedCopy`` in a profile, more of it for Mamba2's wider projection than for GDN's
+(BENCHMARKS.md, "Switches", ``runtime.projection_grads_in_place``).
 
 :func:`split_columns` splits the same way and gives each block a :class:`GradientSlot`: that block's columns of
 one gradient buffer, made when first asked for. A consumer whose backward writes its input's gradient itself (the

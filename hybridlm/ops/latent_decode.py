@@ -4,8 +4,8 @@ A decode step of :class:`hybridlm.model.layers.mla.MultiHeadLatentAttention` att
 (heads folded into the query length, T = 1 when decoding) to one shared key "head", the cached ``[latent |
 k_rope]`` rows, and takes the latent part as the value. Through SDPA that is one query block against all S keys:
 one thread block walks the whole cache, so at batch 1 the step's time grows with S at far below the memory's
-speed (on an H200, ~3 ms more per step from a 1k to an 8k context across 8 MLA layers, for 17 MB more to read:
-BENCHMARKS.md, "Generation throughput").
+speed (from a 1k to an 8k context the 8 MLA layers read 17 MB more, and the step grows by hundreds of times
+what reading those bytes takes: BENCHMARKS.md, "The MLA decode kernel").
 
 :func:`latent_attention_decode` splits the keys into ``n_splits`` ranges, one program per (row of the batch,
 range): each computes the scores of its keys for all query rows (``q_lat . k_lat + q_rope . k_rope``, fp32

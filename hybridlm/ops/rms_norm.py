@@ -4,8 +4,9 @@ Every block runs two of these per layer (the pre-norms of the mixer and of the M
 residual add folded in: hybridlm/model/modeling.py ``_forward_residual_adds_in_norms``). fla's norm
 (fla/modules/norm/layernorm.py) runs its backward at hidden sizes above 512 as one program per SM that walks its
 ~1,000 rows one at a time (``layer_norm_bwd_kernel_row``): a row of 1,024 channels per iteration leaves the memory
-system mostly idle, and on an H200 the 25 norm backwards of GDN-300M took 30.7 ms a step where reading ``x``,
-``dy``, the residual's gradient and writing ``dx`` is ~6 ms of traffic (BENCHMARKS.md, "Training step breakdown").
+system mostly idle: the 25 norm backwards of a GDN-300M step take about five times what reading ``x``, ``dy``,
+the residual's gradient and writing ``dx`` takes (BENCHMARKS.md, "Non-GEMM kernels alone", fla's norm against
+the memory floor).
 
 Here each program of the backward also loops over row blocks (one per SM times a few, for the weight gradient's
 partials), but takes ``BR`` rows per iteration, so each load is ``BR`` rows wide. The forward takes ``BR`` rows per

@@ -62,9 +62,9 @@ def test_rms_norm_matches_the_twin_and_fla(dtype, with_delta):
 
 
 def _check_output_stage(op, reference, inputs, dout, names, dtype):
-    """A gated output norm ``op(*inputs)`` through the project's kernel: outputs and gradients within ``tol`` of
-    ``reference`` in fp64 on the CPU and no worse than through fla's kernel (``--norm-kernel fla``)."""
-    from hybridlm.ops.backend import set_kernel_source
+    """A gated output norm ``op(norm_kernel, *inputs)`` through the project's kernel: outputs and gradients within
+    ``tol`` of ``reference`` in fp64 on the CPU and no worse than through fla's kernel (``runtime.norm_kernel``
+    fla)."""
 
     def grads(fn, *tensors):
         leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
@@ -73,13 +73,7 @@ def _check_output_stage(op, reference, inputs, dout, names, dtype):
         return [out.detach()] + [t.grad for t in leaves]
 
     def through(source):
-        def run(*tensors):
-            set_kernel_source("norm", source)
-            try:
-                return op(*tensors)
-            finally:
-                set_kernel_source("norm", "project")
-        return run
+        return lambda *tensors: op(source, *tensors)
 
     got = grads(through("project"), *inputs)
     peer = grads(through("fla"), *inputs)
@@ -103,7 +97,7 @@ def test_gdn_output_norm_matches_the_twin_and_fla(dtype):
     weight = (1 + 0.1 * torch.randn(V, device=DEVICE)).to(dtype)
     dout = torch.randn(R, H, V, device=DEVICE, dtype=dtype)
     _check_output_stage(
-        lambda y, z, w: gated_rms_norm(y, z, w, eps, triton=True),
+        lambda kernel, y, z, w: gated_rms_norm(y, z, w, eps, triton=True, norm_kernel=kernel),
         lambda y, z, w: norm_then_gate_reference(y.flatten(-2), z.flatten(-2), w, eps).view(y.shape),
         (y, z, weight), dout, ("out", "dy", "dz", "dw"), dtype)
 
@@ -123,7 +117,7 @@ def test_mamba2_output_stage_matches_the_twin_and_fla(dtype):
     weight = (1 + 0.1 * torch.randn(C, device=DEVICE)).to(dtype)
     dout = torch.randn(R, C, device=DEVICE, dtype=dtype)
     _check_output_stage(
-        lambda y, x, D, z, w: skip_gated_rms_norm(y, x, D, z, w, eps, G, triton=True),
+        lambda kernel, y, x, D, z, w: skip_gated_rms_norm(y, x, D, z, w, eps, G, triton=True, norm_kernel=kernel),
         lambda *a: gated_norm_skip_reference(*a, eps, G),
         (y, x, D, z, weight), dout, ("out", "dy", "dx", "dD", "dz", "dw"), dtype)
 
@@ -155,7 +149,6 @@ def test_chunked_loss_with_either_kernel_agrees():
     """The model's chunked LM-head loss (hybridlm/model/loss.py) with the project's kernel against fla's: the loss
     and the gradients of the hidden states and the head, bf16 as in training."""
     from hybridlm.model.loss import linear_cross_entropy
-    from hybridlm.ops.backend import set_kernel_source
     torch.manual_seed(0)
     n, d, V = scaled(4096, 64), scaled(1024, 64), scaled(128256, 200)
     h = torch.randn(n, d, device=DEVICE, dtype=torch.bfloat16)
@@ -163,15 +156,11 @@ def test_chunked_loss_with_either_kernel_agrees():
     y = torch.randint(0, V, (n,), device=DEVICE)
     y[::11] = -100
     results = {}
-    try:
-        for source in ("fla", "project"):
-            set_kernel_source("loss", source)
-            hl, wl = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-            loss = linear_cross_entropy(hl, wl, y, num_chunks=4, triton=True)
-            loss.backward()
-            results[source] = (loss.detach(), hl.grad, wl.grad)
-    finally:
-        set_kernel_source("loss", "project")
+    for source in ("fla", "project"):
+        hl, wl = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        loss = linear_cross_entropy(hl, wl, y, num_chunks=4, triton=True, loss_kernel=source)
+        loss.backward()
+        results[source] = (loss.detach(), hl.grad, wl.grad)
     for a, b in zip(results["project"], results["fla"]):
         assert rel_err(a, b) < 1e-2, rel_err(a, b)
 

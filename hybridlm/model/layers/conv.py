@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from hybridlm.model.layers.init import init_short_conv
-from hybridlm.ops.backend import kernel_source
+from hybridlm.model.runtime import RuntimeSettings
 from hybridlm.ops.elementwise import short_conv, short_conv_with_state
 
 
@@ -11,7 +11,7 @@ class ShortConv(nn.Module):
     """Holds a depthwise kernel ``weight [dim, width]`` (and optional bias), initialised as fla initialises its
     ``ShortConvolution``: weight normal(0, std) with the model's ``initializer_range`` (set by the model's
     ``_init_weights``; 0.02 standalone), bias 0. Mamba2 re-draws its conv with PyTorch's Conv1d default (std ~0.29
-    at width 4: :func:`hybridlm.model.layers.init.init_short_conv_uniform`), as GDN / KDA had it before."""
+    at width 4: :func:`hybridlm.model.layers.init.init_short_conv_uniform`)."""
 
     def __init__(self, dim: int, width: int, bias: bool = False):
         super().__init__()
@@ -37,18 +37,21 @@ def recurrent_context(ctx, layer_idx: int, x: torch.Tensor):
     return ctx.layer(layer_idx), ctx.zero_padding(x)
 
 
-def split_conv_applies(split_conv_outputs: bool, triton: bool, cache) -> bool:
-    """Whether a mixer runs its conv through ``causal_conv_split`` (hybridlm/ops/causal_conv.py): the model key
-    ``split_conv_outputs`` on, on the Triton path with the project's conv kernel, outside generation (whose conv
-    continues from cached states, which the split conv does not take)."""
-    return split_conv_outputs and triton and cache is None and kernel_source("conv") == "project"
+def split_conv_applies(runtime: RuntimeSettings, triton: bool, cache) -> bool:
+    """Whether a mixer runs its conv through ``causal_conv_split`` (hybridlm/ops/causal_conv.py):
+    ``runtime.split_conv_outputs`` on, on the Triton path with the project's conv kernel (``runtime.conv_kernel``),
+    outside generation (whose conv continues from cached states, which the split conv does not take)."""
+    return runtime.split_conv_outputs and triton and cache is None and runtime.conv_kernel == "project"
 
 
-def run_short_conv(conv: ShortConv, x: torch.Tensor, triton: bool, cache=None, name: str = "conv") -> torch.Tensor:
+def run_short_conv(conv: ShortConv, x: torch.Tensor, triton: bool, cache=None, name: str = "conv",
+                   conv_kernel: str = "project") -> torch.Tensor:
     """``silu(conv(x))``; with a :class:`~hybridlm.model.cache.RecurrentCacheLayer` the conv continues from
-    (and updates) its conv state ``name`` (in place for a static cache)."""
+    (and updates) its conv state ``name`` (in place for a static cache). ``conv_kernel``: the model's
+    ``runtime.conv_kernel``."""
     if cache is None:
-        return short_conv(x, conv.weight, conv.bias, "silu", triton)
-    y, state = short_conv_with_state(x, cache.conv_states.get(name), conv.weight, conv.bias, "silu", triton)
+        return short_conv(x, conv.weight, conv.bias, "silu", triton, conv_kernel)
+    y, state = short_conv_with_state(x, cache.conv_states.get(name), conv.weight, conv.bias, "silu", triton,
+                                     conv_kernel)
     cache.set_conv(name, state)
     return y

@@ -115,7 +115,7 @@ class DeltaRuleMixer(nn.Module):
         norm write theirs (hybridlm/ops/gradient_slots.py)."""
         linears = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.gate_projections())
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        join = (split_conv_applies(self.runtime.split_conv_outputs, triton, cache)
+        join = (split_conv_applies(self.runtime, triton, cache)
                 and len({c.bias is None for c in convs}) == 1)
         in_place = self.runtime.projection_grads_in_place and triton and cache is None
         outputs = project(x, linears, fuse=self.runtime.fuse_projections, join_first=3 if join else 1,
@@ -130,8 +130,9 @@ class DeltaRuleMixer(nn.Module):
                                        grad_slot=gradient_slot(qkv), head_norm=head_norm if normalise else None),
                     *rest), normalise
         q, k, v, *rest = outputs
-        return (*(run_short_conv(c, t, triton, cache, name) for c, t, name in zip(convs, (q, k, v), "qkv")),
-                *rest), False
+        conv_kernel = self.runtime.conv_kernel
+        return (*(run_short_conv(c, t, triton, cache, name, conv_kernel)
+                  for c, t, name in zip(convs, (q, k, v), "qkv")), *rest), False
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -164,7 +165,8 @@ class DeltaRuleMixer(nn.Module):
         z_slot = gradient_slot(z) if gate is z else None  # z's gradient written in place (gradient_slots.py)
         o = gated_rms_norm(o, gate.view(B, T, self.num_v_heads, self.head_v_dim), self.o_norm_weight, self.norm_eps,
                            activation=self.output_gate_activation,
-                           triton=triton and use_triton_elementwise(self.runtime.backend, o), z_grad_slot=z_slot)
+                           triton=triton and use_triton_elementwise(self.runtime.backend, o), z_grad_slot=z_slot,
+                           norm_kernel=self.runtime.norm_kernel)
         return self.o_proj(o.reshape(B, T, self.value_dim).to(x.dtype))
 
 

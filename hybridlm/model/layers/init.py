@@ -9,7 +9,9 @@ its B, C and x so small that the SSD's output starts at 1e-4 of the D skip's, an
 slower in 300 steps (docs/initialisation.md); GDN and KDA L2-normalise q and k after the conv, so fla's small
 conv suits them.
 
-What this toolkit did before, part by part, is :mod:`benchmarks.harness.legacy_init` (the loss-parity ablation).
+The alternatives the loss-parity ablation compares, part by part (PyTorch's Conv1d default for every short conv
+and its bias, normal(0, ``initializer_range``) for Mamba2's ``out_proj``, fla's conv for Mamba2), are
+:mod:`benchmarks.harness.legacy_init`.
 """
 import math
 

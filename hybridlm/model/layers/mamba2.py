@@ -102,7 +102,8 @@ class Mamba2(nn.Module):
             cache.advance(state, T)
         y = skip_gated_rms_norm(y.reshape(Bsz, T, self.d_inner), x.reshape(Bsz, T, self.d_inner), self.D, z,
                                 self.norm_weight, self.norm_eps, group_size=self.d_inner // self.n_groups,
-                                triton=triton and use_triton_elementwise(self.runtime.backend, y), z_grad_slot=gradient_slot(z))
+                                triton=triton and use_triton_elementwise(self.runtime.backend, y), z_grad_slot=gradient_slot(z),
+                                norm_kernel=self.runtime.norm_kernel)
         return self.out_proj(y.to(hidden.dtype))
 
     def _project(self, hidden: torch.Tensor, triton: bool, cache) -> list:
@@ -116,13 +117,13 @@ class Mamba2(nn.Module):
     def _convolve(self, xbc: torch.Tensor, triton: bool, cache, ctx) -> tuple:
         """x, B and C after the conv + SiLU over ``xbc = [x | B | C]``. In training with ``split_conv_outputs``,
         each written as its own contiguous tensor (hybridlm/ops/causal_conv.py ``causal_conv_split``): fla's scan
-        (its ``input_guard``) copies a non-contiguous input first, and x as a column block of one output is one.
-        A Mamba2-300M profile on an H200 has that copy kernel in every layer, 8.0 ms a step (BENCHMARKS.md,
+        (its ``input_guard``) copies a non-contiguous input first, and x as a column block of one output is one:
+        without the split, one more full read and write of x in every layer, a copy kernel (BENCHMARKS.md,
         "Training step breakdown")."""
         widths = (self.d_xb, self.d_b, self.n_groups * self.d_state)
-        if split_conv_applies(self.runtime.split_conv_outputs, triton, cache):
+        if split_conv_applies(self.runtime, triton, cache):
             return causal_conv_split(xbc, self.conv1d.weight, self.conv1d.bias, widths, grad_slot=gradient_slot(xbc))
-        xbc = run_short_conv(self.conv1d, xbc, triton, cache)
+        xbc = run_short_conv(self.conv1d, xbc, triton, cache, conv_kernel=self.runtime.conv_kernel)
         if ctx is not None:
             xbc = ctx.zero_padding(xbc)
         return xbc.split(widths, dim=-1)

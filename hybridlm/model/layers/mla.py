@@ -33,8 +33,9 @@ from hybridlm.ops.backend import use_triton
 from hybridlm.ops.latent_decode import MAX_ROWS, latent_attention_decode
 
 # Attention over the cache leaves cuDNN's SDPA out: torch picks it first on Hopper, and it builds an execution
-# plan for every new key length, i.e. at every decoding step (with it, the eager decode of the upcycled
-# SmolLM2 hybrid took 93 ms per step on an H200; BENCHMARKS.md, "Generation throughput"). Flash / memory-efficient need none.
+# plan for every new key length, i.e. at every decoding step: host work that makes the eager decode step of the
+# upcycled SmolLM2 hybrid several times slower (BENCHMARKS.md, "Generation throughput"). Flash / memory-efficient
+# need none.
 _CACHE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

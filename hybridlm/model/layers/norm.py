@@ -18,10 +18,12 @@ class RMSNorm(nn.Module):
         self.runtime = RuntimeSettings() if runtime is None else runtime
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, triton=use_triton_elementwise(self.runtime.backend, x))
+        return rms_norm(x, self.weight, self.eps, triton=use_triton_elementwise(self.runtime.backend, x),
+                        norm_kernel=self.runtime.norm_kernel)
 
     def add_and_normalise(self, x: torch.Tensor, delta: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(x + delta), x + delta)``, one kernel on the fused path; ``delta=None``: ``(self(x), x)``."""
         if delta is None:
             return self(x), x
-        return add_rms_norm(x, delta, self.weight, self.eps, triton=use_triton_elementwise(self.runtime.backend, x))
+        return add_rms_norm(x, delta, self.weight, self.eps, triton=use_triton_elementwise(self.runtime.backend, x),
+                            norm_kernel=self.runtime.norm_kernel)
