@@ -1,4 +1,5 @@
-"""The training-time fusions on a GPU (needs CUDA; their CPU tests are tests/test_fused_training.py).
+"""The training-time fusions on the GPU path (their torch-path tests are tests/test_fused_training.py). On CUDA at the
+shapes below; under Triton's interpreter at conftest's tiny shapes (tests/support/gpu_path.py).
 
 1. The packed SwiGLU kernels (hybridlm/ops/swiglu_packed.py) compiled, at the 300M MLP's width with the packed
    tensor a GEMM's output: forward and gradient against the torch twin in fp64 on the CPU, and no worse than fla's
@@ -16,8 +17,9 @@ import torch
 from conftest import rel_err
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.ops.swiglu_packed import swiglu_packed_kernel, swiglu_packed_reference
+from tests.support.gpu_path import DEVICE, generator, scaled
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu]
 
 
 def _value_and_grad(fn, y, dz):
@@ -31,8 +33,10 @@ def _value_and_grad(fn, y, dz):
 def test_packed_swiglu_matches_the_twin_and_fla(dtype):
     from fla.modules.activations import swiglu
     torch.manual_seed(0)
-    y = torch.randn(2, 1000, 2 * 4096, device="cuda", dtype=dtype) * 2
-    dz = torch.randn(2, 1000, 4096, device="cuda", dtype=dtype)
+    # under the interpreter, rows and columns that end in part of a tile
+    T, F = scaled((1000, 4096), (37, 100))
+    y = torch.randn(2, T, 2 * F, device=DEVICE, dtype=dtype) * 2
+    dz = torch.randn(2, T, F, device=DEVICE, dtype=dtype)
     ours = _value_and_grad(swiglu_packed_kernel, y, dz)
     twin = _value_and_grad(swiglu_packed_reference, y.double().cpu(), dz.double().cpu())
     fla = _value_and_grad(lambda t: swiglu(*t.chunk(2, -1)), y, dz)
@@ -43,17 +47,30 @@ def test_packed_swiglu_matches_the_twin_and_fla(dtype):
         assert rel_err(o, t) <= 1.5 * rel_err(f, t) + 1e-7, (name, rel_err(o, t), rel_err(f, t))
 
 
-def _model(pattern, backend="triton", device="cuda", **switches):
+SHAPES = scaled(
+    dict(vocab_size=1024, hidden_size=256, intermediate_size=512,
+         mla=dict(num_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                  v_head_dim=32),
+         gdn=dict(num_heads=2, head_dim=64, num_v_heads=4, head_v_dim=64),
+         kda=dict(num_heads=2, head_dim=64, num_v_heads=2, head_v_dim=64),
+         mamba2=dict(d_state=64, head_dim=64, n_groups=1, expand=2)),
+    # conftest's tiny_config shapes, one Mamba2 group as above, a smaller vocabulary
+    dict(vocab_size=256, hidden_size=64, intermediate_size=128,
+         mla=dict(num_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16),
+         gdn=dict(num_heads=2, head_dim=16, num_v_heads=4, head_v_dim=8),
+         kda=dict(num_heads=2, head_dim=16, num_v_heads=2, head_v_dim=16),
+         mamba2=dict(d_state=16, head_dim=16, n_groups=1, expand=2)))
+# under the interpreter one sequence within fla's 64-token chunk: test_triton_paths runs these fusions (the runtime's
+# defaults) on two sequences past it
+BATCH, SEQ = scaled((2, 512), (1, 40))
+
+
+def _model(pattern, backend="triton", **switches):
+    """Backend ``triton`` runs on CUDA, and on a CPU under the interpreter."""
     torch.manual_seed(0)
-    cfg = HybridConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
-                       runtime=dict(backend=backend, **switches),
-                       hybrid_override_pattern=pattern, initializer_range=0.05,
-                       mla=dict(num_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
-                                qk_rope_head_dim=16, v_head_dim=32),
-                       gdn=dict(num_heads=2, head_dim=64, num_v_heads=4, head_v_dim=64),
-                       kda=dict(num_heads=2, head_dim=64, num_v_heads=2, head_v_dim=64),
-                       mamba2=dict(d_state=64, head_dim=64, n_groups=1, expand=2))
-    return HybridForCausalLM(cfg).to(device).train()
+    cfg = HybridConfig(**SHAPES, runtime=dict(backend=backend, **switches), hybrid_override_pattern=pattern,
+                       initializer_range=0.05)
+    return HybridForCausalLM(cfg).to(DEVICE).train()
 
 
 def _loss_and_grads(model, ids):
@@ -82,7 +99,7 @@ def test_fused_training_step_matches_the_unfused_one(pattern, keys):
     # the referee: the same weights in fp32 through the torch path (no TF32), which neither side shares
     reference = _model(pattern, backend="torch", **UNFUSED)
     reference.load_state_dict({n: t.float() for n, t in fused.state_dict().items()})
-    ids = torch.randint(1, 1024, (2, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    ids = torch.randint(1, SHAPES["vocab_size"], (BATCH, SEQ), device=DEVICE, generator=generator(1))
     (loss_f, grads_f), (loss_p, grads_p) = (_loss_and_grads(m, ids) for m in (fused, plain))
     loss_r, grads_r = _loss_and_grads(reference, ids)
     assert abs(loss_f - loss_r) < 2e-3 * abs(loss_r) and abs(loss_p - loss_r) < 2e-3 * abs(loss_r)

@@ -1,4 +1,5 @@
-"""Triton path vs torch path of every sublayer and the whole model, forward and backward (needs CUDA)."""
+"""Triton path vs torch path of every sublayer and the whole model, forward and backward (on CUDA at the 300M shapes;
+under Triton's interpreter at conftest's tiny shapes, tests/support/gpu_path.py)."""
 import json
 import os
 
@@ -9,8 +10,16 @@ from benchmarks.harness.parity import compare_paths, relative_errors, run_path
 from hybridlm.model import HybridConfig, HybridForCausalLM
 from hybridlm.model.layers import SUBLAYERS
 from benchmarks.harness.mixers import SHAPES_300M
+from conftest import tiny_config
+from tests.support.gpu_path import DEVICE, scaled
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu]
+
+
+def _config(**overrides) -> HybridConfig:
+    """The 300M shapes on CUDA, conftest's tiny ones under the interpreter; both of pattern "*-G-K-S-" (every
+    sublayer kind). run_path and compare_paths set the backend of each run."""
+    return scaled(HybridConfig(**{**SHAPES_300M, **overrides}), tiny_config(**overrides))
 
 # fla's chunk kernels use TF32 tensor-core dots even for fp32 inputs (seen on an H200: GDN fp32 output
 # 7e-4, A_log grad 7e-3 relative L2); bf16 rounds every intermediate (GDN 8e-3 / 1.4e-2, Mamba2 4e-3 / 6e-3).
@@ -33,12 +42,12 @@ def record(name: str, errs: dict) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["gdn", "kda", "mamba2", "mla", "mlp"])
-@pytest.mark.parametrize("T", [300])
+@pytest.mark.parametrize("T", [scaled(300, 70)])  # past fla's 64-token chunk
 def test_sublayer_triton_matches_torch(kind, dtype, T):
-    cfg = HybridConfig(**SHAPES_300M)
+    cfg = _config()
     torch.manual_seed(0)
-    layer = SUBLAYERS[kind](cfg, 0).cuda().to(dtype)
-    run = lambda backend: run_path(layer, backend, lambda: torch.randn(2, T, cfg.hidden_size, device="cuda",
+    layer = SUBLAYERS[kind](cfg, 0).to(DEVICE, dtype)
+    run = lambda backend: run_path(layer, backend, lambda: torch.randn(2, T, cfg.hidden_size, device=DEVICE,
                                                                       dtype=dtype), lambda m, x: m(x))
     errs = relative_errors(run("triton"), run("torch"))
     per_param = errs.pop("per_param")
@@ -52,10 +61,11 @@ def test_sublayer_triton_matches_torch(kind, dtype, T):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_whole_model_loss_and_grads_match(dtype):
-    cfg = HybridConfig(**{**SHAPES_300M, "vocab_size": 4096})
+    vocab = scaled(4096, 512)
+    cfg = _config(vocab_size=vocab)
     torch.manual_seed(0)
-    model = HybridForCausalLM(cfg).cuda().to(dtype)
-    ids = torch.randint(0, 4096, (2, 257), device="cuda")
+    model = HybridForCausalLM(cfg).to(DEVICE, dtype)
+    ids = torch.randint(0, vocab, (2, scaled(257, 70)), device=DEVICE)
     errs = compare_paths(model, lambda: ids, lambda m, x: m(x, labels=x).loss)
     record(f"model/{str(dtype).split('.')[-1]}", errs)
     assert errs["output"] < TOL[dtype] and errs["grad_params_max"] < 3 * TOL[dtype], errs

@@ -4,11 +4,13 @@ With CUDA every `gpu` test runs at the shapes of the shipped configs. Without CU
 (CI's slow phase: ``TRITON_INTERPRET=1 python -m pytest -o addopts= -m gpu tests``) the same tests run the same
 Triton kernels, ours and fla's, through the interpreter (tests/support/triton_interpreter.py) on CPU tensors, at the
 shapes :func:`scaled` picks for two cores, with the models' backend forced to ``triton`` (:func:`place`). The tests
-the interpreter cannot run are listed in :data:`CUDA_ONLY`, each with the reason; nothing else is skipped there.
+the interpreter cannot run are listed in :data:`CUDA_ONLY` and :data:`CUDA_ONLY_PATTERNS`, each with the reason;
+nothing else is skipped there.
 """
 from __future__ import annotations
 
 import os
+import re
 from typing import Optional
 
 import torch
@@ -39,6 +41,20 @@ CUDA_ONLY = {
 }
 
 
+# fla's chunk kernels (GDN, KDA, Mamba2's SSD) in bf16: the interpreter has no bf16 constant (``InterpreterBuilder``
+# lacks ``get_bf16``: Mamba2's kernels stop) and its bf16 dots drift to errors of order 1 where a GPU's stay near 1e-2
+# (GDN / KDA); the same tests in fp32 run these kernels, and the project's own kernels run in bf16 too
+FLA_BF16 = "fla's chunk kernels in bf16, which the interpreter does not compute as a GPU does (fp32 runs them)"
+CUDA_ONLY_PATTERNS = (
+    (r"tests/gpu/test_triton_paths\.py::test_sublayer_triton_matches_torch\[.*(gdn|kda|mamba2)-bfloat16\]", FLA_BF16),
+    (r"tests/gpu/test_triton_paths\.py::test_whole_model_loss_and_grads_match\[bfloat16\]", FLA_BF16),
+    (r"tests/gpu/test_fused_training_gpu\.py::test_fused_training_step_matches_the_unfused_one\[(gdn|kda|mamba2).*\]",
+     FLA_BF16 + "; this test trains in bf16"),
+    (r"tests/gpu/test_generation_gpu\.py::test_cached_decode_matches_full_forward\[mixed-bfloat16\]",
+     FLA_BF16),
+)
+
+
 def skip_reason(nodeid: str) -> Optional[str]:
     """Why the `gpu` test ``nodeid`` cannot run in this process, or None."""
     if CUDA:
@@ -48,6 +64,9 @@ def skip_reason(nodeid: str) -> Optional[str]:
                 "(tests/support/gpu_path.py)")
     for prefix, reason in CUDA_ONLY.items():
         if nodeid == prefix or nodeid.startswith(prefix + "::") or nodeid.startswith(prefix + "["):
+            return f"CUDA only: {reason}"
+    for pattern, reason in CUDA_ONLY_PATTERNS:
+        if re.fullmatch(pattern, nodeid):
             return f"CUDA only: {reason}"
     return None
 
