@@ -66,6 +66,7 @@ def test_a_second_process_on_a_stage_or_route_directory_is_refused(tmp_path, stu
     assert not (out / "metrics.jsonl").exists() and not (out / "final").exists()
 
 
+@pytest.mark.slow  # with the CPU `slow` tests (.ci/run): the default run stays under 20 minutes
 def test_the_route_holds_its_directory_for_every_stage(tmp_path, students):
     """A route frozen in its first training stage (SIGSTOP after step 1) holds its output_dir: a stage command on a
     folder inside it is refused naming the route's pid."""
@@ -93,6 +94,7 @@ def test_the_route_holds_its_directory_for_every_stage(tmp_path, students):
         route.wait()
 
 
+@pytest.mark.slow  # with the CPU `slow` tests (.ci/run): the default run stays under 20 minutes
 @pytest.mark.parametrize("phase,env,steps", [
     ("startup", {"HYBRIDLM_FAULT_TERM_IN": "startup"}, 0),
     ("last step", {"HYBRIDLM_FAULT_TERM_AT_STEP": "4"}, 4),
@@ -115,6 +117,7 @@ def test_sigterm_at_any_phase_stops_with_143_and_a_rerun_goes_on(tmp_path, auste
     assert ("run already complete" in again.stdout) == (phase != "startup")
 
 
+@pytest.mark.slow  # with the CPU `slow` tests (.ci/run): the default run stays under 20 minutes
 @pytest.mark.parametrize("instant", ["export-written", "export-placed", "export-done"])
 def test_a_kill_in_a_stage_export_resumes_to_a_complete_stage(tmp_path, students, instant):
     teacher, init = students
@@ -131,6 +134,7 @@ def test_a_kill_in_a_stage_export_resumes_to_a_complete_stage(tmp_path, students
     assert not list(out.glob("final.*")) and not list(out.glob(".final*"))  # no temporaries left
 
 
+@pytest.mark.slow  # with the CPU `slow` tests (.ci/run): the default run stays under 20 minutes
 def test_a_full_disk_at_the_latest_pointer_is_one_line_and_leaves_nothing_unnamed(tmp_path, austen_data):
     out = tmp_path / "run"
     first = pretrain(out, austen_data, env={"HYBRIDLM_FAULT_DISK_FULL_IN": "save-latest:2"})
@@ -142,6 +146,7 @@ def test_a_full_disk_at_the_latest_pointer_is_one_line_and_leaves_nothing_unname
     assert again.returncode == 0, again.stderr[-3000:]
 
 
+@pytest.mark.slow  # with the CPU `slow` tests (.ci/run): the default run stays under 20 minutes
 @pytest.mark.parametrize("pointer", ["bytes", "directory"])
 def test_a_damaged_latest_pointer_is_one_line(tmp_path, austen_data, pointer):
     out = tmp_path / "run"
@@ -159,6 +164,7 @@ def test_a_damaged_latest_pointer_is_one_line(tmp_path, austen_data, pointer):
     assert max(json.loads(l).get("step", 0) for l in (out / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+@pytest.mark.slow  # with the CPU `slow` tests (.ci/run): the default run stays under 20 minutes
 def test_a_seed_past_64_bits_is_one_line(tmp_path, austen_data):
     proc = pretrain(tmp_path / "run", austen_data, f"optim.seed={2**64}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
