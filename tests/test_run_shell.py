@@ -67,14 +67,21 @@ def test_a_second_process_on_a_stage_or_route_directory_is_refused(tmp_path, stu
 
 
 @pytest.mark.slow  # with the CPU `slow` tests (.ci/run): the default run stays under 20 minutes
-def test_the_route_holds_its_directory_for_every_stage(tmp_path, students):
-    """A route frozen in its first training stage (SIGSTOP after step 1) holds its output_dir: a stage command on a
-    folder inside it is refused naming the route's pid."""
+def test_the_route_holds_its_directory_and_resumes_after_a_kill(tmp_path, students):
+    """A route frozen in its first training stage (SIGSTOP after step 1, saved) holds its output_dir: a stage command
+    on a folder inside it is refused naming the route's pid. Killed there, the same command resumes that stage from
+    its checkpoint and finishes every stage."""
     teacher, init = students
     route_out = tmp_path / "route"
+    small = ["optim.micro_batch_size=2", "optim.global_batch_size=2", "optim.max_steps=2", "optim.warmup_steps=1",
+             "run.progress=false", "run.eval_interval=0", "run.save_interval=1", "data.val_max_batches=1"]
     argv = stage_argv("run", teacher, init, route_out, tmp_path) + [
         "init.kv_lora_rank=32", "init.qk_rope_head_dim=8", "init.calib_tokens=512", "init.calib_seq_len=64",
-        "ild.data.seq_len=32", "ild.optim.micro_batch_size=2", "ild.optim.global_batch_size=2", "ild.run.progress=false"]
+        "ild.data.sources=[asset:alpaca_en_demo]", "ild.data.seq_len=32", "smart.n_mla=2", "smart.batches=1",
+        "smart.batch_size=2", "kd.data.path=asset:alpaca_en_demo", "kd.data.max_length=64",
+        "dpo.data.path=asset:dpo_en_demo", "dpo.data.max_length=64", "dpo.data.max_prompt_length=32",
+        "report.seq_len=32", "report.max_tokens=256", "report.generation_prompts=0",
+        *[f"{stage}.{o}" for stage in ("ild", "kd", "dpo") for o in small]]
     route = subprocess.Popen(argv, cwd=REPO, env=subprocess_env(HYBRIDLM_FAULT_STOP_AT_STEP="1"),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -92,6 +99,11 @@ def test_the_route_holds_its_directory_for_every_stage(tmp_path, students):
     finally:
         route.kill()
         route.wait()
+    again = subprocess.run(argv, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and (route_out / "route.json").is_file()
+    for stage in ("ild_mla", "kd", "dpo"):
+        assert json.loads((route_out / stage / "final" / "stage.json").read_text())["steps"] == 2, stage
 
 
 @pytest.mark.slow  # with the CPU `slow` tests (.ci/run): the default run stays under 20 minutes
@@ -118,7 +130,8 @@ def test_sigterm_at_any_phase_stops_with_143_and_a_rerun_goes_on(tmp_path, auste
 
 
 @pytest.mark.slow  # with the CPU `slow` tests (.ci/run): the default run stays under 20 minutes
-@pytest.mark.parametrize("instant", ["export-written", "export-placed", "export-done"])
+@pytest.mark.parametrize("instant", ["save-committed:1", "save-latest:1", "export-written", "export-placed",
+                                     "export-done"])
 def test_a_kill_in_a_stage_export_resumes_to_a_complete_stage(tmp_path, students, instant):
     teacher, init = students
     out = tmp_path / "ild"
@@ -127,6 +140,8 @@ def test_a_kill_in_a_stage_export_resumes_to_a_complete_stage(tmp_path, students
                            text=True, timeout=600)
     assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
     assert not (out / "final" / "stage.json").exists() or (out / "final" / ".complete").exists()
+    if instant.startswith("save"):  # killed in its step-1 save: the rerun resumes from a complete checkpoint
+        assert not (out / "final").exists()
     again = subprocess.run(argv, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((out / "final" / "stage.json").read_text())["steps"] == 2

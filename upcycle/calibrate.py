@@ -15,7 +15,7 @@ never worse than a silent mixer (w = 0). docs/upcycling_init.md has the measurem
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from hybridlm.config.errors import ConfigError
 from hybridlm.data.assets import resolve_source
 from hybridlm.data.packed import PackedTokens
 from hybridlm.eval.perplexity import token_windows
+from hybridlm.model.registry import linear_kinds
 
 
 def calibration_text(sources: Sequence[str], max_chars: int) -> List[str]:
@@ -113,10 +114,11 @@ def fit_output_scale(mixer, x: torch.Tensor, target: torch.Tensor, ridge: float 
 
 @torch.no_grad()
 def calibrate_student(student, teacher, input_ids: torch.Tensor, layer_kinds: Sequence[str],
-                      linear_kinds: Sequence[str] = ("mamba2", "gdn", "kda"),
+                      linear: Optional[Sequence[str]] = None,
                       progress: bool = True) -> Dict[int, Dict[str, float]]:
     """Fit every linear mixer's output scale of ``student`` (layer ``i`` = sublayers ``2i, 2i + 1``) to the
-    teacher's attention output on ``input_ids``, each layer fed the teacher's own input (teacher-forced).
+    teacher's attention output on ``input_ids``, each layer fed the teacher's own input (teacher-forced); ``linear``:
+    the kinds to fit (default: the registry's linear mixers).
     Minutes on a CPU for a 30-layer teacher: ``progress`` shows a bar over the layers."""
 
     if progress:
@@ -124,7 +126,8 @@ def calibrate_student(student, teacher, input_ids: torch.Tensor, layer_kinds: Se
               f"per layer", flush=True)
     trace = teacher_trace(teacher, input_ids.to(next(teacher.parameters()).device))
     report = {}
-    layers = [i for i, kind in enumerate(layer_kinds) if kind in linear_kinds]
+    linear = set(linear_kinds() if linear is None else linear)  # default: every linear mixer of the registry
+    layers = [i for i, kind in enumerate(layer_kinds) if kind in linear]
     for i in tqdm(layers, desc="calibrate", unit="layer", disable=not progress, dynamic_ncols=True):
         block = student.model.layers[2 * i]
         x, attn_out, _ = trace[i]
