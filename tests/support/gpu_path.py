@@ -41,10 +41,11 @@ CUDA_ONLY = {
 }
 
 
-# fla's chunk kernels (GDN, KDA, Mamba2's SSD) in bf16: the interpreter has no bf16 constant (``InterpreterBuilder``
-# lacks ``get_bf16``: Mamba2's kernels stop) and its bf16 dots drift to errors of order 1 where a GPU's stay near 1e-2
-# (GDN / KDA); the same tests in fp32 run these kernels, and the project's own kernels run in bf16 too
-FLA_BF16 = "fla's chunk kernels in bf16, which the interpreter does not compute as a GPU does (fp32 runs them)"
+# fla's chunk kernels (GDN, KDA, Mamba2's SSD) in bf16: the interpreter keeps a bf16 value as its uint16 bits and runs
+# numpy on those bits, so bf16 adds, products, dots and sums that a kernel does without casting to fp32 come out wrong
+# (errors of order 1 where a GPU's stay near 1e-2), and it has no bf16 constant (``InterpreterBuilder.get_bf16``:
+# Mamba2's kernels stop). The project's kernels compute in fp32 and run in bf16 there; these tests run in fp32 there.
+FLA_BF16 = "fla's chunk kernels in bf16: the interpreter computes bf16 arithmetic on the raw bits (fp32 runs them)"
 CUDA_ONLY_PATTERNS = (
     (r"tests/gpu/test_triton_paths\.py::test_sublayer_triton_matches_torch\[.*(gdn|kda|mamba2)-bfloat16\]", FLA_BF16),
     (r"tests/gpu/test_triton_paths\.py::test_whole_model_loss_and_grads_match\[bfloat16\]", FLA_BF16),
