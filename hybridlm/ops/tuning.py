@@ -33,6 +33,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from hybridlm.ops.triton_launch import interpreting
 from hybridlm.utils.atomic import write_json
 
 FORMAT = "hybridlm-kernel-tuning/1"
@@ -159,7 +160,7 @@ def apply_shipped_tuning(device=None, quiet: bool = False) -> Optional[TuningSta
     global _STATUS
     if _STATUS is not None:
         return _STATUS
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return None
     if not torch.cuda.is_available():
         return None
