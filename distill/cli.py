@@ -1,10 +1,11 @@
-"""The distillation stages' subcommands (``upcycle ild | kd | dpo --config FILE [section.key=value ...]``),
+"""The distillation stages' subcommands (``upcycle ild | align | kd | dpo --config FILE [section.key=value ...]``),
 registered on the ``upcycle`` CLI by :func:`add_subcommands`."""
 from __future__ import annotations
 
 import argparse
 from typing import Any, Dict
 
+from distill.align import ALIGN_SECTIONS, align_configs, run_align
 from distill.dpo_stage import DPO_SECTIONS, dpo_configs, run_dpo
 from distill.kd import KD_SECTIONS, kd_configs, run_kd
 from distill.stage import STAGE_SECTIONS, ild_configs, run_ild
@@ -13,6 +14,10 @@ from hybridlm.config.loader import load_config
 
 def cmd_ild(args) -> Dict[str, Any]:
     return run_ild(ild_configs(load_config(args.config, args.overrides, sections=STAGE_SECTIONS)))
+
+
+def cmd_align(args) -> Dict[str, Any]:
+    return run_align(align_configs(load_config(args.config, args.overrides, sections=ALIGN_SECTIONS)))
 
 
 def cmd_kd(args) -> Dict[str, Any]:
@@ -33,10 +38,13 @@ def add_stage_parser(subparsers, name: str, help: str, sections: tuple, fn) -> a
 
 
 def add_subcommands(subparsers) -> None:
-    """Register ``ild``, ``kd`` and ``dpo`` on an argparse subparsers object."""
+    """Register ``ild``, ``align``, ``kd`` and ``dpo`` on an argparse subparsers object."""
     add_stage_parser(subparsers, "ild", "Intermediate Layer Distillation of a student (teacher-forced, per layer)",
                      STAGE_SECTIONS, cmd_ild)
+    add_stage_parser(subparsers, "align", "Hidden-state alignment of a composed hybrid: its residual stream matched "
+                     "to the teacher's layer by layer, only the mixers train (MOHAWK / Llamba)", ALIGN_SECTIONS,
+                     cmd_align)
     add_stage_parser(subparsers, "kd", "KD-SFT: the student learns the frozen teacher's token distribution "
-                     "on chat data (all student parameters train)", KD_SECTIONS, cmd_kd)
+                     "on chat data (all student parameters train; optim.group_lr: a learning rate per group)", KD_SECTIONS, cmd_kd)
     add_stage_parser(subparsers, "dpo", "DPO of a (KD-SFT) student against a frozen copy of itself",
                      DPO_SECTIONS, cmd_dpo)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Iterable, Optional
 import torch
 
 from distill.ild import ild_loss
+from distill.param_groups import student_param_groups
 from hybridlm.config.errors import ConfigError, last_line, weight_load_errors
 from hybridlm.config.structured import Section, build_dataclass, check_known_keys, setting, to_dict
 from hybridlm.data import DataConfig, ensure_prepared, load_tokenizer, open_splits, read_meta
@@ -115,8 +116,9 @@ def _run_stage(name, configs, make_loss, trainable, make_batches, shell: RunShel
     except weight_load_errors() as e:
         raise ConfigError(f"student.path: {student_dir} cannot be loaded as a hybrid ({last_line(e)})") from None
     loss_fn = make_loss(teacher)
+    # trainable parameters by group (inherited / mixer / latent): optim.group_lr sets a group's lr, 0 freezes it
     engine = Engine(student, optim, lambda model, batch: loss_fn(model.module, batch),
-                    trainable=list(trainable(student)))
+                    named_groups=student_param_groups(student, trainable(student)))
     outcome = train_loop(engine, train_batches, run, val_batches, title=f"{name}: {student_dir.name}",
                          loss_is_nll=False)
     result = {"stage": name, "student": str(student_dir), "teacher": teacher_cfg.path if teacher_cfg else None,

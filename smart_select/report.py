@@ -17,6 +17,9 @@ REPORT_JSON = "smart_report.json"
 FIG_SIZE_IN = (8.0, 4.5)  # width, height in inches
 FIG_DPI = 100  # -> an 800 x 450 pixel PNG
 CHOSEN_COLOR = "#d62728"
+# the report's title per choice rule (smart_select/selection.py METHODS; "explicit": a given list)
+METHOD_TITLES = {"smart": "SMART layer selection", "kl_restore": "KL-restore layer selection (no spacing rule)",
+                 "explicit": "Given MLA layers"}
 OTHER_COLOR = "#7f7f7f"
 
 
@@ -43,7 +46,7 @@ def _num(v: float) -> str:
 
 
 def write_smart_report(out_dir: Union[str, Path], kl_all: float, kl_per_layer: KLValues, chosen: Sequence[int],
-                       kv_report: Optional[Mapping[str, Any]] = None) -> Dict[str, Path]:
+                       kv_report: Optional[Mapping[str, Any]] = None, method: str = "smart") -> Dict[str, Path]:
     """Write ``smart_report.json``, ``smart_report.md`` and ``smart_report.png`` into ``out_dir``.
 
     ``kl_per_layer[i]`` is KL(teacher || student) with only layer ``i`` as MLA; ``chosen`` the selected
@@ -61,12 +64,12 @@ def write_smart_report(out_dir: Union[str, Path], kl_all: float, kl_per_layer: K
     out.mkdir(parents=True, exist_ok=True)
 
     rows = [dict(layer=i, kl=kl[i], sensitivity=sens[i], chosen=i in chosen_set) for i in range(L)]
-    payload = dict(num_layers=L, n_mla=len(chosen_sorted), kl_all=base, chosen=chosen_sorted,
+    payload = dict(num_layers=L, n_mla=len(chosen_sorted), method=method, kl_all=base, chosen=chosen_sorted,
                    sensitivity_sum=sum(sens[i] for i in chosen_sorted), layers=rows, kv=kv)
     paths = dict(json=out / REPORT_JSON, md=out / "smart_report.md", png=out / "smart_report.png")
     write_json(paths["json"], payload)
 
-    lines = [f"# SMART layer selection: {len(chosen_sorted)} MLA of {L} layers", "",
+    lines = [f"# {METHOD_TITLES.get(method, method)}: {len(chosen_sorted)} MLA of {L} layers", "",
              f"KL(teacher || all-Mamba2) = {_num(base)}; sensitivity s_i = KL_all - KL_i (larger = layer i "
              f"helps more as MLA).", "",
              f"Chosen MLA layers: {chosen_sorted} (summed sensitivity {_num(payload['sensitivity_sum'])})."]
@@ -77,11 +80,12 @@ def write_smart_report(out_dir: Union[str, Path], kl_all: float, kl_per_layer: K
               for r in rows]
     paths["md"].write_text("\n".join(lines) + "\n", encoding="utf-8")
 
-    _bar_chart(paths["png"], sens, chosen_set, kv)
+    _bar_chart(paths["png"], sens, chosen_set, kv, method)
     return paths
 
 
-def _bar_chart(path: Path, sens: Sequence[float], chosen: set, kv: Optional[Mapping[str, Any]]) -> None:
+def _bar_chart(path: Path, sens: Sequence[float], chosen: set, kv: Optional[Mapping[str, Any]],
+               method: str = "smart") -> None:
     # An explicit Agg canvas: no global backend switch, no display needed.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -106,7 +110,7 @@ def _bar_chart(path: Path, sens: Sequence[float], chosen: set, kv: Optional[Mapp
     ax.set_ylim(lo - (pad if lo < 0 else 0), hi + pad)
     ax.set_xlabel("layer")
     ax.set_ylabel("sensitivity  KL_all - KL_i")
-    title = f"SMART: N = {len(chosen)} MLA of {L} layers"
+    title = f"{METHOD_TITLES.get(method, method)}: N = {len(chosen)} MLA of {L} layers"
     if kv is not None:
         comp = kv["compression"]
         title += f", KV {100 * kv['ratio']:.2f}%" + (f" ({comp:.1f}x)" if comp else "")

@@ -151,3 +151,15 @@ def select_layers(sensitivity: Optional[Sequence[float]], n_mla: int, mla_layers
 
 def selection_sum(sensitivity: Sequence[float], chosen: Sequence[int]) -> float:
     return float(sum(sensitivity[i] for i in chosen))
+
+
+def restore_layers(sensitivity: Sequence[float], n_mla: int) -> List[int]:
+    """``kl_restore``: the ``n_mla`` layers whose restoring to attention lowers the KL most (largest ``s_i``; a
+    tie goes to the earlier layer), sorted. No spacing rule: the choice may cluster, as the KL-guided selection
+    of fla-org/hybrid-distillation (arXiv 2512.20569) does."""
+    s = [_finite(f"sensitivity[{i}]", v) for i, v in enumerate(sensitivity)]
+    n = _check_n(n_mla, len(s))
+    return sorted(sorted(range(len(s)), key=lambda i: (-s[i], i))[:n])
+
+
+METHODS = {"smart": select_layers, "kl_restore": restore_layers}

@@ -53,7 +53,7 @@ from hybridlm.teacher import check_tokenizer_matches, load_teacher, load_teacher
 from hybridlm.utils.atomic import write_json
 from hybridlm.utils.flags import RenamedFlag
 from smart_select.report import write_smart_report
-from smart_select.selection import select_layers, sensitivities
+from smart_select.selection import METHODS, restore_layers, select_layers, sensitivities
 
 PathLike = Union[str, os.PathLike]
 KL_CHUNK_TOKENS = 1024  # tokens per chunk of both models' logits (distill.kd_loss.kl_sum)
@@ -183,10 +183,14 @@ def layer_sensitivities(teacher, mla_student, mamba_student, batches: Iterable,
 class SmartConfig:
     """The ``smart:`` section of a route and the options of ``upcycle smart``: how many MLA layers (``n_mla``, chosen
     by sensitivity) or which (``mla_layers``, an explicit list, still measured and reported), exactly one of the two;
-    and the calibration data, ``batches`` batches of ``batch_size`` windows of the packed data's ``split``."""
+    how ``n_mla`` layers are chosen (``method``: ``smart``, spaced, or ``kl_restore``, the largest KL drops); and the
+    calibration data, ``batches`` batches of ``batch_size`` windows of the packed data's ``split``."""
 
     n_mla: Optional[int] = None
     mla_layers: Optional[List[int]] = None
+    # smart: SMART's spaced choice (smart_select/selection.py); kl_restore: the n_mla largest KL drops, clustered
+    # or not (fla-org/hybrid-distillation)
+    method: str = setting("smart", choices=tuple(METHODS))
     batches: int = 8
     batch_size: int = 4
     split: str = setting("val", choices=SPLITS)
@@ -280,17 +284,21 @@ def run_smart(cfg: SmartConfig, teacher, mla_dir: PathLike, mamba_dir: PathLike,
     kl_all, kl = layer_sensitivities(model, mla, mamba, calib, log=say, shard=(rank, world_size))
     seconds = time.perf_counter() - t0
     sens = sensitivities(kl_all, kl)
-    mla_layers = select_layers(sens, n_mla, mla_layers=explicit, num_layers=L)
+    if explicit is None and cfg.method == "kl_restore":
+        mla_layers = restore_layers(sens, n_mla)
+    else:
+        mla_layers = select_layers(sens, n_mla, mla_layers=explicit, num_layers=L)
+    selection = "explicit" if explicit is not None else cfg.method
     kv_lora_rank, qk_rope_head_dim = mla.config.mla["kv_lora_rank"], mla.config.mla["qk_rope_head_dim"]
     kv = kv_report(model.config, mla_layers, kv_lora_rank, qk_rope_head_dim)
     if rank != 0:
         return {"kl_all": kl_all, "kl": kl, "sensitivity": sens, "chosen": mla_layers, "kv": kv}
     out = Path(out_dir).expanduser()
-    paths = write_smart_report(out, kl_all, kl, mla_layers, kv)
+    paths = write_smart_report(out, kl_all, kl, mla_layers, kv, method=selection)
     n_tokens = sum(b["input_ids"].numel() for b in calib)
     info = {"teacher": str(teacher_path), "mla_student": str(Path(mla_dir).resolve()),
             "mamba_student": str(Path(mamba_dir).resolve()), "linear_mixer": linear, "num_layers": L,
-            "n_mla": n_mla, "selection": "explicit" if explicit is not None else "smart",
+            "n_mla": n_mla, "selection": selection,
             "data": {"path": str(data_cfg.path), "split": split, "seq_len": data_cfg.seq_len,
                      "batches": len(calib), "batch_size": int(calib[0]["input_ids"].shape[0]), "tokens": n_tokens},
             "kl_unit": "nats/token", "kl_all": kl_all, "kl": kl, "sensitivity": sens, "chosen": mla_layers,
@@ -311,8 +319,8 @@ def cmd_smart(args) -> Dict[str, Any]:
         if not Path(d).expanduser().is_dir():
             raise ConfigError(f"{flag}: {d} is not a directory")
     mla_layers = parse_layers(args.mla_layers, "--mla-layers") if args.mla_layers is not None else None
-    cfg = SmartConfig(n_mla=args.n_mla, mla_layers=mla_layers, batches=args.batches, batch_size=args.batch_size,
-                      split=args.split)
+    cfg = SmartConfig(n_mla=args.n_mla, mla_layers=mla_layers, method=args.method, batches=args.batches,
+                      batch_size=args.batch_size, split=args.split)
     data_cfg = DataConfig(path=args.data_path, seq_len=args.seq_len, sources=list(args.data_source or []),
                           tokenizer="teacher", text_field=args.text_field)
     # under a launcher (torch.distributed.run, deepspeed) every rank measures its share of the batches
@@ -341,6 +349,9 @@ def add_subcommand(subparsers) -> None:
     g.add_argument("--n-mla", type=int, default=None, help="number of MLA layers to choose by sensitivity")
     g.add_argument("--mla-layers", default=None,
                    help="explicit comma-separated MLA layers (still measured and reported)")
+    s.add_argument("--method", choices=tuple(METHODS), default=SmartConfig.method,
+                   help="how --n-mla layers are chosen: smart (SMART's spaced choice) or kl_restore (the largest KL "
+                        "drops of restoring a layer to attention, clustered or not; fla-org/hybrid-distillation)")
     s.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     s.add_argument("--out", required=True, help="report directory (smart_report.json / .md / .png, smart_run.json)")
     s.set_defaults(fn=cmd_smart)

@@ -92,6 +92,52 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
     assert missing.returncode == 2 and "route_config.json: missing" in missing.stderr
 
 
+# ~2.5 min on 2 cores: with the slow CPU tests
+@pytest.mark.slow
+def test_route_with_every_lever_runs_to_its_report(tmp_path):
+    """configs/upcycle/smollm2_levers_cpu.yaml on a tiny teacher: kl_restore chooses, the align stage runs between
+    compose and KD and feeds KD, KD trains its groups at their own rates and DPO leaves the inherited weights."""
+    import torch
+    from distill.param_groups import student_param_groups
+    from hybridlm.model import HybridForCausalLM
+    for name in ("dpo_en_demo.json", "alpaca_en_demo.json"):
+        demo_file(name)
+    teacher = save_tiny_llama(tmp_path / "teacher")
+    out = tmp_path / "route"
+    small = ["optim.micro_batch_size=2", "optim.global_batch_size=2", "optim.max_steps=2", "optim.warmup_steps=1",
+             "run.progress=false", "run.eval_interval=0", "run.save_interval=0", "data.val_max_batches=1"]
+    overrides = [f"output_dir={out}", f"teacher={teacher}", "init.kv_lora_rank=32", "init.qk_rope_head_dim=8",
+                 "init.calib_tokens=512", "init.calib_seq_len=64",
+                 f"ild.data.path={tmp_path / 'data'}", "ild.data.seq_len=32", f"align.data.path={tmp_path / 'data'}",
+                 "align.data.seq_len=32", "smart.n_mla=2", "smart.batches=1", "smart.batch_size=2",
+                 "kd.data.max_length=64", "dpo.data.max_length=64", "dpo.data.max_prompt_length=32",
+                 "dpo.optim.lr=1e-3", "report.seq_len=32", "report.max_tokens=256", "report.generation_prompts=0"]
+    overrides += [f"{stage}.{o}" for stage in ("ild", "align", "kd", "dpo") for o in small]
+    cmd = [sys.executable, "-m", "upcycle.cli", "run", "--config", "configs/upcycle/smollm2_levers_cpu.yaml",
+           *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stages = [l.split()[3] for l in proc.stdout.splitlines() if l.startswith("route: stage ")]
+    assert stages == ["init", "ild_mla", "ild_mamba2", "smart", "compose", "align", "kd", "dpo", "report"]
+    smart = json.loads((out / "smart" / "smart_report.json").read_text())
+    ranked = sorted(range(4), key=lambda i: (-smart["layers"][i]["sensitivity"], i))
+    assert smart["method"] == "kl_restore" and smart["chosen"] == sorted(ranked[:2])
+    align = json.loads((out / "align" / "final" / "stage.json").read_text())
+    assert align["student"] == str(out / "hybrid") and align["steps"] == 2
+    assert json.loads((out / "kd" / "final" / "stage.json").read_text())["student"] == str(out / "align" / "final")
+    kd = json.loads((out / "kd" / "final" / "stage.json").read_text())
+    assert kd["config"]["optim"]["group_lr"] == {"inherited": 7e-6}
+    before, after = (HybridForCausalLM.from_pretrained(out / d / "final") for d in ("kd", "dpo"))
+    groups = {name: [id(p) for p in ps] for name, ps in student_param_groups(after, after.parameters()).items()}
+    pairs = list(zip(before.parameters(), after.parameters()))
+    for p, q in pairs:  # DPO's group_lr {inherited: 0}: the teacher's weights keep their bytes
+        assert torch.equal(p, q) == (id(q) in groups["inherited"])
+    report = json.loads((out / "report.json").read_text())
+    assert [r["model"] for r in report["perplexity"]] == ["teacher", "hybrid, init only", "hybrid after ILD",
+                                                         "after alignment", "after KD-SFT", "after DPO"]
+    assert [s["stage"] for s in report["stages"]][2] == "Alignment"
+
+
 # ~3.5 min of a 2-core CI run (pytest -m slow runs it); the real teacher stays in the default run through its ILD
 # stage (tests/test_ild.py) and its asset test (tests/test_upcycle_init_mamba.py)
 @pytest.mark.slow

@@ -193,6 +193,45 @@ def test_exact_mla_student_has_zero_kl_and_smart_composes_it(exact, data_dir, tm
     assert kl_hybrid < kl_all  # two exact MLA layers bring the hybrid closer to the teacher
 
 
+def test_kl_restore_picks_the_layer_a_planted_sensitivity_makes_best(exact, data_dir, tmp_path):
+    """Layer 1's Mamba2 mixer writes noise: restoring layer 1 to attention lowers the KL most. kl_restore takes
+    it with the next largest drop; SMART's spaced rule (0, then 2 or 3) cannot take layer 1 for 2 MLA layers."""
+    from hybridlm.students import load_student
+    from smart_select.selection import restore_layers
+    planted = tmp_path / "planted_mamba2"
+    student = load_student(exact["mamba"], "mamba")
+    with torch.no_grad():
+        w = student.model.layers[2].mixer.out_proj.weight  # sublayer 2: layer 1's mixer
+        w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))  # noise for its init
+    student.save_pretrained(planted)
+    p = _parser()
+    chosen = {}
+    for method in ("kl_restore", "smart"):
+        args = p.parse_args(["smart", "--teacher", str(exact["teacher"]), "--mla-student", str(exact["mla"]),
+                             "--linear-student", str(planted), "--data-path", str(data_dir), "--seq-len",
+                             str(SEQ_LEN), "--batches", "1", "--batch-size", "2", "--n-mla", "2", "--method", method,
+                             "--out", str(tmp_path / method)])
+        result = args.fn(args)
+        chosen[method] = result["chosen"]
+        rep = json.loads((tmp_path / method / "smart_report.json").read_text())
+        assert rep["method"] == method and rep["chosen"] == result["chosen"]
+        assert json.loads((tmp_path / method / "smart_run.json").read_text())["selection"] == method
+    s = result["sensitivity"]
+    assert max(range(4), key=lambda i: s[i]) == 1, s  # the plant made layer 1 the most sensitive
+    assert 1 in chosen["kl_restore"] and chosen["kl_restore"] == restore_layers(s, 2)
+    assert chosen["smart"][0] == 0 and 1 not in chosen["smart"]
+    assert "KL-restore layer selection" in (tmp_path / "kl_restore" / "smart_report.md").read_text()
+
+
+def test_restore_layers_takes_the_largest_drops_in_layer_order():
+    from smart_select.selection import restore_layers
+    assert restore_layers([0.1, 0.9, 0.8, 0.2, 0.8], 3) == [1, 2, 4]  # clustered is fine; a tie to the earlier
+    assert restore_layers([0.5, 0.5, 0.5], 2) == [0, 1]
+    assert restore_layers([0.3, 0.1], 0) == []
+    with pytest.raises(ConfigError, match="n_mla: expected an integer between 0 and the 2 layers"):
+        restore_layers([0.3, 0.1], 3)
+
+
 def test_smart_cli_end_to_end_writes_the_report(gqa, tmp_path, capsys):
     p = _parser()
     args = p.parse_args(["smart", "--teacher", str(gqa["teacher"]), "--mla-student", str(gqa["mla"]),

@@ -36,6 +36,20 @@ from upcycle.route_report import route_report
 from upcycle.student import ROPE_INITS, student_config
 
 
+LEVERS_HELP = """\
+the published distillation levers, each an option of the route YAML (docs/upcycling.md, "Distillation levers";
+configs/upcycle/smollm2_levers_cpu.yaml turns every one on):
+  kd.optim.group_lr, dpo.optim.group_lr
+      a learning rate per parameter group: inherited (from the teacher), mixer (linear mixers), latent (MLA);
+      0 freezes a group (fla-org/hybrid-distillation, arXiv 2512.20569: inherited ~7e-6, mixers ~1e-4)
+  align: {data, align: {loss: mse|cosine, stream: student|teacher, train}, optim, run}
+      a stage between compose and KD: the hybrid's residual stream matched to the teacher's layer by layer,
+      only the mixers training (MOHAWK / Llamba, arXiv 2502.14458); no section, no stage
+  smart.method: kl_restore
+      the n_mla layers whose restoring to attention lowers the KL most, clustered or not
+      (fla-org/hybrid-distillation), instead of SMART's spaced choice (smart, the default)"""
+
+
 def cmd_kv_report(args) -> dict:
     source = args.teacher if str(args.teacher).endswith(".json") else resolve_teacher(args.teacher)
     teacher_cfg = load_teacher_config(source)
@@ -105,8 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--remote-code", action="store_true", default=InitConfig.remote_code,
                    help=REMOTE_CODE_HELP)
     i.set_defaults(fn=cmd_init)
-    r = sub.add_parser("run", help="the whole route: init, ILD of both students, SMART, compose, KD, DPO")
-    r.add_argument("--config", required=True, help="route YAML: output_dir, teacher, init, ild, smart, kd, dpo")
+    r = sub.add_parser("run", help="the whole route: init, ILD of both students, SMART, compose, [align], KD, DPO",
+                       epilog=LEVERS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--config", required=True,
+                   help="route YAML: output_dir, teacher, init, ild, smart, [align], kd, dpo, report")
     r.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     r.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. smart.n_mla=8")
     r.set_defaults(fn=cmd_run)

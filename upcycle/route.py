@@ -1,6 +1,7 @@
 """``upcycle run``: the whole route, each stage skipped when its output is complete.
 
-init (SVD MLA + MambaInLlama students) -> ILD of both -> SMART layer choice -> compose -> KD -> DPO.
+init (SVD MLA + MambaInLlama students) -> ILD of both -> SMART layer choice -> compose -> [align] -> KD -> DPO
+(``align``: hidden-state alignment of the composed hybrid, run when the config has an ``align:`` section).
 A route config names the teacher, one ``output_dir`` and a section per stage; each training section holds
 that stage's ``data`` / ``optim`` / ``run`` (and ``kd`` / ``dpo``) settings, as in the single-stage configs.
 """
@@ -11,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict
 
+from distill.align import align_configs, run_align
 from distill.dpo_stage import dpo_configs, run_dpo
 from distill.kd import kd_configs, run_kd
 from distill.stage import ild_configs, run_ild
@@ -29,11 +31,11 @@ from upcycle.route_inputs import check_route_inputs
 from upcycle.route_progress import RouteProgress, training_plan
 from upcycle.route_report import route_report
 
-ROUTE_SECTIONS = ("output_dir", "teacher", "init", "ild", "smart", "kd", "dpo", "report")
+ROUTE_SECTIONS = ("output_dir", "teacher", "init", "ild", "smart", "align", "kd", "dpo", "report")
 
 
 # each training stage's one schema (its module's *_configs), used here to check the route before it starts
-STAGE_CONFIGS = {"ild": ild_configs, "kd": kd_configs, "dpo": dpo_configs}
+STAGE_CONFIGS = {"ild": ild_configs, "align": align_configs, "kd": kd_configs, "dpo": dpo_configs}
 
 
 def _stage_sections(section: Dict[str, Any], where: str, **fixed) -> Dict[str, Any]:
@@ -87,11 +89,17 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     stages = {
         "ild": _stage_sections(ild, "ild", teacher__path=teacher, student__path=str(out / "init" / "mla_student"),
                                run__output_dir=str(out / "ild_mla")),
-        "kd": _stage_sections(cfg.get("kd") or {}, "kd", teacher__path=teacher, student__path=str(hybrid),
+    }
+    if cfg.get("align"):  # hidden-state alignment of the composed hybrid, before KD (an empty section: none)
+        stages["align"] = _stage_sections(cfg["align"], "align", teacher__path=teacher, student__path=str(hybrid),
+                                          run__output_dir=str(out / "align"))
+    kd_student = out / "align" / "final" if "align" in stages else hybrid
+    stages.update({
+        "kd": _stage_sections(cfg.get("kd") or {}, "kd", teacher__path=teacher, student__path=str(kd_student),
                               run__output_dir=str(out / "kd")),
         "dpo": _stage_sections(cfg.get("dpo") or {}, "dpo", student__path=str(out / "kd" / "final"),
                                run__output_dir=str(out / "dpo")),
-    }
+    })
     built = check_route(stages)
     calib = [init_cfg.calib_sources] if isinstance(init_cfg.calib_sources, str) else list(init_cfg.calib_sources)
     check_route_inputs(teacher, built, calib, report_opts.get("heldout_sources"))
@@ -107,7 +115,8 @@ def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, 
     ild_runs = {kind: ild_sections(built["ild"], init_dir / f"{kind}_student", out / f"ild_{kind}")
                 for kind in ("mla", linear)}
     ild_plans = {f"ild_{kind}": training_plan("ild", configs) for kind, configs in ild_runs.items()}
-    progress = RouteProgress({"init": None, **ild_plans, "smart": None, "compose": None,
+    align_plan = {"align": training_plan("align", built["align"])} if "align" in built else {}
+    progress = RouteProgress({"init": None, **ild_plans, "smart": None, "compose": None, **align_plan,
                               "kd": training_plan("kd", built["kd"]), "dpo": training_plan("dpo", built["dpo"]),
                               "report": None}, enabled=dist.rank == 0)
     summary: Dict[str, Any] = {"teacher": teacher}
@@ -144,7 +153,9 @@ def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, 
                           overwrite=True)
     barrier()
 
-    for name, run_stage in (("kd", run_kd), ("dpo", run_dpo)):
+    for name, run_stage in (("align", run_align), ("kd", run_kd), ("dpo", run_dpo)):
+        if name not in built:
+            continue
         progress.start(name)
         summary[name] = run_stage(built[name])
         progress.finished(name, summary[name])

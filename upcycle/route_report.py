@@ -40,7 +40,7 @@ from upcycle.init_students import InitConfig
 
 STAGE_DIRS = (("ild_mla", "ILD (MLA student)"), ("ild_mamba2", "ILD (Mamba2 student)"),
               ("ild_gdn", "ILD (GDN student)"), ("ild_kda", "ILD (KDA student)"),
-              ("kd", "KD-SFT"), ("dpo", "DPO"))
+              ("align", "Alignment"), ("kd", "KD-SFT"), ("dpo", "DPO"))
 
 
 def _stage_row(out: Path, name: str, label: str) -> Optional[Dict[str, Any]]:
@@ -123,8 +123,10 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
             compose_from_dirs(out / "init" / "mla_student", out / "init" / f"{linear}_student", mla_layers,
                               init_hybrid, overwrite=True)
         models.append(("hybrid, init only", 0, lambda: HybridForCausalLM.from_pretrained(init_hybrid)))
-    kd_tokens = ild_tokens + tokens_by.get("KD-SFT", 0)
+    align_tokens = ild_tokens + tokens_by.get("Alignment", 0)
+    kd_tokens = align_tokens + tokens_by.get("KD-SFT", 0)
     for label, trained, path in (("hybrid after ILD", ild_tokens, out / "hybrid"),
+                                 ("after alignment", align_tokens, out / "align" / "final"),
                                  ("after KD-SFT", kd_tokens, out / "kd" / "final"),
                                  ("after DPO", kd_tokens + tokens_by.get("DPO", 0), out / "dpo" / "final")):
         if (path / "config.json").is_file():

@@ -47,6 +47,8 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if origin is dict or annotation is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        if len(args) == 2:  # Dict[K, V]: each value built as V, named by its key
+            return {k: _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
         return dict(value)
     if annotation is bool:
         if isinstance(value, bool):

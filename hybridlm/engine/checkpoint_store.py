@@ -120,10 +120,14 @@ class CheckpointStore:
     RNG states and the step counters. Every method is collective: every rank calls it."""
 
     def __init__(self, ds_engine, lr_scheduler, config: OptimConfig, dist_info: DistInfo,
-                 group_decay: Sequence[float]) -> None:
+                 group_decay: Sequence[float], group_lr: Optional[Sequence[float]] = None,
+                 group_layout: Optional[Sequence[Tuple[str, int]]] = None) -> None:
         self.ds_engine, self.lr_scheduler = ds_engine, lr_scheduler
         self.config, self.dist = config, dist_info
         self.group_decay = list(group_decay)  # each param group's weight decay
+        self.group_lr = list(group_lr) if group_lr is not None else [config.lr] * len(self.group_decay)
+        # each param group's name and size: the optimizer state of a checkpoint fits only the same layout
+        self.group_layout = [[str(n), int(c)] for n, c in (group_layout or [])]
         # DeepSpeed's own loader unpickles with weights_only=False: ours reads tensors and plain data only
         ds_engine.checkpoint_engine = safe_checkpoint_engine(ds_engine.checkpoint_engine)
 
@@ -164,7 +168,8 @@ class CheckpointStore:
             barrier()
             if rank == 0:
                 ckpt.write_manifest(tmp_dir, {"step": int(step), "world_size": self.dist.world_size, "tag": tag,
-                                              "precision": self.config.precision})
+                                              "precision": self.config.precision,
+                                              "param_groups": self.group_layout})
                 fsync_dir(tmp_dir)
         except Exception as e:
             full = disk_full_error(e, tmp_dir, f"the checkpoint save of step {step}")
@@ -232,6 +237,7 @@ class CheckpointStore:
         tag_dir = os.path.join(save_dir, tag)
         manifest = ckpt.read_manifest(tag_dir)
         self.check_precision(tag_dir, manifest)
+        self.check_param_groups(tag_dir, manifest)
         saved_ws = manifest.get("world_size")
         if isinstance(saved_ws, bool) or not isinstance(saved_ws, int) or saved_ws < 1:
             raise CheckpointError(f"checkpoint {tag_dir}: manifest has no valid world_size ({saved_ws!r})")
@@ -342,6 +348,18 @@ class CheckpointStore:
                                   f"optim.precision={now}; resume with optim.precision={saved}, or start a new "
                                   f"run.output_dir")
 
+    def check_param_groups(self, tag_dir: str, manifest: Mapping[str, Any]) -> None:
+        """Refuse a checkpoint whose optimizer groups hold other parameters (a group frozen or unfrozen by
+        ``optim.group_lr`` since the save): its optimizer state has no place in this run's groups."""
+        saved = manifest.get("param_groups")
+        if saved is None or [list(g) for g in saved] == self.group_layout:
+            return
+        def names(layout):
+            return ", ".join(f"{n or 'all'} ({c} params)" for n, c in layout) or "none"
+        raise CheckpointError(f"checkpoint {tag_dir}: saved with the trained parameter groups {names(saved)}, this "
+                              f"run trains {names(self.group_layout)}; resume with the optim.group_lr it was saved "
+                              f"with (the same groups at 0), or start a new run.output_dir")
+
     def apply_settings(self, saved: Mapping[str, Any], global_step: int) -> Optional[str]:
         """After a load: the learning rate of the next step from this run's schedule (``optim.lr``, ``min_lr``,
         ``warmup_steps``, ``max_steps``) at the number of updates applied so far, and this run's ``weight_decay``,
@@ -353,8 +371,8 @@ class CheckpointStore:
         groups = self.ds_engine.basic_optimizer.param_groups  # the AdamW that ZeRO steps (lr is read there)
         applied = int(sched.last_epoch)
         factor = lr_lambda_from_config(cfg)
-        sched.base_lrs = [cfg.lr for _ in groups]
-        lrs = [cfg.lr * factor(applied) for _ in groups]
+        sched.base_lrs = list(self.group_lr)
+        lrs = [base * factor(applied) for base in self.group_lr]
         for group, lr, decay in zip(groups, lrs, self.group_decay):
             group["lr"] = lr
             group["weight_decay"] = decay
@@ -362,7 +380,8 @@ class CheckpointStore:
             group["eps"] = cfg.eps
         _set_last_lr(sched, lrs)
         changed = []
-        for key in ("lr", "min_lr", "warmup_steps", "max_steps", "weight_decay", "betas", "eps", "grad_clip"):
+        for key in ("lr", "group_lr", "min_lr", "warmup_steps", "max_steps", "weight_decay", "betas", "eps",
+                    "grad_clip"):
             if key not in saved:
                 continue
             old, new = saved[key], getattr(cfg, key)
@@ -373,5 +392,5 @@ class CheckpointStore:
         if not changed:
             return None
         return (f"resumed with changed settings: {', '.join(changed)}; the new settings apply from step "
-                f"{global_step + 1} on (its lr {lrs[0]:.6g}: this run's schedule at {applied} applied updates), "
+                f"{global_step + 1} on (its lr {cfg.lr * factor(applied):.6g}: this run's schedule at {applied} applied updates), "
                 f"the steps before it kept the old ones")

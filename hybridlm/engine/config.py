@@ -1,8 +1,9 @@
 """Optimisation settings shared by every stage (the ``optim:`` block of a stage config)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Tuple
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Tuple
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import Section, setting
@@ -49,6 +50,10 @@ class OptimConfig(Section):
     # for its backward (hybridlm/engine/device_step.py); the results are the same, the host learns of a skip when
     # it reads the step's results (at the latest before the next step's optimizer)
     step_on_device: bool = False
+    # a learning rate per named parameter group of the run (the distillation stages name theirs: inherited,
+    # mixer, latent; distill/param_groups.py); each group follows the run's warmup and cosine scaled to its own
+    # lr (its floor min_lr x its lr / lr); 0 freezes the group. Parameters of unnamed groups train at lr.
+    group_lr: Dict[str, float] = field(default_factory=dict)
 
     def validate(self, where: str = "optim") -> None:
         super().validate(where)
@@ -65,6 +70,10 @@ class OptimConfig(Section):
             raise ConfigError(f"{where}.min_lr: expected a number in [0, lr={self.lr}], got {self.min_lr!r}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"{where}.betas: expected two numbers in [0, 1), got {self.betas!r}")
+        for name, value in self.group_lr.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{where}.group_lr.{name}: expected a learning rate >= 0 (0 freezes the group), "
+                                  f"got {value!r}")
         if self.step_on_device and (self.precision != "bf16" or self.zero_stage != 1):
             raise ConfigError(f"{where}.step_on_device: needs precision=bf16 and zero_stage=1 (DeepSpeed's bf16 "
                               f"optimizer), got precision={self.precision}, zero_stage={self.zero_stage}")
@@ -78,3 +87,7 @@ class OptimConfig(Section):
                 f"micro_batch_size ({self.micro_batch_size}) x world size ({world_size}) = {per_pass}"
             )
         return self.global_batch_size // per_pass
+
+    def lr_of(self, group: str) -> float:
+        """The peak learning rate of a named parameter group: its ``group_lr``, else ``lr``."""
+        return self.group_lr.get(group, self.lr)

@@ -4,7 +4,7 @@ hybridlm/engine/device_step.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -32,7 +32,14 @@ def build_param_groups(
         params = [p for p in model.parameters() if p.requires_grad]
     else:
         params = list(trainable)
-    seen = set()
+    return _decay_split(params, weight_decay)
+
+
+def _decay_split(params: Iterable[nn.Parameter], weight_decay: float, seen: Optional[set] = None,
+                 **extra: Any) -> List[Dict[str, Any]]:
+    """``[decay, no_decay]`` groups (the empty ones left out) of ``params``, each with ``extra`` keys; a parameter
+    already in ``seen`` is skipped."""
+    seen = set() if seen is None else seen
     decay, no_decay = [], []
     for p in params:
         if id(p) in seen:
@@ -41,9 +48,28 @@ def build_param_groups(
         (no_decay if no_weight_decay(p) else decay).append(p)
     groups = []
     if decay:
-        groups.append({"params": decay, "weight_decay": weight_decay})
+        groups.append({"params": decay, "weight_decay": weight_decay, **extra})
     if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+        groups.append({"params": no_decay, "weight_decay": 0.0, **extra})
+    return groups
+
+
+def named_param_groups(named: Mapping[str, Iterable[nn.Parameter]], config: OptimConfig) -> List[Dict[str, Any]]:
+    """AdamW param groups of named parameter groups (a parameter counts in the first group that holds it): each
+    name's ``[decay, no_decay]`` at its peak lr (``optim.group_lr``, else ``optim.lr``) and the name under
+    ``"group"``; a group at lr 0 is frozen, so it is left out. A ``group_lr`` key that names no group is refused."""
+    unknown = sorted(set(config.group_lr) - set(named))
+    if unknown:
+        raise ConfigError(f"optim.group_lr.{unknown[0]}: not a parameter group of this run; expected one of "
+                          f"{', '.join(named) or '(none: this run has no named groups)'}")
+    seen: set = set()
+    groups = []
+    for name, params in named.items():
+        lr = config.lr_of(name)
+        if lr == 0:
+            seen.update(id(p) for p in params)
+            continue
+        groups += _decay_split(params, config.weight_decay, seen, lr=lr, group=name)
     return groups
 
 
@@ -89,6 +115,8 @@ class BuiltEngine:
     optimizer: Any  # DeepSpeed's ZeRO or bf16 optimizer, wrapping the torch AdamW
     lr_scheduler: Any  # LambdaLR, or ScheduleAdvancedByEngine with optim.step_on_device
     group_decay: List[float]  # each AdamW param group's weight decay
+    group_lr: List[float]  # each AdamW param group's peak learning rate
+    group_layout: List[Tuple[str, int]]  # each AdamW param group's name ("" unnamed) and parameter count
 
 
 def _freeze_all_but(model: nn.Module, trainable: List[nn.Parameter]) -> None:
@@ -114,15 +142,30 @@ def _enable_activation_checkpointing(model: nn.Module) -> None:
 
 def build_deepspeed_engine(model: nn.Module, config: OptimConfig, dist_info: DistInfo, *,
                            trainable: Optional[Iterable[nn.Parameter]] = None,
+                           named_groups: Optional[Mapping[str, Iterable[nn.Parameter]]] = None,
                            ds_overrides: Optional[Mapping[str, Any]] = None) -> BuiltEngine:
-    """``model`` (frozen but for ``trainable`` when given) on this rank's device, wrapped by DeepSpeed with a
-    torch AdamW and the warmup + cosine schedule. Seeds python/numpy/torch RNGs with ``config.seed + rank``."""
-    if trainable is not None:
-        trainable = list(trainable)
-        _freeze_all_but(model, trainable)
-    groups = build_param_groups(model, config.weight_decay, trainable)
+    """``model`` (frozen but for ``trainable`` or the unfrozen ``named_groups`` when given) on this rank's device,
+    wrapped by DeepSpeed with a torch AdamW and the warmup + cosine schedule (each group scaled to its own lr). Seeds python/numpy/torch RNGs with ``config.seed + rank``."""
+    if named_groups is not None:
+        if trainable is not None:
+            raise ValueError("Engine: give trainable or named_groups, not both")
+        groups = named_param_groups(named_groups, config)
+        if not groups:
+            raise ConfigError(f"optim.group_lr: every parameter group is frozen ({config.group_lr}); nothing trains")
+        _freeze_all_but(model, [p for g in groups for p in g["params"]])
+    else:
+        if config.group_lr:
+            raise ConfigError(f"optim.group_lr: this run names no parameter groups (its parameters all train at "
+                              f"optim.lr); remove group_lr")
+        if trainable is not None:
+            trainable = list(trainable)
+            _freeze_all_but(model, trainable)
+        groups = build_param_groups(model, config.weight_decay, trainable)
     if not groups:
         raise ValueError("Engine: the model has no trainable parameters")
+    # read before the schedule scales the groups' "lr" in place
+    peak_lr = [g.get("lr", config.lr) for g in groups]
+    layout = [(g.get("group", ""), sum(p.numel() for p in g["params"])) for g in groups]
     if config.activation_checkpointing:
         _enable_activation_checkpointing(model)
     seed_everything(config.seed + dist_info.rank)
@@ -171,4 +214,4 @@ def build_deepspeed_engine(model: nn.Module, config: OptimConfig, dist_info: Dis
         # sums accumulated over micro-batches to bf16. Several ranks communicate in bf16 (DeepSpeed's
         # communication_data_type).
         ds_engine.enable_backward_allreduce = False
-    return BuiltEngine(ds_engine, zero_optimizer, lr_scheduler, [g["weight_decay"] for g in groups])
+    return BuiltEngine(ds_engine, zero_optimizer, lr_scheduler, [g["weight_decay"] for g in groups], peak_lr, layout)

@@ -62,6 +62,8 @@ class Engine:
             :attr:`StepResult.tokens` instead (default: ``batch["input_ids"].numel()``).
         trainable: optional subset of ``model``'s parameters to train; every other parameter of
             ``model`` is frozen (``requires_grad_(False)``).
+        named_groups: instead of ``trainable``, the parameters to train by group name; ``optim.group_lr`` sets
+            a group's peak learning rate (0: frozen); a name it does not give trains at ``optim.lr``.
         ds_overrides: extra keys merged into the DeepSpeed config (advanced use).
 
     Constructing an engine seeds python/numpy/torch RNGs with ``config.seed + rank``.
@@ -78,6 +80,7 @@ class Engine:
         loss_fn: LossFn,
         *,
         trainable: Optional[Iterable[nn.Parameter]] = None,
+        named_groups: Optional[Mapping[str, Iterable[nn.Parameter]]] = None,
         ds_overrides: Optional[Mapping[str, Any]] = None,
     ) -> None:
         config.validate("optim")
@@ -85,10 +88,13 @@ class Engine:
         self.loss_fn = loss_fn
         self.dist: DistInfo = init_distributed()
         self.gradient_accumulation_steps = config.gradient_accumulation_steps(self.dist.world_size)
-        built = build_deepspeed_engine(model, config, self.dist, trainable=trainable, ds_overrides=ds_overrides)
+        built = build_deepspeed_engine(model, config, self.dist, trainable=trainable, named_groups=named_groups,
+                                       ds_overrides=ds_overrides)
         self.ds_engine, self.optimizer, self.lr_scheduler = built.ds_engine, built.optimizer, built.lr_scheduler
-        self._steps = StepRunner(self.ds_engine, self.optimizer, self.lr_scheduler, config, self.dist)
-        self._checkpoints = CheckpointStore(self.ds_engine, self.lr_scheduler, config, self.dist, built.group_decay)
+        self._steps = StepRunner(self.ds_engine, self.optimizer, self.lr_scheduler, config, self.dist,
+                                 first_group_lr=built.group_lr[0])
+        self._checkpoints = CheckpointStore(self.ds_engine, self.lr_scheduler, config, self.dist, built.group_decay,
+                                            built.group_lr, built.group_layout)
         self.module: nn.Module = self.ds_engine.module
         self.device = self.dist.device
         self.resume_note: Optional[str] = None  # set by load_checkpoint when a setting changed since the save

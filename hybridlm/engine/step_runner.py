@@ -148,11 +148,14 @@ class StepRunner:
     """Runs optimizer steps and evaluation batches on a DeepSpeed engine, and counts steps attempted, skipped
     and skipped in a row (:class:`StepCounters`)."""
 
-    def __init__(self, ds_engine, optimizer, lr_scheduler, config: OptimConfig, dist_info: DistInfo) -> None:
+    def __init__(self, ds_engine, optimizer, lr_scheduler, config: OptimConfig, dist_info: DistInfo,
+                 first_group_lr: Optional[float] = None) -> None:
         self.ds_engine, self.optimizer, self.lr_scheduler = ds_engine, optimizer, lr_scheduler
         self.config = config
         self.dist = dist_info
         self.device = dist_info.device
+        # the first param group may train at its own peak lr (optim.group_lr): the reported lr is optim.lr's
+        self.lr_scale = config.lr / first_group_lr if first_group_lr else 1.0
         self.gradient_accumulation_steps = config.gradient_accumulation_steps(dist_info.world_size)
         self.global_step = 0  # optimizer steps attempted (applied + skipped)
         self.skipped_steps = 0
@@ -161,8 +164,8 @@ class StepRunner:
 
     @property
     def lr(self) -> float:
-        """Learning rate the next step will use."""
-        return float(self.ds_engine.basic_optimizer.param_groups[0]["lr"])
+        """Learning rate the next step will use at ``optim.lr`` (a named group's rate is this scaled to its own)."""
+        return float(self.ds_engine.basic_optimizer.param_groups[0]["lr"]) * self.lr_scale
 
     def counters(self) -> StepCounters:
         return StepCounters(self.global_step, self.skipped_steps, self.consecutive_nonfinite)
