@@ -208,6 +208,27 @@ def test_the_cli_without_a_gpu():
     out = subprocess.run([sys.executable, "-m", "hybridlm.training.kernel_cache", "shipped"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "here: no CUDA GPU here" in out.stdout, out.stderr
-    out = subprocess.run([sys.executable, "-m", "hybridlm.training.kernel_cache", "make", "x.json", "--records",
-                          "r.jsonl"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "hybridlm.training.kernel_cache", "name"], capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.startswith("error: no CUDA GPU here"), out.stderr
+
+
+def test_make_off_the_gpu_takes_the_gpu_the_records_name(tmp_path):
+    """Records brought back from a GPU machine make its file anywhere; records of two GPUs are refused."""
+    def record(gpu, key):
+        return json.dumps({"gpu": gpu, "triton": "3.7.1", "fla": "0.6.0", "kernel": "k", "source": "s" * 64,
+                           "key": key, "candidates": "c" * 16, "config": {"kwargs": {"BD": 64}, "num_warps": 4},
+                           "timing": [0.1]}) + "\n"
+    (tmp_path / "a.jsonl").write_text(record("NVIDIA H100 80GB HBM3", "(1,)") + record("NVIDIA H100 80GB HBM3", "(2,)")
+                                      + '{"gpu": "NVIDIA H1')  # the last line cut by a killed run
+    cli = [sys.executable, "-m", "hybridlm.training.kernel_cache", "make"]
+    out = subprocess.run([*cli, str(tmp_path / "t.json"), "--records", str(tmp_path / "a.jsonl")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    made = json.loads((tmp_path / "t.json").read_text())
+    assert made["gpu"] == "NVIDIA H100 80GB HBM3" and [e["key"] for e in made["entries"]] == ["(1,)", "(2,)"]
+    (tmp_path / "b.jsonl").write_text(record("NVIDIA H200", "(3,)"))
+    out = subprocess.run([*cli, str(tmp_path / "u.json"), "--records", str(tmp_path / "a.jsonl"),
+                          str(tmp_path / "b.jsonl")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "the records do not name one GPU and Triton version" in out.stderr, out.stderr
+    assert not (tmp_path / "u.json").exists()

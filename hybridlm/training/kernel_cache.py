@@ -17,7 +17,8 @@ then turn the record into a tuning file (merged with the one already there for t
     python -m hybridlm.training.kernel_cache make \
         hybridlm/ops/tuned/$(python -m hybridlm.training.kernel_cache name) --records tuning.jsonl
 
-``shipped`` lists the shipped files and says which one applies here and why. A machine's own results also travel as
+Records name their GPU and Triton, so ``make`` also runs on a machine without a GPU, from records brought back from
+one GPU. ``shipped`` lists the shipped files and says which one applies here and why. A machine's own results also travel as
 an archive:
 
     python -m hybridlm.training.kernel_cache export tuned.tar.xz   # after a run, on the tuned machine
@@ -117,6 +118,24 @@ def _this_gpu():
     return torch.cuda.get_device_name(), triton.__version__
 
 
+def _records_gpu(records: List[str]):
+    """(GPU name, Triton version) that every line of the records names: a file can be made from records brought
+    back from the GPU they were taken on, on a machine without one."""
+    seen = set()
+    for path in records:
+        for line in Path(path).read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:  # a line cut by a killed run
+                continue
+            seen.add((rec.get("gpu"), rec.get("triton")))
+    if len(seen) != 1 or None in next(iter(seen), (None,)):
+        found = ", ".join(f"{g} / Triton {t}" for g, t in sorted(seen, key=str)) or "none"
+        raise KernelCacheError(f"no CUDA GPU here and the records do not name one GPU and Triton version ({found}); "
+                               f"make the file on the GPU, or from the records of one GPU")
+    return next(iter(seen))
+
+
 def _shipped_report() -> List[str]:
     lines = []
     for path in tuning.shipped_files():
@@ -158,17 +177,17 @@ def main(argv=None) -> int:
         print(f"here: {gpu} / Triton {version}: " + (path.name if path.is_file() else "no shipped file"))
         return 0
     try:
-        if args.action in ("make", "name"):
-            gpu, version = _this_gpu()
-            if args.action == "name":
-                print(tuning.shipped_file(gpu, version).name)
-                return 0
+        if args.action == "name":
+            print(tuning.shipped_file(*_this_gpu()).name)
+            return 0
+        if args.action == "make":
             if not args.path:
                 ap.error("make needs the path of the tuning file to write")
             missing = [r for r in args.records if not Path(r).is_file()]
             if not args.records or missing:
                 raise KernelCacheError(f"make needs --records: the JSONL files of runs with HYBRIDLM_RECORD_TUNING "
                                        f"({'not found: ' + ', '.join(missing) if missing else 'none given'})")
+            gpu, version = _this_gpu() if torch.cuda.is_available() else _records_gpu(args.records)
             data = tuning.make_tuning_file(Path(args.path), [Path(r) for r in args.records], gpu, version)
             print(f"made {args.path}: {len(data['entries'])} autotune results for {gpu} / Triton {version} "
                   f"(shipped as hybridlm/ops/tuned/{tuning.shipped_file(gpu, version).name})")
