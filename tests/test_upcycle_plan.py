@@ -79,6 +79,23 @@ def test_plan_bytes_match_a_direct_computation(tie, linear):
     assert plan.mixers[1].state_per_sequence > 0 and plan.mixers[0].state_per_sequence == 0
 
 
+def test_the_align_stage_is_planned_between_smart_and_kd_with_only_the_mixers_trained():
+    cfg, ranks = tiny_teacher_config(True), 2
+    route = tiny_route()
+    route["align"] = {"data": {"seq_len": 32}, "optim": {"micro_batch_size": 2, "global_batch_size": 8,
+                                                         "max_steps": 5, "lr": 1e-3}}
+    plans = {p.name: p for p in plan_route(route, cfg, ranks).stages}
+    assert list(plans) == ["init", "ild_mla", "ild_mamba2", "smart", "align", "kd", "dpo"]
+    hybrid, total, _ = direct(cfg, student_kinds(4, 2, "mamba2"))
+    mixers = sum(p.numel() for b in hybrid.model.layers if b.kind != "mlp" for p in b.mixer.parameters())
+    got = plans["align"].bytes
+    assert got["student weights (bf16)"] == 2 * total
+    assert got["gradients (bf16 + fp32 accumulator)"] == 6 * mixers and 0 < mixers < total
+    assert got["master + Adam (fp32, ZeRO-1)"] == -(-12 * mixers // ranks)
+    assert got["teacher trace / logits"] == 2 * 3 * 4 * (2 * 32) * 64  # the teacher's 3 traces per layer
+    assert plans["align"].tokens == 5 * 8 * 32
+
+
 def test_activation_model_by_hand():
     cfg = student_config(tiny_teacher_config(True), ["mla", "mamba2"] * 2, q_lora_rank=48, kv_lora_rank=24,
                          qk_rope_head_dim=8)

@@ -50,7 +50,7 @@ from hybridlm.config.structured import build_dataclass
 from hybridlm.kv_report import ATTENTION_KIND, load_teacher_config
 from hybridlm.model import HybridForCausalLM
 from hybridlm.model.layers.mixing_flops import causal_attention_flops
-from hybridlm.model.registry import costs_of
+from hybridlm.model.registry import costs_of, is_mixer
 from hybridlm.teacher import resolve_teacher
 from smart_select.stage import SmartConfig
 from upcycle.init_students import InitConfig
@@ -67,10 +67,13 @@ def _meta(build):
 
 
 def param_counts(model) -> Dict[str, int]:
-    """``total``, ``layers`` (decoder blocks) and ``outer`` (embeddings, final norm, LM head; a tied head once)."""
+    """``total``, ``layers`` (decoder blocks), ``outer`` (embeddings, final norm, LM head; a tied head once) and, of a
+    hybrid, ``mixers`` (its mixer sublayers' own weights: what the align stage trains by default)."""
     total = sum(p.numel() for p in model.parameters())
     layers = sum(p.numel() for p in model.model.layers.parameters())
-    return {"total": total, "layers": layers, "outer": total - layers}
+    mixers = sum(p.numel() for block in model.model.layers if is_mixer(getattr(block, "kind", ""))
+                 for p in block.mixer.parameters())
+    return {"total": total, "layers": layers, "outer": total - layers, "mixers": mixers}
 
 
 def student_kinds(L: int, n_mla: int, linear: str) -> List[str]:
@@ -248,6 +251,24 @@ def plan_route(cfg: Dict[str, Any], teacher_cfg, gpus: int) -> RoutePlan:
     hy = m["hybrid"]
     hp = hy["params"]["total"]
     hp_mm = hp - lookup
+    align = dict(cfg.get("align") or {})
+    if align:
+        optim = _optim(align, "align")
+        s = int((align.get("data") or {}).get("seq_len", 1024))
+        b, ckpt = int(optim["micro_batch_size"]), bool(optim.get("activation_checkpointing", False))
+        tokens = int(optim["max_steps"]) * int(optim["global_batch_size"]) * s
+        mixers = hy["params"]["mixers"]
+        by = {"teacher weights (bf16)": BF16 * T, **trained_bytes(hp, mixers, gpus),
+              "activations": activation_bytes(hy["config"], hy["layer_kinds"], b * s, ckpt),
+              "teacher trace / logits": BF16 * 3 * L * b * s * d}
+        # the backward passes through every layer (input gradients) but makes weight gradients for the mixers only
+        layers_mm = hy["params"]["layers"]
+        fl = (4.0 * layers_mm + 2.0 * mixers + (2.0 if ckpt else 0.0) * layers_mm
+              + 3 * forward_flops_per_token(hy["config"], hy["layer_kinds"], 0, s)
+              + teacher_forward_flops(shapes, T_mm, s))
+        plans.append(StagePlan("align", gpus, b, s, tokens, by, fl * tokens,
+                               "the mixers train; the stream runs end to end"))
+
     if kd:
         optim = _optim(kd, "kd")
         s = int((kd.get("data") or {}).get("seq_len", 1024))
