@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -241,6 +241,16 @@ def serving_check(original, gpu: str, triton_version: str, record: Optional[str]
     return check_disk_cache
 
 
+def read_records(records: List[Path]) -> Iterator[dict]:
+    """The lines of ``HYBRIDLM_RECORD_TUNING`` files, in order; a line cut by a killed run is skipped."""
+    for path in records:
+        for line in Path(path).read_text().splitlines():
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue
+
+
 def make_tuning_file(out: Path, records: List[Path], gpu: str, triton_version: str) -> dict:
     """A tuning file from the JSONL ``records`` of runs on ``gpu`` / ``triton_version`` (``HYBRIDLM_RECORD_TUNING``),
     merged with the file already at ``out`` if it is one for the same GPU and Triton (a later record of an entry
@@ -253,16 +263,11 @@ def make_tuning_file(out: Path, records: List[Path], gpu: str, triton_version: s
                 merged = {entry_id(e["kernel"], e["source"], e["key"], e["candidates"]): e for e in old["entries"]}
         except TuningFileError:
             pass
-    for path in records:
-        for line in Path(path).read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:  # a line cut by a killed run
-                continue
-            if rec.get("gpu") != gpu or rec.get("triton") != triton_version:
-                continue
-            entry = {k: rec[k] for k in ENTRY_FIELDS}
-            merged[entry_id(entry["kernel"], entry["source"], entry["key"], entry["candidates"])] = entry
+    for rec in read_records(records):
+        if rec.get("gpu") != gpu or rec.get("triton") != triton_version:
+            continue
+        entry = {k: rec[k] for k in ENTRY_FIELDS}
+        merged[entry_id(entry["kernel"], entry["source"], entry["key"], entry["candidates"])] = entry
     entries = [merged[k] for k in sorted(merged)]
     data = {"format": FORMAT, "gpu": gpu, "triton": triton_version, "fla": fla_version(), "entries": entries,
             "sha256": entries_digest(entries)}

@@ -121,14 +121,7 @@ def _this_gpu():
 def _records_gpu(records: List[str]):
     """(GPU name, Triton version) that every line of the records names: a file can be made from records brought
     back from the GPU they were taken on, on a machine without one."""
-    seen = set()
-    for path in records:
-        for line in Path(path).read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:  # a line cut by a killed run
-                continue
-            seen.add((rec.get("gpu"), rec.get("triton")))
+    seen = {(rec.get("gpu"), rec.get("triton")) for rec in tuning.read_records([Path(r) for r in records])}
     if len(seen) != 1 or None in next(iter(seen), (None,)):
         found = ", ".join(f"{g} / Triton {t}" for g, t in sorted(seen, key=str)) or "none"
         raise KernelCacheError(f"no CUDA GPU here and the records do not name one GPU and Triton version ({found}); "
