@@ -81,9 +81,10 @@ def pytest_configure(config):
     interpreter's patches go in before anything imports triton (tests/support/gpu_path.py)."""
     from tests.support import gpu_path
     if gpu_path.INTERPRETED:
-        from tests.support.triton_interpreter import enable, round_bf16_like_gpu
+        from tests.support.triton_interpreter import enable, poison_uninitialized_memory, round_bf16_like_gpu
         enable()
         round_bf16_like_gpu()
+        poison_uninitialized_memory()
 
 
 def pytest_collection_modifyitems(config, items):

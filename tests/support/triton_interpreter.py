@@ -85,3 +85,12 @@ def round_bf16_like_gpu() -> None:
 
     cast_impl.rounds_like_gpu = True
     interpreter.InterpreterBuilder.cast_impl = cast_impl
+
+
+def poison_uninitialized_memory() -> None:
+    """``torch.empty`` memory filled with NaN (integers with their largest value): an output a kernel leaves partly
+    unwritten then fails its comparison, instead of passing on what the allocator hands back (once, the memory the
+    torch path's identical result had just freed). The deterministic-algorithms switch it needs only warns."""
+    import torch
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
