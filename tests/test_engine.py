@@ -31,6 +31,7 @@ from hybridlm.engine import (
     lr_at,
     lr_lambda,
 )
+from hybridlm.engine.schedule import decay_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_PATH = os.path.join(REPO, "tests", "engine_worker.py")
@@ -147,6 +148,42 @@ def test_schedule_formula():
     assert f(60) == pytest.approx(lr_at(60, **kw) / 1e-3)
     # no warmup: starts at the peak
     assert lr_at(0, lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=4) == pytest.approx(1.0)
+
+
+def test_wsd_holds_the_peak_then_decays_linearly_to_the_floor():
+    """Warmup 10, then 100 steps: the peak until the last 20 % (20 steps), a straight line down to min_lr at
+    the last update (step 109), the floor after it."""
+    kw = dict(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110, schedule="wsd", decay_fraction=0.2)
+    assert lr_at(0, **kw) == pytest.approx(1e-4) and lr_at(9, **kw) == pytest.approx(1e-3)
+    assert all(lr_at(s, **kw) == pytest.approx(1e-3) for s in range(10, 90))
+    decay = [lr_at(s, **kw) for s in range(89, 110)]
+    steps = [b - a for a, b in zip(decay, decay[1:])]
+    assert steps == pytest.approx([-(1e-3 - 1e-4) / 20] * 20)  # linear, 20 equal steps
+    assert lr_at(109, **kw) == pytest.approx(1e-4) and lr_at(500, **kw) == pytest.approx(1e-4)
+    # the fraction is of the post-warmup steps, rounded up, at least one step
+    assert decay_steps(warmup_steps=10, max_steps=110, decay_fraction=0.2) == 20
+    assert decay_steps(warmup_steps=0, max_steps=7, decay_fraction=0.1) == 1
+    # a whole-run decay (fraction 1) is a linear schedule
+    lin = dict(kw, decay_fraction=1.0)
+    assert lr_at(60, **lin) == pytest.approx(1e-3 - (1e-3 - 1e-4) * 51 / 100)
+    # wsd spends more of the run at a high rate than cosine at the same floor
+    cos = dict(kw, schedule="cosine")
+    assert sum(lr_at(s, **kw) for s in range(110)) > 1.3 * sum(lr_at(s, **cos) for s in range(110))
+
+
+def test_constant_schedule_keeps_the_peak_after_warmup():
+    kw = dict(lr=3e-4, min_lr=1e-5, warmup_steps=4, max_steps=50, schedule="constant")
+    assert [lr_at(s, **kw) for s in range(4)] == pytest.approx([3e-4 * k / 4 for k in range(1, 5)])
+    assert all(lr_at(s, **kw) == pytest.approx(3e-4) for s in range(4, 80))
+    with pytest.raises(ValueError, match="schedule"):
+        lr_at(0, **dict(kw, schedule="linear"))
+
+
+@pytest.mark.parametrize("bad", [{"schedule": "linear"}, {"decay_fraction": 0.0}, {"decay_fraction": 1.5}])
+def test_schedule_settings_are_checked(bad):
+    values = {"micro_batch_size": 2, "global_batch_size": 8, "lr": 1e-3, "max_steps": 10, **bad}
+    with pytest.raises(ConfigError, match=rf"optim\.{next(iter(bad))}"):
+        build_dataclass(OptimConfig, values, "optim")
 
 
 # --------------------------------------------------------------------------- (a) training

@@ -320,7 +320,7 @@ def test_corrupt_prepared_data_is_refused_by_name(tmp_path, austen_data, damage,
 # ---------------------------------------------------------------------------------------- schedule
 
 
-@pytest.mark.parametrize("change", [{"max_steps": 4}, {"lr": 3e-3}])
+@pytest.mark.parametrize("change", [{"max_steps": 4}, {"lr": 3e-3}, {"max_steps": 6, "schedule": "wsd"}])
 def test_a_schedule_changed_on_resume_applies_from_the_resume_step_and_is_stated(tmp_path, change):
     """Saved after 2 steps of a 2-step schedule, resumed with a longer schedule (or another peak lr): the next
     step's lr is the new schedule's at 2 applied updates, not the old schedule's, and not a blend; one line says
@@ -343,7 +343,8 @@ def test_a_schedule_changed_on_resume_applies_from_the_resume_step_and_is_stated
     for key, value in change.items():
         assert f"optim.{key} {getattr(old, key)} -> {value}" in note, note
     for applied, b in enumerate(batches[2:4], start=2):
-        want = lr_at(applied, lr=new.lr, min_lr=new.min_lr, warmup_steps=new.warmup_steps, max_steps=new.max_steps)
+        want = lr_at(applied, lr=new.lr, min_lr=new.min_lr, warmup_steps=new.warmup_steps, max_steps=new.max_steps,
+                     schedule=new.schedule, decay_fraction=new.decay_fraction)
         assert resumed.train_step(W.local_micro_batches(b, 0, 1, 2)).lr == pytest.approx(want, rel=1e-12)
 
     same = Engine(W.build_model(seed=5), old, W.loss_fn)  # unchanged settings: nothing to say

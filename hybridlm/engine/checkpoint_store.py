@@ -381,8 +381,8 @@ class CheckpointStore:
             group["eps"] = cfg.eps
         _set_last_lr(sched, lrs)
         changed = []
-        for key in ("lr", "group_lr", "min_lr", "warmup_steps", "max_steps", "weight_decay", "betas", "eps",
-                    "grad_clip"):
+        for key in ("lr", "group_lr", "min_lr", "warmup_steps", "max_steps", "schedule", "decay_fraction",
+                    "weight_decay", "betas", "eps", "grad_clip"):
             if key not in saved:
                 continue
             old, new = saved[key], getattr(cfg, key)

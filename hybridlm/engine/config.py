@@ -7,6 +7,7 @@ from typing import Dict, Tuple
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import Section, setting
+from hybridlm.engine.schedule import SCHEDULES
 
 # bf16: bf16 weights and activations, fp32 master weights and gradient accumulation (DeepSpeed's bf16 mode);
 # bf16-mixed: fp32 weights, the forward under torch.autocast(bf16) (DeepSpeed's torch_autocast): matmuls in bf16,
@@ -30,8 +31,12 @@ class OptimConfig(Section):
     global_batch_size: int = setting(ge=1)
     lr: float = setting(gt=0)
     max_steps: int = setting(ge=1)
-    min_lr: float = setting(0.0, ge=0)  # at most lr (validate)
+    min_lr: float = setting(0.0, ge=0)  # at most lr (validate); the floor of cosine and wsd
     warmup_steps: int = setting(0, ge=0)  # at most max_steps (validate)
+    # after the warmup: cosine to min_lr over the run, wsd (the peak held, then a linear decay to min_lr over the
+    # last decay_fraction of the post-warmup steps), or constant (hybridlm/engine/schedule.py)
+    schedule: str = setting("cosine", choices=SCHEDULES)
+    decay_fraction: float = setting(0.2, gt=0, le=1)  # wsd only
     weight_decay: float = setting(0.01, ge=0)
     betas: Tuple[float, float] = (0.9, 0.95)
     eps: float = setting(1e-8, gt=0)
@@ -51,7 +56,7 @@ class OptimConfig(Section):
     # it reads the step's results (at the latest before the next step's optimizer)
     step_on_device: bool = False
     # a learning rate per named parameter group of the run (the distillation stages name theirs: inherited,
-    # mixer, latent; distill/param_groups.py); each group follows the run's warmup and cosine scaled to its own
+    # mixer, latent; distill/param_groups.py); each group follows the run's schedule scaled to its own
     # lr (its floor min_lr x its lr / lr); 0 freezes the group. Parameters of unnamed groups train at lr.
     group_lr: Dict[str, float] = field(default_factory=dict)
 
