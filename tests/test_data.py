@@ -399,3 +399,43 @@ def test_data_config(austen, tmp_path):
         ensure_prepared(DataConfig(path=str(tmp_path / "nothing")))
     with pytest.raises(ConfigError, match="data.sources"):
         ensure_prepared(DataConfig(path=str(austen), sources=[str(tmp_path)]))
+
+
+def test_source_weight_repeats_training_documents_only(tmp_path, tok_dir):
+    """Two sources of 40 distinct records each: weight 3 counts each training document of the first three times,
+    0.5 keeps a seeded half of the second's; no validation document is repeated or dropped, the same seed gives
+    the same mix, and meta.json records the weights."""
+    records = json.loads(demo_file("alpaca_en_demo.json").read_text())[:80]
+    texts = [_alpaca_text(r) for r in records]
+    for name, part in (("a.jsonl", texts[:40]), ("b.jsonl", texts[40:])):
+        (tmp_path / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    sources = [{"source": str(tmp_path / "a.jsonl"), "weight": 3}, {"source": str(tmp_path / "b.jsonl"), "weight": 0.5}]
+    tok = load_tokenizer(tok_dir)
+    enc = {tuple(ids): i for i, ids in enumerate(tok(texts, add_special_tokens=False)["input_ids"])}
+
+    def counts(out):
+        prepare(sources, str(tok_dir), out, val_fraction=0.2, progress=False)
+        got = {}
+        for split in ("train", "val"):
+            t = PackedTokens(out, split)
+            got[split] = Counter(enc[s] for s in _segments(t[:], t.eos_id))
+        return got
+
+    got = counts(tmp_path / "mix")
+    assert set(got["val"].values()) == {1} and sum(got["val"].values()) == 16  # 20 % of 80, each once
+    assert not set(got["train"]) & set(got["val"])
+    train_a = {d: n for d, n in got["train"].items() if d < 40}
+    train_b = {d: n for d, n in got["train"].items() if d >= 40}
+    in_val_a = sum(1 for d in got["val"] if d < 40)
+    assert set(train_a.values()) == {3} and len(train_a) == 40 - in_val_a
+    in_val_b = sum(1 for d in got["val"] if d >= 40)
+    assert set(train_b.values()) == {1} and 0.25 * (40 - in_val_b) < len(train_b) < 0.75 * (40 - in_val_b)
+    assert counts(tmp_path / "again") == got
+    meta = json.loads((tmp_path / "mix" / "meta.json").read_text())
+    assert [s["weight"] for s in meta["params"]["sources"]] == [3.0, 0.5]
+
+
+@pytest.mark.parametrize("weight", [0, -1, "2", True])
+def test_source_weight_is_checked(weight):
+    with pytest.raises(ConfigError, match=r"data\.sources\[0\]\.weight: expected a number"):
+        build_dataclass(DataConfig, {"path": "x", "sources": [{"source": "a.txt", "weight": weight}]}, "data")

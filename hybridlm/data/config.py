@@ -9,9 +9,10 @@ from hybridlm.config.structured import Section, setting
 
 TXT_SPLITS = ("file", "paragraphs")
 DEFAULT_SHARD_TOKENS = 100_000_000  # 400 MB per shard at uint32
-SOURCE_KEYS = ("source", "max_tokens")
+SOURCE_KEYS = ("source", "max_tokens", "weight")
 
-# A source: a path / dataset name / asset name, or {source: ..., max_tokens: N} to cap what it contributes.
+# A source: a path / dataset name / asset name, or {source: ..., max_tokens: N, weight: W} to cap what it
+# contributes and to count its training documents W times (2: each twice; 0.5: a seeded half).
 SourceEntry = Union[str, Dict[str, Any]]
 
 
@@ -31,7 +32,18 @@ def source_entry(entry: Any, where: str) -> Tuple[str, Optional[int]]:
         raise ConfigError(f"{where}.source: expected a file path, dataset or asset name, got {src!r}")
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
         raise ConfigError(f"{where}.max_tokens: expected an integer >= 1, got {cap!r}")
+    source_weight(entry, where)
     return src, cap
+
+
+def source_weight(entry: Any, where: str = "source") -> float:
+    """The ``weight`` of one ``sources`` entry (1 for a plain name): how many times each of its training
+    documents is counted in the prepared mix (the fraction by a seeded draw per document)."""
+    weight = entry.get("weight", 1.0) if isinstance(entry, dict) else 1.0
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1000:
+        raise ConfigError(f"{where}.weight: expected a number in (0, 1000] (2: each training document twice, "
+                          f"0.5: a seeded half of them), got {weight!r}")
+    return float(weight)
 
 
 def source_entries(sources: Sequence[Any], where: str = "sources") -> List[Tuple[str, Optional[int]]]:
@@ -49,8 +61,9 @@ class DataConfig(Section):
     ``path`` is a directory written by ``prepare`` (``meta.json`` + ``{train,val}/shard_*.bin``).
     When ``sources`` is non-empty and ``path`` holds no prepared data yet, ``ensure_prepared`` builds it
     from ``sources`` with ``tokenizer`` (``asset:llama3.2`` / ``asset:janeausten`` name fetched assets).
-    An entry of ``sources`` is a string, or ``{source: asset:linuxdoc, max_tokens: 4000000}`` to take at
-    most that many tokens (by ``tokenizer``, EOS included) of whole documents from it.
+    An entry of ``sources`` is a string, or ``{source: asset:linuxdoc, max_tokens: 4000000, weight: 2}`` to take
+    at most that many tokens (by ``tokenizer``, EOS included) of whole documents from it, and to count each of its
+    training documents twice (validation documents are never repeated).
     """
 
     path: str = setting("", nonempty="the directory of a prepared dataset")

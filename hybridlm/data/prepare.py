@@ -55,7 +55,7 @@ from tqdm.auto import tqdm
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.data import assets
-from hybridlm.data.config import DEFAULT_SHARD_TOKENS, DataConfig, source_entries
+from hybridlm.data.config import DEFAULT_SHARD_TOKENS, DataConfig, source_entries, source_weight
 from hybridlm.utils.atomic import json_text, write_json
 from hybridlm.utils.faults import kill_in
 
@@ -420,8 +420,8 @@ def prepare(sources: Sequence[Any], tokenizer: str, out_dir, *, val_fraction: fl
     vocab_size, eos_id = len(tok), tok.eos_token_id
     dtype = token_dtype(vocab_size)
     entries = source_entries(cfg.sources, f"{where}.sources")
-    sources: List[Any] = [assets.resolve_source(s) if cap is None else
-                          {"source": assets.resolve_source(s), "max_tokens": cap} for s, cap in entries]
+    weights = [source_weight(e) for e in cfg.sources]
+    sources: List[Any] = [_entry(assets.resolve_source(s), cap, w) for (s, cap), w in zip(entries, weights)]
     for s, _ in source_entries(sources):  # fail on a missing file before any slow work
         _source_files(s)
     if num_proc > 1:
@@ -455,6 +455,8 @@ def prepare(sources: Sequence[Any], tokenizer: str, out_dir, *, val_fraction: fl
                                       f"empty or whitespace only); give sources that hold text") from None
                 raise
             split_idx = _split_docs(len(docs), val_fraction, seed)
+            if any(w != 1.0 for w in weights):
+                split_idx["train"] = _weighted(split_idx["train"], np.asarray(docs["src"]), weights, seed)
             ids = docs.map(_tokenize_batch, batched=True, batch_size=64, num_proc=min(num_proc, len(docs)),
                            remove_columns=["text"], new_fingerprint=uuid.uuid4().hex, desc="tokenize",
                            fn_kwargs={"tokenizer_file": str(tok_file), "eos_id": eos_id, "dtype": dtype})
@@ -504,6 +506,24 @@ def prepare(sources: Sequence[Any], tokenizer: str, out_dir, *, val_fraction: fl
     return meta
 
 
+def _entry(source: str, cap: Optional[int], weight: float) -> Any:
+    """A source as ``prepare`` passes it on and records it: the name alone, or with its cap and weight."""
+    if cap is None and weight == 1.0:
+        return source
+    return {"source": source, **({"max_tokens": cap} if cap is not None else {}),
+            **({"weight": weight} if weight != 1.0 else {})}
+
+
+def _weighted(train: np.ndarray, src: np.ndarray, weights: Sequence[float], seed: int) -> np.ndarray:
+    """The training documents with each repeated by its source's weight: ``floor(w)`` times, and once more with
+    probability ``w - floor(w)`` (a seeded draw per document); a document's copies stay together, and the
+    windows a run reads are shuffled anyway."""
+    w = np.asarray(weights, dtype=np.float64)[src[train]]
+    whole = np.floor(w)
+    extra = np.random.default_rng([seed, 1]).random(train.size) < (w - whole)
+    return np.repeat(train, (whole + extra).astype(np.int64))
+
+
 def _per_source_counts(ids, n_sources: int) -> List[Dict[str, int]]:
     """Documents and tokens (EOS included) that each source contributed."""
     import pyarrow.compute as pc
@@ -520,11 +540,10 @@ def _normalized_sources(sources: Sequence[Any]) -> List[Any]:
     """Sources as recorded in meta.json: absolute paths for local ones, names for datasets; a capped entry
     as ``{"source": ..., "max_tokens": N}``."""
     out: List[Any] = []
-    for s, cap in source_entries(sources):
+    for entry, (s, cap) in zip(sources, source_entries(sources)):
         s = assets.resolve_source(s)
         p = Path(s).expanduser()
-        s = str(p.resolve()) if p.exists() else s
-        out.append(s if cap is None else {"source": s, "max_tokens": cap})
+        out.append(_entry(str(p.resolve()) if p.exists() else s, cap, source_weight(entry)))
     return out
 
 
