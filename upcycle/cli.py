@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from distill.cli import add_subcommands as add_distill_stages
+from distill.teacher_samples import add_subcommand as add_sample
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.layers import parse_layers
 from hybridlm.model.configuration import REMOTE_CODE_HELP
@@ -127,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. smart.n_mla=8")
     r.set_defaults(fn=cmd_run)
     add_distill_stages(sub)
+    add_sample(sub)
     add_smart(sub)
     add_compose(sub)
     rp = sub.add_parser("report", help="perplexity of the teacher and of the hybrid after each stage of a route")
