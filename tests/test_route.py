@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from conftest import REPO, demo_file, save_tiny_llama, subprocess_env, assert_chart
 from hybridlm.eval.perplexity import perplexity
@@ -96,7 +97,8 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
 @pytest.mark.slow
 def test_route_with_every_lever_runs_to_its_report(tmp_path):
     """configs/upcycle/smollm2_levers_cpu.yaml on a tiny teacher: kl_restore chooses, the align stage runs between
-    compose and KD and feeds KD, KD trains its groups at their own rates and DPO leaves the inherited weights."""
+    compose and KD and feeds KD, the sample stage writes the teacher's continuations that KD's packed mix names by
+    weight, KD trains its groups at their own rates on the wsd schedule and DPO leaves the inherited weights."""
     import torch
     from distill.param_groups import student_param_groups
     from hybridlm.model import HybridForCausalLM
@@ -110,15 +112,24 @@ def test_route_with_every_lever_runs_to_its_report(tmp_path):
                  "init.calib_tokens=512", "init.calib_seq_len=64",
                  f"ild.data.path={tmp_path / 'data'}", "ild.data.seq_len=32", f"align.data.path={tmp_path / 'data'}",
                  "align.data.seq_len=32", "smart.n_mla=2", "smart.batches=1", "smart.batch_size=2",
-                 "kd.data.max_length=64", "dpo.data.max_length=64", "dpo.data.max_prompt_length=32",
-                 "dpo.optim.lr=1e-3", "report.seq_len=32", "report.max_tokens=256", "report.generation_prompts=0"]
+                 "dpo.data.max_length=64", "dpo.data.max_prompt_length=32",
+                 "dpo.optim.lr=1e-3", "report.seq_len=32", "report.max_tokens=256", "report.generation_prompts=0",
+                 "sample={tokens: 48, prompt_len: 8, gen_len: 8, batch_size: 3, cache: dynamic}",
+                 "kd.optim.schedule=wsd", "kd.optim.decay_fraction=0.5"]
     overrides += [f"{stage}.{o}" for stage in ("ild", "align", "kd", "dpo") for o in small]
-    cmd = [sys.executable, "-m", "upcycle.cli", "run", "--config", "configs/upcycle/smollm2_levers_cpu.yaml",
-           *overrides]
+    config = yaml.safe_load((REPO / "configs/upcycle/smollm2_levers_cpu.yaml").read_text())
+    config["kd"]["data"] = {"format": "packed", "path": str(tmp_path / "kd_mix"), "seq_len": 32, "tokenizer": "teacher",
+                            "sources": ["asset:alpaca_en_demo", {"source": str(out / "samples"), "weight": 2}]}
+    (tmp_path / "levers.yaml").write_text(yaml.safe_dump(config))
+    cmd = [sys.executable, "-m", "upcycle.cli", "run", "--config", str(tmp_path / "levers.yaml"), *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stages = [l.split()[3] for l in proc.stdout.splitlines() if l.startswith("route: stage ")]
-    assert stages == ["init", "ild_mla", "ild_mamba2", "smart", "compose", "align", "kd", "dpo", "report"]
+    assert stages == ["init", "ild_mla", "ild_mamba2", "smart", "compose", "align", "sample", "kd", "dpo", "report"]
+    samples = json.loads((out / "samples" / ".samples.json").read_text())
+    assert samples["complete"] and samples["shards"] == 2 and samples["rows"] == 6
+    mix = json.loads((tmp_path / "kd_mix" / "meta.json").read_text())
+    assert mix["sources"][1]["num_docs"] == 6 and mix["params"]["sources"][1]["weight"] == 2.0
     smart = json.loads((out / "smart" / "smart_report.json").read_text())
     ranked = sorted(range(4), key=lambda i: (-smart["layers"][i]["sensitivity"], i))
     assert smart["method"] == "kl_restore" and smart["chosen"] == sorted(ranked[:2])
@@ -126,7 +137,7 @@ def test_route_with_every_lever_runs_to_its_report(tmp_path):
     assert align["student"] == str(out / "hybrid") and align["steps"] == 2
     assert json.loads((out / "kd" / "final" / "stage.json").read_text())["student"] == str(out / "align" / "final")
     kd = json.loads((out / "kd" / "final" / "stage.json").read_text())
-    assert kd["config"]["optim"]["group_lr"] == {"inherited": 7e-6}
+    assert kd["config"]["optim"]["group_lr"] == {"inherited": 7e-6} and kd["config"]["optim"]["schedule"] == "wsd"
     before, after = (HybridForCausalLM.from_pretrained(out / d / "final") for d in ("kd", "dpo"))
     groups = {name: [id(p) for p in ps] for name, ps in student_param_groups(after, after.parameters()).items()}
     pairs = list(zip(before.parameters(), after.parameters()))
@@ -136,6 +147,7 @@ def test_route_with_every_lever_runs_to_its_report(tmp_path):
     assert [r["model"] for r in report["perplexity"]] == ["teacher", "hybrid, init only", "hybrid after ILD",
                                                          "after alignment", "after KD-SFT", "after DPO"]
     assert [s["stage"] for s in report["stages"]][2] == "Alignment"
+    assert report["teacher_samples"]["rows"] == 6 and "Teacher samples: 6 continuations" in (out / "report.md").read_text()
 
 
 # ~3.5 min of a 2-core CI run (pytest -m slow runs it); the real teacher stays in the default run through its ILD

@@ -115,6 +115,7 @@ def test_another_teacher_or_setting_is_refused(teacher, prompts, tmp_path):
         sample(_cfg(str(tmp_path / "nowhere"), tmp_path / "t"), teacher, progress=False)
 
 
+@pytest.mark.slow  # ~50 s on 2 cores (a second prepare); the route's levers test mixes samples by weight too
 def test_samples_mix_into_a_prepared_dataset_by_weight(teacher, prompts, tmp_path):
     out = tmp_path / "s"
     sample(_cfg(prompts, out), teacher, progress=False)
@@ -126,6 +127,7 @@ def test_samples_mix_into_a_prepared_dataset_by_weight(teacher, prompts, tmp_pat
     assert meta["params"]["sources"][1] == {"source": str(out.resolve()), "weight": 2.0}
 
 
+@pytest.mark.slow  # three processes that import torch, transformers and DeepSpeed
 def test_the_cli_writes_and_reuses_the_samples(teacher, prompts, tmp_path):
     out = tmp_path / "cli"
     cmd = [sys.executable, "-m", "upcycle.cli", "sample", "--teacher", teacher, "--prompts", prompts, "--out", str(out),

@@ -1,7 +1,9 @@
 """``upcycle run``: the whole route, each stage skipped when its output is complete.
 
-init (SVD MLA + MambaInLlama students) -> ILD of both -> SMART layer choice -> compose -> [align] -> KD -> DPO
-(``align``: hidden-state alignment of the composed hybrid, run when the config has an ``align:`` section).
+init (SVD MLA + MambaInLlama students) -> ILD of both -> SMART layer choice -> compose -> [align] -> [sample] -> KD
+-> DPO (``align``: hidden-state alignment of the composed hybrid, run when the config has an ``align:`` section;
+``sample``: the teacher's sampled continuations, a data source KD's mix can name, run when there is a ``sample:``
+section; distill/teacher_samples.py).
 A route config names the teacher, one ``output_dir`` and a section per stage; each training section holds
 that stage's ``data`` / ``optim`` / ``run`` (and ``kd`` / ``dpo``) settings, as in the single-stage configs.
 """
@@ -10,12 +12,13 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from distill.align import align_configs, run_align
 from distill.dpo_stage import dpo_configs, run_dpo
 from distill.kd import kd_configs, run_kd
 from distill.stage import ild_configs, run_ild
+from distill.teacher_samples import SampleConfig, sample
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import build_dataclass, check_known_keys
 from hybridlm.data import ensure_prepared
@@ -31,7 +34,7 @@ from upcycle.route_inputs import check_route_inputs
 from upcycle.route_progress import RouteProgress, training_plan
 from upcycle.route_report import route_report
 
-ROUTE_SECTIONS = ("output_dir", "teacher", "init", "ild", "smart", "align", "kd", "dpo", "report")
+ROUTE_SECTIONS = ("output_dir", "teacher", "init", "ild", "smart", "align", "sample", "kd", "dpo", "report")
 
 
 # each training stage's one schema (its module's *_configs), used here to check the route before it starts
@@ -101,13 +104,28 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
                                run__output_dir=str(out / "dpo")),
     })
     built = check_route(stages)
+    samples = sample_section(cfg, out, built)
     calib = [init_cfg.calib_sources] if isinstance(init_cfg.calib_sources, str) else list(init_cfg.calib_sources)
-    check_route_inputs(teacher, built, calib, report_opts.get("heldout_sources"))
+    check_route_inputs(teacher, built, calib, report_opts.get("heldout_sources"),
+                       produced=[samples.out] if samples else ())
     with RunShell(out, what="output_dir"):  # every stage below runs in it: one lock, the signals, from start to exit
-        return _run_stages(cfg, out, teacher, init_cfg, smart_cfg, linear, report_opts, built, calib)
+        return _run_stages(cfg, out, teacher, init_cfg, smart_cfg, linear, report_opts, built, calib, samples)
 
 
-def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, report_opts, built, calib):
+def sample_section(cfg: Dict[str, Any], out: Path, built: Dict[str, Any]) -> Optional[SampleConfig]:
+    """The route's ``sample:`` section, its prompts defaulting to the ILD data and its output to
+    ``output_dir/samples``; None without one."""
+    section = cfg.get("sample")
+    if not section:
+        return None
+    if not isinstance(section, dict):
+        raise ConfigError(f"sample: expected a mapping, got {type(section).__name__}")
+    values = {"prompts": built["ild"]["data"].path, "out": str(out / "samples"), **section}
+    return build_dataclass(SampleConfig, values, "sample")
+
+
+def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, report_opts, built, calib,
+                samples: Optional[SampleConfig]):
     hybrid = out / "hybrid"
     dist = init_distributed()
     ild_data = built["ild"]["data"]
@@ -116,7 +134,8 @@ def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, 
                 for kind in ("mla", linear)}
     ild_plans = {f"ild_{kind}": training_plan("ild", configs) for kind, configs in ild_runs.items()}
     align_plan = {"align": training_plan("align", built["align"])} if "align" in built else {}
-    progress = RouteProgress({"init": None, **ild_plans, "smart": None, "compose": None, **align_plan,
+    sample_plan = {"sample": None} if samples else {}
+    progress = RouteProgress({"init": None, **ild_plans, "smart": None, "compose": None, **align_plan, **sample_plan,
                               "kd": training_plan("kd", built["kd"]), "dpo": training_plan("dpo", built["dpo"]),
                               "report": None}, enabled=dist.rank == 0)
     summary: Dict[str, Any] = {"teacher": teacher}
@@ -156,6 +175,9 @@ def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, 
     for name, run_stage in (("align", run_align), ("kd", run_kd), ("dpo", run_dpo)):
         if name not in built:
             continue
+        if name == "kd" and samples is not None:  # the teacher's continuations, before the KD mix that names them
+            progress.start("sample")
+            summary["sample"] = sample(samples, teacher)
         progress.start(name)
         summary[name] = run_stage(built[name])
         progress.finished(name, summary[name])

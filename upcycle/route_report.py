@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from distill.kd_loss import kd_loss
+from distill.teacher_samples import MANIFEST as SAMPLES_MANIFEST
 from hybridlm.config.errors import ConfigError
 from hybridlm.data.assets import corpus_path
 from hybridlm.data.packed import heldout_windows
@@ -160,6 +161,9 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
         report["generation"] = {"source": PROMPT_SOURCE, "prompts": int(prompts.shape[0]),
                                 "prompt_tokens": int(prompts.shape[1]), "new_tokens": generation_tokens,
                                 "ngram": NGRAM, "teacher_ppl": math.exp(min(generation.teacher_nll, 50.0))}
+    samples = teacher_samples_summary(out, cfg)
+    if samples:
+        report["teacher_samples"] = samples
     write_json(out / "report.json", report)
     atomic_write_text(str(out / "report.md"), report_markdown(report))
     plot_report(report, out / "report.png")
@@ -234,6 +238,23 @@ def plot_report(report: Dict[str, Any], png: Path) -> Path:
     return png
 
 
+def teacher_samples_summary(out: Path, cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """What the route's ``sample`` stage wrote and what it cost (None without a finished one)."""
+    section = cfg.get("sample")
+    if not section:
+        return None
+    manifest = Path((section or {}).get("out") or out / "samples") / SAMPLES_MANIFEST
+    try:
+        m = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not m.get("complete"):
+        return None
+    return {"dir": str(manifest.parent), "rows": m["rows"], "new_tokens": m["new_tokens"],
+            "generation_minutes": m["generation_minutes"], "new_tokens_per_second": m["new_tokens_per_second"],
+            "settings": m["settings"], "devices": m.get("devices")}
+
+
 def report_markdown(report: Dict[str, Any]) -> str:
     held = report["heldout"]
     keys = [k for k in ("a", "b") if k in held]
@@ -250,6 +271,13 @@ def report_markdown(report: Dict[str, Any]) -> str:
                      f"continuation ({gen['teacher_ppl']:.3f}); repeat = fraction of the continuation's "
                      f"{gen['ngram']}-grams that occurred earlier in it; agree = mean leading tokens equal to the "
                      f"teacher's greedy continuation.")
+    samples = report.get("teacher_samples")
+    if samples:
+        st = samples["settings"]
+        lines.append(f"Teacher samples: {samples['rows']:,} continuations, {samples['new_tokens']:,} new tokens "
+                     f"(prompts of {st['prompt_len']} tokens, up to {st['gen_len']} new, temperature "
+                     f"{st['temperature']}, top-p {st['top_p']}) in {samples['generation_minutes']} minutes of "
+                     f"generation, {samples['new_tokens_per_second']:,} tokens/s ({samples['dir']}).")
     cols = " | ".join(f"perplexity ({k}) | KL ({k}), nats/token" for k in keys) + (" | cloze acc" if cloze else "")
     cols += f" | gen ppl | gen ppl ratio | repeat {gen['ngram']}-gram | agree, tokens" if gen else ""
     lines += ["", f"| model | tokens trained | {cols} |", "|---|---|" + "---|---|" * len(keys) + ("---|" if cloze else "")

@@ -63,6 +63,8 @@ FORMAT = "hybridlm-packed-tokens"
 FORMAT_VERSION = 1
 META = "meta.json"
 SPLITS = ("train", "val")
+# how documents are split (_split_docs); recorded, so that mixes sharing sources can be checked for leaks
+SPLIT_RULE = "per_source"
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet")
 ALPACA_FIELDS = ("instruction", "input", "output")
 
@@ -374,14 +376,30 @@ class _ShardWriter:
         return self.shards
 
 
-def _split_docs(n_docs: int, val_fraction: float, seed: int) -> Dict[str, np.ndarray]:
-    """Deterministic document-level split: a seeded permutation's first ``round(n*f)`` (>= 1) docs are val."""
+def _split_docs(src: np.ndarray, val_fraction: float, seed: int) -> Dict[str, np.ndarray]:
+    """Deterministic document-level split, source by source: the first ``round(n_i * f)`` documents of a seeded
+    permutation of source ``i``'s ``n_i`` documents are val (source 0's permutation is seeded by ``seed`` alone,
+    source ``i``'s by ``(seed, i)``). A source's split depends only on its own documents and its place in the
+    list, so a mix that appends sources to another (the KD mix of the ILD mix plus teacher samples) puts every
+    shared document in the same split: the other mix's validation text never becomes training text. At least
+    one document is val and one is train."""
+    n_docs = src.size
     if n_docs < 2:
         raise ConfigError(f"sources: found {n_docs} document(s), need at least 2 (one for train, one for "
                           f"validation); add text or use txt_split='paragraphs' for a single .txt file")
-    n_val = min(max(1, int(round(n_docs * val_fraction))), n_docs - 1)
-    perm = np.random.default_rng(seed).permutation(n_docs)
-    return {"train": np.sort(perm[n_val:]), "val": np.sort(perm[:n_val])}
+    val = []
+    for i in np.unique(src):
+        docs = np.flatnonzero(src == i)
+        rng = np.random.default_rng(seed if i == 0 else [seed, int(i)])
+        val.append(docs[rng.permutation(docs.size)[:int(round(docs.size * val_fraction))]])
+    val_idx = np.sort(np.concatenate(val))
+    if val_idx.size == 0:  # every source too small for its share: one document of the largest
+        largest = np.flatnonzero(src == np.bincount(src).argmax())
+        val_idx = largest[np.random.default_rng(seed).permutation(largest.size)[:1]]
+    if val_idx.size == n_docs:
+        val_idx = val_idx[1:]
+    train = np.setdiff1d(np.arange(n_docs), val_idx)
+    return {"train": train, "val": val_idx}
 
 
 def _install(tmp: Path, out: Path, overwrite: bool) -> None:
@@ -454,9 +472,10 @@ def prepare(sources: Sequence[Any], tokenizer: str, out_dir, *, val_fraction: fl
                     raise ConfigError(f"{where}.sources: no text in {_normalized_sources(sources)} (every file is "
                                       f"empty or whitespace only); give sources that hold text") from None
                 raise
-            split_idx = _split_docs(len(docs), val_fraction, seed)
+            src = np.asarray(docs["src"], dtype=np.int64)
+            split_idx = _split_docs(src, val_fraction, seed)
             if any(w != 1.0 for w in weights):
-                split_idx["train"] = _weighted(split_idx["train"], np.asarray(docs["src"]), weights, seed)
+                split_idx["train"] = _weighted(split_idx["train"], src, weights, seed)
             ids = docs.map(_tokenize_batch, batched=True, batch_size=64, num_proc=min(num_proc, len(docs)),
                            remove_columns=["text"], new_fingerprint=uuid.uuid4().hex, desc="tokenize",
                            fn_kwargs={"tokenizer_file": str(tok_file), "eos_id": eos_id, "dtype": dtype})
@@ -486,6 +505,7 @@ def prepare(sources: Sequence[Any], tokenizer: str, out_dir, *, val_fraction: fl
             "documents": "each document's tokens (no BOS) followed by eos_id; split train/val by document",
             "params": {"sources": _normalized_sources(sources),
                        "text_field": text_field, "txt_split": txt_split, "val_fraction": float(val_fraction),
+                       "split": SPLIT_RULE,
                        "seed": seed, "shard_tokens": shard_tokens},
             "splits": meta_splits,
             "sources": [dict(source=s, **c) for s, c in zip(_normalized_sources(sources), per_source)],
