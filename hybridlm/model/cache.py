@@ -40,6 +40,15 @@ from transformers.cache_utils import Cache
 from hybridlm.model.layers import SUBLAYERS
 from hybridlm.model.layers.rope import rope_cos_sin
 from hybridlm.model.registry import LATENT, RECURRENT, cache_of
+from hybridlm.ops.backend import ScopedFlag
+
+# A forward on a static cache inside ``with FIXED_SHAPES.on():`` keeps every shape fixed: MLA attends over the whole
+# buffer under a mask built on the device (what a CUDA graph of a decode step needs; hybridlm/model/graphs.py turns
+# it on for a step's warm-up and capture). Outside it, a forward on a static cache attends over the tokens cached so
+# far (the host count), with the dynamic cache's mask: the same operations as transformers' loop on the dynamic
+# cache, so the same results in every dtype (a softmax and a matmul over a longer, masked key range sum in another
+# order: last-bit differences, which seeded sampling in half precision turns into other tokens).
+FIXED_SHAPES = ScopedFlag("static_cache_fixed_shapes")
 
 
 def _kept_length(length: int, crop_arg: int) -> int:
@@ -411,7 +420,9 @@ class InferenceContext:
 
     ``static`` (a static :class:`HybridCache`): ``positions [1, T]`` are computed on the device from the
     cache's length counter and are also the cache slots the new tokens are written to; ``past_length`` is the
-    host-side count (used only to pick a prompt's code path, never to index).
+    host-side count (used only to pick a prompt's code path and, unless ``fixed_shapes``, to cut the attended
+    keys to the tokens cached so far; never to index). ``fixed_shapes`` (:data:`FIXED_SHAPES` on): attention runs
+    over the whole buffer under a device-built mask.
     """
 
     cache: Optional[HybridCache]
@@ -419,6 +430,7 @@ class InferenceContext:
     positions: torch.Tensor
     past_length: int
     static: bool = False
+    fixed_shapes: bool = False
     _rope: Dict[tuple, tuple] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -458,7 +470,7 @@ class InferenceContext:
                 raise NotImplementedError("a static HybridCache does not support padding: pass full rows "
                                           "(or use the dynamic cache for left-padded batches)")
         slots = cache.begin_static_forward(seq_len, device)
-        return cls(cache, None, slots.unsqueeze(0), past, static=True)
+        return cls(cache, None, slots.unsqueeze(0), past, static=True, fixed_shapes=FIXED_SHAPES.active())
 
     def layer(self, idx: int):
         return None if self.cache is None else self.cache.layers[idx]
@@ -481,7 +493,7 @@ class InferenceContext:
     def attention_mask(self, seq_len: int) -> Optional[torch.Tensor]:
         """Boolean ``[B|1, 1, T, past + T]`` mask (True: may attend), or None where plain attention applies
         (causal over the new tokens when nothing is cached, everything cached when decoding one token)."""
-        if self.static:  # [1, 1, T, max_length]: slots up to each query's own position (later ones unwritten)
+        if self.fixed_shapes:  # [1, 1, T, max_length]: slots up to each query's own position (later ones unwritten)
             return (self.cache.key_positions <= self.positions.unsqueeze(-1)).unsqueeze(-3)
         past = self.past_length
         if self.key_mask is None and (seq_len == 1 or past == 0):

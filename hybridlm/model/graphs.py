@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from hybridlm.model.cache import HybridCache
+from hybridlm.model.cache import FIXED_SHAPES, HybridCache
 from hybridlm.model.runtime import DECODE_RUNTIME_KEYS
 from hybridlm.ops.backend import residual_adds_in_norms, small_calls_through_kernels
 
@@ -41,10 +41,12 @@ class GraphedDecoder:
     """Single-token decode steps of ``model`` on the static ``cache``, replayed from one CUDA graph."""
 
     def kernel_choices(self) -> contextlib.ExitStack:
-        """The context a captured step is warmed up and recorded in: the model's ``runtime.graph_small_kernels``
-        and ``runtime.graph_fuse_residual``, as they are at the capture (a captured graph keeps what it recorded)."""
+        """The context a captured step is warmed up and recorded in: fixed shapes (:data:`cache.FIXED_SHAPES`), the
+        model's ``runtime.graph_small_kernels`` and ``runtime.graph_fuse_residual``, as they are at the capture (a
+        captured graph keeps what it recorded)."""
         runtime = self.model.config.runtime
         stack = contextlib.ExitStack()
+        stack.enter_context(FIXED_SHAPES.on())  # attention over the whole static buffer: one shape every step
         if runtime.graph_small_kernels:
             stack.enter_context(small_calls_through_kernels())
         if runtime.graph_fuse_residual:
@@ -97,7 +99,9 @@ class GraphedDecoder:
             torch.cuda.current_stream(self.device).wait_stream(side)
             self.cache.restore(snap)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread_local: another thread's CUDA calls meanwhile (a concurrent generate() on transformers' loop)
+            # are neither captured nor refused
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 logits = self._forward()
             self.cache.restore(snap)  # capturing ran no kernel, but the host-side token count moved
             del snap
