@@ -302,7 +302,7 @@ class HybridCache(Cache):
                              f"max_length={max_length}, batch_size={batch_size}")
         dtype = dtype or torch.get_default_dtype()
         device = torch.device("cpu" if device is None else device)
-        self.static_batch_size = batch_size
+        self.static_batch_size, self.static_dtype = batch_size, dtype
         shapes_of = {kind: static_shapes(config, kind) for kind in set(config.layer_plan)}  # one probe per kind
         for layer, kind in zip(self.layers, config.layer_plan):
             shapes = shapes_of[kind]
@@ -366,6 +366,23 @@ class HybridCache(Cache):
         self.length.add_(seq_len)
         self.note_tokens(seq_len)
         return slots
+
+    def grown(self, config, max_length: int) -> "HybridCache":
+        """A static cache of ``max_length`` positions (at least this one's) holding what this one holds: its
+        token count, the latents written so far, the recurrent and conv states. What a generation that fills this
+        cache continues in."""
+        if not self.is_static or max_length < self.max_length:
+            raise ValueError(f"grown: a static cache of max_length >= {self.max_length}, got {max_length}")
+        new = HybridCache(config, max_length=max_length, batch_size=self.static_batch_size, dtype=self.static_dtype,
+                          device=self.length.device)
+        seen, target = self._seen, new.static_tensors()
+        for name, t in self.static_tensors().items():
+            if name.endswith(":kv"):
+                target[name][:, :seen].copy_(t[:, :seen])
+            else:
+                target[name].copy_(t)
+        new.note_tokens(seen)
+        return new
 
     def note_tokens(self, n: int) -> None:
         """Host-side count of ``n`` more cached tokens (a graph replay advances only the device counter)."""
