@@ -12,8 +12,14 @@ reason it cannot, which :meth:`HybridForCausalLM.generate` says once before taki
 Tokens are the same either way (tests/test_generate_fast_path.py, tests/gpu). So are transformers' warnings and
 log messages: what its setup code says while the call is judged is held back (:class:`HeldBack`), then said when
 the fast path is taken and dropped when the loop is (the loop says it itself). The judging runs the transformers
-code that warns about a batch without an attention mask, and repeats, with its text, the right-padding check that
-generate() makes inline.
+code that warns about a batch without an attention mask and about a ``compile_config`` it cannot honour, and
+repeats, with its text, the right-padding check that generate() makes inline.
+
+Besides the settings, three things send a call down the loop: forward hooks on the model (the fast path's model
+calls are not the loop's; a captured step runs no hook), another thread's call using the model's kept static cache
+(one call at a time uses it: :class:`hybridlm.model.graphs.KeptDecoder`), and sampling in bf16 / fp16 on CUDA (the
+captured step's half-precision logits differ from the loop's in the last bits; on a CPU the static cache's eager
+step is the loop's, :data:`hybridlm.model.cache.FIXED_SHAPES`).
 """
 from __future__ import annotations
 
