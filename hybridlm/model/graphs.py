@@ -262,8 +262,8 @@ def graphed_generate(model, input_ids: torch.LongTensor, max_new_tokens: int, eo
     The static cache first has room for ``CACHE_STEP`` new tokens and doubles when it fills (on CUDA a step is
     captured for each size), so memory follows the tokens generated, not ``max_new_tokens``.
     ``cuda_graph``: None = on CUDA. The static cache and the captured step stay on the model for the next call
-    of the same batch size and length (:class:`KeptDecoder`; :func:`release_kept_decoder` frees them); a second
-    call meanwhile (another thread) waits for them.
+    of the same batch size that fits them (:func:`kept_decoder`; :func:`release_kept_decoder` frees them); a
+    second call meanwhile (another thread) waits for them.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
