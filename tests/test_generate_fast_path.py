@@ -16,11 +16,13 @@ import json
 import logging
 import os
 import threading
+import time
 import warnings
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig, GenerationConfig, LogitsProcessorList, pipeline
+from transformers import (AutoModelForCausalLM, AutoTokenizer, CompileConfig, GenerationConfig, LogitsProcessorList,
+                          pipeline)
 from transformers.generation.logits_process import TemperatureLogitsWarper
 from transformers.generation.streamers import BaseStreamer
 
@@ -729,7 +731,6 @@ def test_huge_budget_with_an_early_eos_costs_what_is_generated(model, monkeypatc
     eos = int(model.generate(ids, max_new_tokens=3, fast_path=False)[0, P + 1])  # row 0's second new token
     kw = dict(max_new_tokens=10 ** 10, eos_token_id=eos, pad_token_id=0)
     loop = model.generate(ids[:1], fast_path=False, **kw)
-    import time
     t0 = time.perf_counter()
     fast = model.generate(ids[:1], fast_path=True, **kw)
     took = time.perf_counter() - t0

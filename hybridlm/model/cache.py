@@ -20,8 +20,9 @@ it between steps. :class:`InferenceContext` is what the sublayers see of one cac
 step keeps fixed tensor addresses and shapes and can be captured in a CUDA graph
 (:class:`hybridlm.model.graphs.GraphedDecoder`). MLA layers hold ``kv [B, N, r_kv + rope]``; the new tokens'
 entries are written with ``index_copy_`` at the slots given by a device-side length counter
-(``cache.length``, advanced on the device in each forward), and attention runs over the whole buffer with a
-mask built on the device from those positions (slots not yet written are masked out). Recurrent and conv
+(``cache.length``, advanced on the device in each forward); inside a captured step (:data:`FIXED_SHAPES`)
+attention runs over the whole buffer with a mask built on the device from those positions (slots not yet written
+are masked out), in an eager step over the slots written so far. Recurrent and conv
 states are updated with ``copy_``. A prompt of any length <= N is prefilled, then single tokens (or small
 blocks) follow, up to exactly N tokens in all; going past N raises ``ValueError``. Not supported in static
 mode: padding (an ``attention_mask`` with zeros raises ``NotImplementedError``; every row must be a full

@@ -130,9 +130,9 @@ def test_static_cache_eager_decode_matches_transformers_loop():
 @torch.no_grad()
 def test_cuda_graph_decode_equals_eager_static_cache(name, dtype):
     """GraphedDecoder's replayed steps against eager steps on a static cache under FIXED_SHAPES (same kernels:
-    equal up to nondeterminism), greedy tokens included, and the static cache's eager steps against the dynamic cache. The
-    captured step's kernel switches are off here, so both sides run the same ops; each switch on against off is
-    test_captured_step_with_a_kernel_switch_decodes_like_without_it."""
+    equal up to nondeterminism), greedy tokens included, and the static cache's eager steps against the dynamic
+    cache. The captured step's kernel switches are off here, so both sides run the same ops; each switch on against
+    off is test_captured_step_with_a_kernel_switch_decodes_like_without_it."""
     from hybridlm.model.cache import FIXED_SHAPES, HybridCache
     model = _model(name, dtype)
     model.set_runtime(graph_small_kernels=False, graph_fuse_residual=False)
