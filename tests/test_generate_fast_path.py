@@ -757,9 +757,13 @@ def test_huge_budget_with_an_early_eos_costs_what_is_generated(model, monkeypatc
 @torch.no_grad()
 def test_forward_hooks_see_the_loops_model_calls(model, caplog):
     """A forward hook on the model or a module of it (or a global one): the fast path declines, so the hooks see
-    the loop's model calls (an EOS at step 2 of 40: 2 calls, not the fast path's run to its next look)."""
-    ids = _ids(1)
-    eos = int(model.generate(ids, max_new_tokens=3, fast_path=False)[0, P + 1])
+    the loop's model calls (an EOS at step 3 of 40: 3 calls, not the fast path's run to its next look, step 4)."""
+    ids = _ids(1, seed=3)
+    new = model.generate(ids, max_new_tokens=8, fast_path=False)[0, P:].tolist()
+    # a token first drawn at step 3, 5, 6 or 7: between the fast path's looks (after steps 1, 2, 4, 8)
+    steps = [step for step in (3, 5, 6, 7) if new.index(new[step - 1]) == step - 1]
+    assert steps, new
+    eos, stop = new[steps[0] - 1], steps[0]
     seen = []
     for register in (model.register_forward_hook, model.model.layers[2].mixer.register_forward_pre_hook,
                      torch.nn.modules.module.register_module_forward_hook):
@@ -776,8 +780,8 @@ def test_forward_hooks_see_the_loops_model_calls(model, caplog):
         finally:
             hook.remove()
         (loop_counts, loop), (fast_counts, fast) = seen[-2:]
-        assert torch.equal(fast, loop) and fast.shape[1] == P + 2
+        assert torch.equal(fast, loop) and fast.shape[1] == P + stop
         assert fast_counts == loop_counts and loop_counts, (fast_counts, loop_counts)
-    assert max(seen[0][0].values()) == 2  # the model itself: a prefill and one decode step
+    assert max(seen[0][0].values()) == stop  # the model itself: a prefill and stop - 1 decode steps
     out, said = _said_why(caplog, lambda: model.generate(ids, max_new_tokens=4, fast_path=True))
     assert not said  # hooks removed: the fast path again

@@ -128,6 +128,13 @@ class GraphedDecoder:
 
 
 STOP_CHECK_EVERY = 32
+
+
+def looks_after(step: int) -> bool:
+    """Whether the host looks for finished rows after ``step`` (from 1): after steps 1, 2, 4, 8 and 16, then every
+    ``STOP_CHECK_EVERY``. A short answer stops within twice its length, a long one within STOP_CHECK_EVERY - 1
+    steps, with a handful of syncs a call."""
+    return step % STOP_CHECK_EVERY == 0 or (step < STOP_CHECK_EVERY and step & (step - 1) == 0)
 # the new tokens a fast-path call's static cache first has room for; a call that outgrows it continues in one of
 # twice the length (never more than the call can fill), so a huge max_new_tokens costs what is generated
 CACHE_STEP = 256
@@ -254,8 +261,8 @@ def graphed_generate(model, input_ids: torch.LongTensor, max_new_tokens: int, eo
     ``model.generate`` with a left-padded batch). Returns ``[B, P + n]``; greedy by default (the tokens of
     ``model.generate(do_sample=False)``), or sampling with ``temperature`` / ``top_k`` / ``generator``.
     With ``eos_token_id``, a row that produced it continues with ``pad_token_id`` (default: the EOS), and
-    generation ends once every row has: the host looks every ``STOP_CHECK_EVERY`` steps (one sync each, not one
-    per step), and the result is cut at the last row's EOS, so ``n`` is what ``generate()`` returns. When
+    generation ends once every row has: the host looks after steps 1, 2, 4, 8, 16, then every ``STOP_CHECK_EVERY``
+    steps (:func:`looks_after`; one sync each, not one per step), and the result is cut at the last row's EOS, so ``n`` is what ``generate()`` returns. When
     sampling, the generator is left in the state it had after the draw of that step (its state is kept after each
     draw since the last look, a 5 KB copy on CPU, 16 bytes on CUDA), so the draws consumed are those of
     ``generate()``'s loop, which samples once a step until every row has finished.
@@ -304,8 +311,8 @@ def _generate(model, input_ids, max_new_tokens, eos_token_id, pad_token_id, do_s
             nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
             finished |= nxt == eos_token_id
         tokens.append(nxt)
-        # a host sync every STOP_CHECK_EVERY steps, not every step, to stop soon after the last EOS
-        if eos_token_id is not None and (i + 1) % STOP_CHECK_EVERY == 0:
+        # a host sync at a few steps, not every step, to stop soon after the last EOS
+        if eos_token_id is not None and looks_after(i + 1):
             if bool(finished.all()):
                 break
             states, looked = [], i + 1  # a row is unfinished at step i: the loop draws on past it
