@@ -416,11 +416,11 @@ def _eos_finishing(new, lo, hi, all_rows=True):
 # drawn), whether every row finishes)
 SAMPLED_CALLS = [
     ("one row, EOS at step 1 to 3", 1, dict(top_k=3), (0, 3), True),
-    ("two rows, EOS at different steps before the first look", 2, dict(top_k=3), (3, 31), True),
+    ("two rows, EOS at different steps before step 32", 2, dict(top_k=3), (3, 31), True),
     ("greedy, two rows finishing", 2, dict(do_sample=False), (0, 39), True),
-    ("one row, EOS after the first look", 1, dict(), (32, 39), True),
+    ("one row, EOS after step 32", 1, dict(), (32, 39), True),
     ("two rows, one never finishes: max_new_tokens stops it", 2, dict(top_k=3, pad_token_id=0), (0, 39), False),
-    ("two rows, EOS at different steps after the first look", 2, dict(top_k=3, temperature=0.8), (32, 39), True),
+    ("two rows, EOS at different steps after step 32", 2, dict(top_k=3, temperature=0.8), (32, 39), True),
     ("one row, no EOS in 40 steps", 1, dict(top_k=3), None, True),
 ]
 
@@ -457,7 +457,7 @@ def test_seeded_sampling_calls_leave_the_random_state_the_loop_leaves(model, mon
         assert calls.pop()["do_sample"] == kw["do_sample"]
         assert torch.equal(got, want), name
         assert _same_rng_state(_rng_state(), state), (name, first, got.shape[1] - P)
-    # what the calls covered: rows finishing at different steps, stops on both sides of the first look, and stops
+    # what the calls covered: rows finishing at different steps, stops on both sides of step 32's look, and stops
     # by max_new_tokens with and without a finished row
     lengths = [out.shape[1] - P for out, _ in loop]
     assert lengths[0] <= 3 and 3 < lengths[1] <= 31 and 32 < lengths[3] < new_tokens, lengths
@@ -472,14 +472,16 @@ def test_graphed_generate_rewinds_the_generator_it_is_given(model):
     alike; the global random state is not touched."""
     from hybridlm.model.graphs import graphed_generate
     torch.manual_seed(4)
-    probe = model.generate(_ids(1), fast_path=False, do_sample=True, top_k=3, max_new_tokens=40)[0, P:]
-    eos = int(probe[1])  # stops at step 1 or 2, 30 or more draws before the fast path's first look
+    probe = model.generate(_ids(1), fast_path=False, do_sample=True, top_k=3, max_new_tokens=40)[0, P:].tolist()
+    # a token first drawn at step 5, 6 or 7: the fast path draws on to its look after step 8, then rewinds
+    stop = next(step for step in (5, 6, 7) if probe.index(probe[step - 1]) == step - 1)
+    eos = probe[stop - 1]
     torch.manual_seed(4)
     want = model.generate(_ids(1), fast_path=False, do_sample=True, top_k=3, max_new_tokens=40, eos_token_id=eos)
     state = _rng_state()
     generator = torch.Generator(device=DEVICE).manual_seed(4)
     got = graphed_generate(model, _ids(1), 40, eos_token_id=eos, do_sample=True, top_k=3, generator=generator)
-    assert torch.equal(got, want) and want.shape[1] <= P + 2
+    assert torch.equal(got, want) and want.shape[1] == P + stop
     assert _same_rng_state(_rng_state(), state)
     assert torch.equal(generator.get_state(), state[-1])  # DEVICE's global generator: the CPU's or CUDA's
 
