@@ -20,8 +20,9 @@ it between steps. :class:`InferenceContext` is what the sublayers see of one cac
 step keeps fixed tensor addresses and shapes and can be captured in a CUDA graph
 (:class:`hybridlm.model.graphs.GraphedDecoder`). MLA layers hold ``kv [B, N, r_kv + rope]``; the new tokens'
 entries are written with ``index_copy_`` at the slots given by a device-side length counter
-(``cache.length``, advanced on the device in each forward), and attention runs over the whole buffer with a
-mask built on the device from those positions (slots not yet written are masked out). Recurrent and conv
+(``cache.length``, advanced on the device in each forward); inside a captured step (:data:`FIXED_SHAPES`)
+attention runs over the whole buffer with a mask built on the device from those positions (slots not yet written
+are masked out), in an eager step over the slots written so far. Recurrent and conv
 states are updated with ``copy_``. A prompt of any length <= N is prefilled, then single tokens (or small
 blocks) follow, up to exactly N tokens in all; going past N raises ``ValueError``. Not supported in static
 mode: padding (an ``attention_mask`` with zeros raises ``NotImplementedError``; every row must be a full
@@ -40,6 +41,15 @@ from transformers.cache_utils import Cache
 from hybridlm.model.layers import SUBLAYERS
 from hybridlm.model.layers.rope import rope_cos_sin
 from hybridlm.model.registry import LATENT, RECURRENT, cache_of
+from hybridlm.ops.backend import ScopedFlag
+
+# A forward on a static cache inside ``with FIXED_SHAPES.on():`` keeps every shape fixed: MLA attends over the whole
+# buffer under a mask built on the device (what a CUDA graph of a decode step needs; hybridlm/model/graphs.py turns
+# it on for a step's warm-up and capture). Outside it, a forward on a static cache attends over the tokens cached so
+# far (the host count), with the dynamic cache's mask: the same operations as transformers' loop on the dynamic
+# cache, so the same results in every dtype (a softmax and a matmul over a longer, masked key range sum in another
+# order: last-bit differences, which seeded sampling in half precision turns into other tokens).
+FIXED_SHAPES = ScopedFlag("static_cache_fixed_shapes")
 
 
 def _kept_length(length: int, crop_arg: int) -> int:
@@ -293,7 +303,7 @@ class HybridCache(Cache):
                              f"max_length={max_length}, batch_size={batch_size}")
         dtype = dtype or torch.get_default_dtype()
         device = torch.device("cpu" if device is None else device)
-        self.static_batch_size = batch_size
+        self.static_batch_size, self.static_dtype = batch_size, dtype
         shapes_of = {kind: static_shapes(config, kind) for kind in set(config.layer_plan)}  # one probe per kind
         for layer, kind in zip(self.layers, config.layer_plan):
             shapes = shapes_of[kind]
@@ -358,6 +368,23 @@ class HybridCache(Cache):
         self.note_tokens(seq_len)
         return slots
 
+    def grown(self, config, max_length: int) -> "HybridCache":
+        """A static cache of ``max_length`` positions (at least this one's) holding what this one holds: its
+        token count, the latents written so far, the recurrent and conv states. What a generation that fills this
+        cache continues in."""
+        if not self.is_static or max_length < self.max_length:
+            raise ValueError(f"grown: a static cache of max_length >= {self.max_length}, got {max_length}")
+        new = HybridCache(config, max_length=max_length, batch_size=self.static_batch_size, dtype=self.static_dtype,
+                          device=self.length.device)
+        seen, target = self._seen, new.static_tensors()
+        for name, t in self.static_tensors().items():
+            if name.endswith(":kv"):
+                target[name][:, :seen].copy_(t[:, :seen])
+            else:
+                target[name].copy_(t)
+        new.note_tokens(seen)
+        return new
+
     def note_tokens(self, n: int) -> None:
         """Host-side count of ``n`` more cached tokens (a graph replay advances only the device counter)."""
         self._seen += n
@@ -411,7 +438,9 @@ class InferenceContext:
 
     ``static`` (a static :class:`HybridCache`): ``positions [1, T]`` are computed on the device from the
     cache's length counter and are also the cache slots the new tokens are written to; ``past_length`` is the
-    host-side count (used only to pick a prompt's code path, never to index).
+    host-side count (used only to pick a prompt's code path and, unless ``fixed_shapes``, to cut the attended
+    keys to the tokens cached so far; never to index). ``fixed_shapes`` (:data:`FIXED_SHAPES` on): attention runs
+    over the whole buffer under a device-built mask.
     """
 
     cache: Optional[HybridCache]
@@ -419,6 +448,7 @@ class InferenceContext:
     positions: torch.Tensor
     past_length: int
     static: bool = False
+    fixed_shapes: bool = False
     _rope: Dict[tuple, tuple] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -458,7 +488,7 @@ class InferenceContext:
                 raise NotImplementedError("a static HybridCache does not support padding: pass full rows "
                                           "(or use the dynamic cache for left-padded batches)")
         slots = cache.begin_static_forward(seq_len, device)
-        return cls(cache, None, slots.unsqueeze(0), past, static=True)
+        return cls(cache, None, slots.unsqueeze(0), past, static=True, fixed_shapes=FIXED_SHAPES.active())
 
     def layer(self, idx: int):
         return None if self.cache is None else self.cache.layers[idx]
@@ -481,7 +511,7 @@ class InferenceContext:
     def attention_mask(self, seq_len: int) -> Optional[torch.Tensor]:
         """Boolean ``[B|1, 1, T, past + T]`` mask (True: may attend), or None where plain attention applies
         (causal over the new tokens when nothing is cached, everything cached when decoding one token)."""
-        if self.static:  # [1, 1, T, max_length]: slots up to each query's own position (later ones unwritten)
+        if self.fixed_shapes:  # [1, 1, T, max_length]: slots up to each query's own position (later ones unwritten)
             return (self.cache.key_positions <= self.positions.unsqueeze(-1)).unsqueeze(-3)
         past = self.past_length
         if self.key_mask is None and (seq_len == 1 or past == 0):

@@ -12,8 +12,14 @@ reason it cannot, which :meth:`HybridForCausalLM.generate` says once before taki
 Tokens are the same either way (tests/test_generate_fast_path.py, tests/gpu). So are transformers' warnings and
 log messages: what its setup code says while the call is judged is held back (:class:`HeldBack`), then said when
 the fast path is taken and dropped when the loop is (the loop says it itself). The judging runs the transformers
-code that warns about a batch without an attention mask, and repeats, with its text, the right-padding check that
-generate() makes inline.
+code that warns about a batch without an attention mask and about a ``compile_config`` it cannot honour, and
+repeats, with its text, the right-padding check that generate() makes inline.
+
+Besides the settings, three things send a call down the loop: forward hooks on the model (the fast path's model
+calls are not the loop's; a captured step runs no hook), another thread's call using the model's kept static cache
+(one call at a time uses it: :class:`hybridlm.model.graphs.KeptDecoder`), and sampling in bf16 / fp16 on CUDA (the
+captured step's half-precision logits differ from the loop's in the last bits; on a CPU the static cache's eager
+step is the loop's, :data:`hybridlm.model.cache.FIXED_SHAPES`).
 """
 from __future__ import annotations
 
@@ -26,11 +32,14 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch.nn.modules import module as nn_module
 from transformers import GenerationConfig
 from transformers.generation import utils as generation_utils
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+from hybridlm.model.graphs import kept_decoder_busy
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +77,19 @@ PLAIN = {"use_cache": True, "num_return_sequences": 1, "output_attentions": Fals
          "output_scores": False, "output_logits": False, "return_dict_in_generate": False, "token_healing": False,
          "prefill_chunk_size": None, "cache_implementation": None, "cache_config": None, "max_cache_len": None}
 _SAID = set()
+# why the fast path declines a call with forward hooks: its model calls are not the loop's (other inputs, and
+# up to STOP_CHECK_EVERY - 1 steps past the last EOS), and a captured CUDA-graph step calls no Python hook
+HOOKED = ("forward hooks on the model (transformers' loop calls the model, and its hooks, once a step; the fast "
+          "path's captured step runs no hook)")
+# why a concurrent call takes the loop: the kept static cache and graph serve one call at a time
+BUSY = "another generate() call is using this model's static cache (a concurrent call takes transformers' loop)"
+HALF = (torch.float16, torch.bfloat16)
+# why half-precision sampling on CUDA takes the loop: the captured step computes the loop's function with other
+# kernels (fused norms and residual adds, attention over the whole static cache under a mask), so its half-precision
+# logits differ from the loop's in the last bits and a seeded draw can pick another token (greedy keeps the fast
+# path: an argmax moves only at a near-tie). On a CPU the static cache's eager step is the loop's: the same logits.
+CAPTURED_STEP_DIFFERS = ("the captured decode step's half-precision logits differ from the loop's in the last "
+                         "bits, so seeded draws would differ")
 
 
 class HeldBack:
@@ -198,6 +220,8 @@ def fast_path_plan(model, inputs: Optional[torch.Tensor], generation_config: Opt
     if wanted is False or (wanted is None and model.device.type != "cuda"):
         return None, ""  # asked not to, or a CPU model's normal path: nothing to say
     kwargs = {k: v for k, v in kwargs.items() if k != "fast_path"}
+    if _hooked(model):
+        return None, HOOKED
     for name in GENERATE_ARGUMENTS:
         if _has_value(kwargs.get(name)):
             return None, f"argument {name!r}"
@@ -212,9 +236,18 @@ def fast_path_plan(model, inputs: Optional[torch.Tensor], generation_config: Opt
             plan, why = _plan(model, input_ids, generation_config, settings, kwargs.get("tokenizer"))
     except Exception as e:  # transformers refuses the call (or its internals differ): its loop says what it says
         return None, f"transformers' generation setup raised {type(e).__name__}: {e}"
+    if plan is not None and plan["max_new_tokens"] > 1 and kept_decoder_busy(model):
+        return None, BUSY
     if plan is not None:
         held.say()  # what transformers' generate() would have said
     return plan, why
+
+
+def _hooked(model) -> bool:
+    """Forward hooks on the model or any of its modules, or global ones (``nn.modules.module``'s)."""
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
 def _plan(model, input_ids, generation_config, settings, tokenizer):
@@ -233,6 +266,8 @@ def _plan(model, input_ids, generation_config, settings, tokenizer):
     mode = gc.get_generation_mode(None)
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         return None, f"generation mode {mode.value}"
+    if mode == GenerationMode.SAMPLE and model.dtype in HALF and input_ids.device.type == "cuda":
+        return None, f"sampling in {model.dtype} on CUDA ({CAPTURED_STEP_DIFFERS})"
     for key, plain in PLAIN.items():
         value = getattr(gc, key, None)
         if value is not None and value != plain:
@@ -301,6 +336,9 @@ def _plan(model, input_ids, generation_config, settings, tokenizer):
             "pad_token_id": None if pad is None else int(pad), "do_sample": mode == GenerationMode.SAMPLE}
     if plan["do_sample"]:
         plan.update(temperature=temperature, top_k=top_k)
+    # transformers' loop asks whether to compile its forward (a HybridCache is not compileable: never) and warns
+    # once when compile_config asks for it
+    model._valid_auto_compile_criteria({}, gc)
     return plan, ""
 
 

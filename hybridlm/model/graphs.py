@@ -28,11 +28,12 @@ same results, so the logic is testable without a GPU.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Optional
 
 import torch
 
-from hybridlm.model.cache import HybridCache
+from hybridlm.model.cache import FIXED_SHAPES, HybridCache
 from hybridlm.model.runtime import DECODE_RUNTIME_KEYS
 from hybridlm.ops.backend import residual_adds_in_norms, small_calls_through_kernels
 
@@ -41,10 +42,12 @@ class GraphedDecoder:
     """Single-token decode steps of ``model`` on the static ``cache``, replayed from one CUDA graph."""
 
     def kernel_choices(self) -> contextlib.ExitStack:
-        """The context a captured step is warmed up and recorded in: the model's ``runtime.graph_small_kernels``
-        and ``runtime.graph_fuse_residual``, as they are at the capture (a captured graph keeps what it recorded)."""
+        """The context a captured step is warmed up and recorded in: fixed shapes (:data:`cache.FIXED_SHAPES`), the
+        model's ``runtime.graph_small_kernels`` and ``runtime.graph_fuse_residual``, as they are at the capture (a
+        captured graph keeps what it recorded)."""
         runtime = self.model.config.runtime
         stack = contextlib.ExitStack()
+        stack.enter_context(FIXED_SHAPES.on())  # attention over the whole static buffer: one shape every step
         if runtime.graph_small_kernels:
             stack.enter_context(small_calls_through_kernels())
         if runtime.graph_fuse_residual:
@@ -97,7 +100,9 @@ class GraphedDecoder:
             torch.cuda.current_stream(self.device).wait_stream(side)
             self.cache.restore(snap)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread_local: another thread's CUDA calls meanwhile (a concurrent generate() on transformers' loop)
+            # are neither captured nor refused
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 logits = self._forward()
             self.cache.restore(snap)  # capturing ran no kernel, but the host-side token count moved
             del snap
@@ -125,15 +130,27 @@ class GraphedDecoder:
 STOP_CHECK_EVERY = 32
 
 
+def looks_after(step: int) -> bool:
+    """Whether the host looks for finished rows after ``step`` (from 1): after steps 1, 2, 4, 8 and 16, then every
+    ``STOP_CHECK_EVERY``. A short answer stops within twice its length, a long one within STOP_CHECK_EVERY - 1
+    steps, with a handful of syncs a call."""
+    return step % STOP_CHECK_EVERY == 0 or (step < STOP_CHECK_EVERY and step & (step - 1) == 0)
+# the new tokens a fast-path call's static cache first has room for; a call that outgrows it continues in one of
+# twice the length (never more than the call can fill), so a huge max_new_tokens costs what is generated
+CACHE_STEP = 256
+
+
 class KeptDecoder:
     """The static cache and captured step of a model's last :func:`graphed_generate` call, kept on the model so
     the next call of the same shape skips the cache allocation, the eager warm-up steps and the capture (a cost
-    per call that a short generation otherwise pays again every time). A copy or pickle of the model gets an
-    empty one: a graph belongs to the buffers it was captured on."""
+    per call that a short generation otherwise pays again every time). One call at a time uses them: ``lock`` is
+    held for the whole call (``generate()`` sends a call that finds it held to transformers' loop). A copy or
+    pickle of the model gets an empty one: a graph belongs to the buffers it was captured on."""
 
     def __init__(self):
         self.key: Optional[tuple] = None
         self.decoder: Optional[GraphedDecoder] = None
+        self.lock = threading.Lock()
 
     def __deepcopy__(self, memo):
         return KeptDecoder()
@@ -141,39 +158,72 @@ class KeptDecoder:
     def __reduce__(self):
         return KeptDecoder, ()
 
+    def busy(self) -> bool:
+        """Whether a call is using the kept cache now."""
+        return self.lock.locked()
+
     def release(self) -> None:
+        """Drop the cache and graph (the caller holds ``lock``)."""
         self.key = self.decoder = None
 
 
-def _reuse_key(model, batch: int, max_length: int, device, cuda_graph: Optional[bool]) -> tuple:
-    """What a kept decoder must share with a new call to serve it: the cache's shape and kind, the grad mode its
-    buffers were made under, and what the captured step baked in (the weights' addresses: a ``model.to()`` or a
+def _kept(model) -> KeptDecoder:
+    return model.__dict__.setdefault("_kept_decoder", KeptDecoder())
+
+
+def kept_decoder_busy(model) -> bool:
+    """Whether a :func:`graphed_generate` call is using ``model``'s kept static cache now (another thread's)."""
+    kept = model.__dict__.get("_kept_decoder")
+    return kept is not None and kept.busy()
+
+
+def _reuse_key(model, batch: int, device, cuda_graph: Optional[bool]) -> tuple:
+    """What a kept decoder must share with a new call to serve it: the cache's batch size and kind, the grad mode
+    its buffers were made under, and what the captured step baked in (the weights' addresses: a ``model.to()`` or a
     replaced parameter makes new tensors; the model's decode-kernel runtime settings, ``DECODE_RUNTIME_KEYS``)."""
     weights = tuple(t.data_ptr() for t in model.parameters()) + tuple(t.data_ptr() for t in model.buffers())
     runtime = model.config.runtime
-    return (batch, max_length, model.dtype, str(device), cuda_graph, torch.is_inference_mode_enabled(),
-            model.training, tuple(getattr(runtime, key) for key in DECODE_RUNTIME_KEYS), hash(weights))
+    return (batch, model.dtype, str(device), cuda_graph, torch.is_inference_mode_enabled(), model.training,
+            tuple(getattr(runtime, key) for key in DECODE_RUNTIME_KEYS), hash(weights))
 
 
-def kept_decoder(model, batch: int, max_length: int, device, cuda_graph: Optional[bool]) -> GraphedDecoder:
-    """The model's kept decoder, its cache emptied in place, when it fits this call; else a new one, kept instead
-    (the old one is dropped first, so its cache's memory can serve the new one)."""
-    kept = model.__dict__.setdefault("_kept_decoder", KeptDecoder())
-    key = _reuse_key(model, batch, max_length, device, cuda_graph)
-    if kept.key == key:
+def kept_decoder(model, batch: int, prompt: int, max_new_tokens: int, device,
+                 cuda_graph: Optional[bool]) -> GraphedDecoder:
+    """The model's kept decoder, its cache emptied in place, when it fits this call: the same key, room for the
+    prompt and the first ``CACHE_STEP`` new tokens (or all of them), and no more positions than the call can fill.
+    Else a new one of that first size, kept instead (the old one is dropped first, so its memory can serve the new
+    one). The caller holds the kept decoder's lock."""
+    kept = _kept(model)
+    need = prompt + max_new_tokens - 1  # the positions the cache holds when the last new token is fed
+    first = min(need, prompt + CACHE_STEP)
+    key = _reuse_key(model, batch, device, cuda_graph)
+    if kept.key == key and first <= kept.decoder.cache.max_length <= need:
         kept.decoder.cache.reset()
         return kept.decoder
     kept.release()
-    cache = HybridCache(model.config, max_length=max_length, batch_size=batch, dtype=model.dtype, device=device)
+    cache = HybridCache(model.config, max_length=first, batch_size=batch, dtype=model.dtype, device=device)
     kept.key, kept.decoder = key, GraphedDecoder(model, cache, enabled=cuda_graph)
     return kept.decoder
 
 
+def grown_decoder(model, decoder: GraphedDecoder, need: int) -> GraphedDecoder:
+    """``decoder``'s generation continued in a static cache of twice the positions (at most ``need``), its contents
+    copied, with its own step (captured afresh on CUDA); kept instead of ``decoder``. The caller holds the lock."""
+    kept = _kept(model)
+    cache = decoder.cache.grown(model.config, min(need, 2 * decoder.cache.max_length))
+    key = kept.key
+    kept.release()
+    kept.key, kept.decoder = key, GraphedDecoder(model, cache, enabled=decoder.enabled)
+    return kept.decoder
+
+
 def release_kept_decoder(model) -> None:
-    """Free the static cache and CUDA graph that :func:`graphed_generate` keeps on ``model`` for its next call."""
+    """Free the static cache and CUDA graph that :func:`graphed_generate` keeps on ``model`` for its next call
+    (after the call using them, if one is running)."""
     kept = model.__dict__.get("_kept_decoder")
     if kept is not None:
-        kept.release()
+        with kept.lock:
+            kept.release()
 
 
 def _next_tokens(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: Optional[int],
@@ -211,31 +261,44 @@ def graphed_generate(model, input_ids: torch.LongTensor, max_new_tokens: int, eo
     ``model.generate`` with a left-padded batch). Returns ``[B, P + n]``; greedy by default (the tokens of
     ``model.generate(do_sample=False)``), or sampling with ``temperature`` / ``top_k`` / ``generator``.
     With ``eos_token_id``, a row that produced it continues with ``pad_token_id`` (default: the EOS), and
-    generation ends once every row has: the host looks every ``STOP_CHECK_EVERY`` steps (one sync each, not one
-    per step), and the result is cut at the last row's EOS, so ``n`` is what ``generate()`` returns. When
+    generation ends once every row has: the host looks after steps 1, 2, 4, 8, 16, then every ``STOP_CHECK_EVERY``
+    steps (:func:`looks_after`; one sync each, not one per step), and the result is cut at the last row's EOS, so ``n`` is what ``generate()`` returns. When
     sampling, the generator is left in the state it had after the draw of that step (its state is kept after each
     draw since the last look, a 5 KB copy on CPU, 16 bytes on CUDA), so the draws consumed are those of
     ``generate()``'s loop, which samples once a step until every row has finished.
+    The static cache first has room for ``CACHE_STEP`` new tokens and doubles when it fills (on CUDA a step is
+    captured for each size), so memory follows the tokens generated, not ``max_new_tokens``.
     ``cuda_graph``: None = on CUDA. The static cache and the captured step stay on the model for the next call
-    of the same batch size and length (:class:`KeptDecoder`; :func:`release_kept_decoder` frees them).
+    of the same batch size that fits them (:func:`kept_decoder`; :func:`release_kept_decoder` frees them); a
+    second call meanwhile (another thread) waits for them.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if do_sample and temperature <= 0:
         raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    args = (model, input_ids, max_new_tokens, eos_token_id, pad_token_id, do_sample, temperature, top_k, generator,
+            cuda_graph)
+    if max_new_tokens == 1:  # the prompt's token only: a cache of the prompt's length, not kept
+        return _generate(*args)
+    with _kept(model).lock:  # a decode follows: the model's kept cache and graph, one call at a time
+        return _generate(*args)
+
+
+def _generate(model, input_ids, max_new_tokens, eos_token_id, pad_token_id, do_sample, temperature, top_k,
+              generator, cuda_graph) -> torch.LongTensor:
     B, P = input_ids.shape
     device = input_ids.device
-    if max_new_tokens > 1:  # a decode follows: the model's kept cache and graph when this call fits them
-        decoder = kept_decoder(model, B, P + max_new_tokens - 1, device, cuda_graph)
+    need = P + max_new_tokens - 1  # the cache's positions when the last new token is fed
+    if max_new_tokens > 1:
+        decoder = kept_decoder(model, B, P, max_new_tokens, device, cuda_graph)
         cache = decoder.cache
-    else:  # the prompt's token only: a cache of the prompt's length, not kept
+    else:
         cache = HybridCache(model.config, max_length=P, batch_size=B, dtype=model.dtype, device=device)
         decoder = None
     logits = model(input_ids=input_ids, cache=cache, logits_to_keep=1).logits[:, -1]
-    out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
+    tokens = []  # [B] each; grown a step at a time (no buffer of max_new_tokens)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     pad = eos_token_id if pad_token_id is None else pad_token_id
-    steps = max_new_tokens
     # sampling that can stop early draws past the last EOS until the next look: the generator's state after each
     # draw since the last look is kept, to rewind to the draw of the step where the last row finished
     drawn = _drawn_from(generator, device) if do_sample and eos_token_id is not None and max_new_tokens > 1 else None
@@ -247,17 +310,17 @@ def graphed_generate(model, input_ids: torch.LongTensor, max_new_tokens: int, eo
         if eos_token_id is not None:
             nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
             finished |= nxt == eos_token_id
-            # a host sync every STOP_CHECK_EVERY steps, not every step, to stop soon after the last EOS
-            if (i + 1) % STOP_CHECK_EVERY == 0:
-                if bool(finished.all()):
-                    out[:, i] = nxt
-                    steps = i + 1
-                    break
-                states, looked = [], i + 1  # a row is unfinished at step i: the loop draws on past it
-        out[:, i] = nxt
+        tokens.append(nxt)
+        # a host sync at a few steps, not every step, to stop soon after the last EOS
+        if eos_token_id is not None and looks_after(i + 1):
+            if bool(finished.all()):
+                break
+            states, looked = [], i + 1  # a row is unfinished at step i: the loop draws on past it
         if i + 1 < max_new_tokens:
+            if decoder.cache.get_seq_length() == decoder.cache.max_length:  # full: continue in a longer one
+                decoder = grown_decoder(model, decoder, need)
             logits = decoder.step(nxt)[:, -1]
-    out = out[:, :steps]
+    out = torch.stack(tokens, dim=1)
     if eos_token_id is not None and bool(finished.all()):
         # generate() stops at the step where the last row finished: cut there
         last = int((out == eos_token_id).int().argmax(1).max().item())

@@ -225,8 +225,9 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         (:mod:`hybridlm.model.fast_generate`). ``fast_path=False`` always takes transformers' loop; ``True`` takes
         the static cache on a CPU too (no graph there: the same tokens). Either way the random state and
         transformers' warnings after the call are those transformers' loop leaves. The fast path keeps its static
-        cache and captured step on the model for the next call of the same shape: :meth:`release_generation_graph`
-        frees them."""
+        cache and captured step on the model for the next call of the same batch size (:meth:`release_generation_graph`
+        frees them); a call made while another thread's call uses them, a model with forward hooks, and sampling in
+        half precision on CUDA take transformers' loop (docs/generation.md)."""
         plan, why = fast_path_plan(self, inputs, generation_config, kwargs)
         if plan is not None:
             return graphed_generate(self, **plan)

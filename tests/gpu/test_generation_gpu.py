@@ -129,11 +129,11 @@ def test_static_cache_eager_decode_matches_transformers_loop():
 @pytest.mark.parametrize("name", list(PATTERNS))
 @torch.no_grad()
 def test_cuda_graph_decode_equals_eager_static_cache(name, dtype):
-    """GraphedDecoder's replayed steps against eager steps on a static cache (same kernels: equal up to
-    nondeterminism), greedy tokens included, and the static cache's eager steps against the dynamic cache. The
-    captured step's kernel switches are off here, so both sides run the same ops; each switch on against off is
-    test_captured_step_with_a_kernel_switch_decodes_like_without_it."""
-    from hybridlm.model.cache import HybridCache
+    """GraphedDecoder's replayed steps against eager steps on a static cache under FIXED_SHAPES (same kernels:
+    equal up to nondeterminism), greedy tokens included, and the static cache's eager steps against the dynamic
+    cache. The captured step's kernel switches are off here, so both sides run the same ops; each switch on against
+    off is test_captured_step_with_a_kernel_switch_decodes_like_without_it."""
+    from hybridlm.model.cache import FIXED_SHAPES, HybridCache
     model = _model(name, dtype)
     model.set_runtime(graph_small_kernels=False, graph_fuse_residual=False)
     B, P, new = 3, 137, 12
@@ -149,7 +149,8 @@ def test_cuda_graph_decode_equals_eager_static_cache(name, dtype):
     first = prefill(eager_cache)
     eager_logits, eager_tokens = [first], [first[:, -1].argmax(-1, keepdim=True)]
     for _ in range(new - 1):
-        eager_logits.append(model(input_ids=eager_tokens[-1], cache=eager_cache).logits)
+        with FIXED_SHAPES.on():  # the captured step's shapes: attention over the whole buffer, as in the graph
+            eager_logits.append(model(input_ids=eager_tokens[-1], cache=eager_cache).logits)
         eager_tokens.append(eager_logits[-1][:, -1].argmax(-1, keepdim=True))
 
     graph_cache = static_cache()

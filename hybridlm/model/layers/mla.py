@@ -13,8 +13,9 @@ the latent space, with kv_b's key rows absorbed into the query and its value row
 ``q_nope . (W_UK c) = (W_UK^T q_nope) . c`` and ``sum_s p_s W_UV c_s = W_UV sum_s p_s c_s``.
 Padded keys are masked out and RoPE positions come per sequence from the attention mask.
 With a static cache (fixed-size buffer for CUDA graphs) the new entries are written in place at device-side
-slots and the absorbed attention runs over the whole buffer, unwritten slots masked (a prompt into an empty
-static cache still takes the expanded form over its own tokens). With ``runtime.mla_split_k_decode`` the absorbed
+slots; a captured step (``cache.FIXED_SHAPES``) runs the absorbed attention over the whole buffer, unwritten slots
+masked, an eager step over the slots written so far, as the dynamic cache does (a prompt into an empty static
+cache takes the expanded form over its own tokens). With ``runtime.mla_split_k_decode`` the absorbed
 attention of a decode step runs :func:`hybridlm.ops.latent_decode.latent_attention_decode` on CUDA instead of
 SDPA: the cache split along its length over the whole GPU (SDPA walks it with one thread block at batch 1).
 """
@@ -146,10 +147,13 @@ class MultiHeadLatentAttention(nn.Module):
         cos_sin = ctx.rope_cos_sin(self.rope, self.rope_theta, self.rope_inv_freq)
         q_nope, q_rope, latent, k_rope = self._project(x, ctx.positions, cos_sin)
         cache = ctx.layer(self.layer_idx)
-        if ctx.static:  # written in place at the device-side slots; the whole buffer under a device-built mask
+        if ctx.static:  # written in place at the device-side slots
             kv = cache.update(latent, k_rope, ctx.positions[0])
             if ctx.past_length == 0 and x.shape[1] > 1:  # a prompt into an empty cache: only its own tokens
                 return self._attend_expanded(q_nope, q_rope, latent, k_rope, None)
+            if not ctx.fixed_shapes:  # eager: the tokens cached so far, as the dynamic cache attends them
+                kv = kv[:, :ctx.past_length + x.shape[1]]
+            # else (a CUDA graph's step): the whole buffer under a device-built mask
             return self._attend_absorbed(q_nope, q_rope, kv, ctx.attention_mask(x.shape[1]))
         mask = ctx.attention_mask(x.shape[1])
         if cache is None or ctx.past_length == 0:
