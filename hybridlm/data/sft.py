@@ -269,7 +269,7 @@ def split_records(n: int, val_fraction: float, seed: int) -> Tuple[np.ndarray, n
     """(train indices, val indices): the packed-data split (``prepare``'s, a seeded permutation)."""
     if n < 2:
         raise ConfigError(f"data: {n} record(s), need at least 2 (one for training, one for validation)")
-    split = _split_docs(n, float(val_fraction), seed)
+    split = _split_docs(np.zeros(n, dtype=np.int64), float(val_fraction), seed)  # one source
     return split["train"], split["val"]
 
 
