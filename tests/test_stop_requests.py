@@ -19,6 +19,14 @@ from hybridlm.training.shell import RunShell
 from test_fault_campaign import pretrain_argv
 
 
+@pytest.fixture(autouse=True)
+def no_owner_yet():
+    """Each test starts without the owner (a CLI's main() called in-process keeps it installed, as a program does)."""
+    STOP.uninstall()
+    yield
+    STOP.uninstall()
+
+
 @pytest.fixture
 def owned():
     """STOP installed for the test, and given back after it."""

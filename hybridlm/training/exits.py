@@ -30,7 +30,10 @@ def run_cli(fn: Callable[[], object], user_errors: Tuple[Type[BaseException], ..
     status). An entry point installs :data:`STOP` in its first line and keeps it to its exit (a signal while the
     interpreter shuts down is recorded, not fatal); otherwise it is installed here for ``fn`` only."""
     if STOP.installed:
-        return _run(fn, user_errors)
+        try:
+            return _run(fn, user_errors)
+        finally:
+            STOP.answered()
     STOP.install()
     try:
         return _run(fn, user_errors)

@@ -74,6 +74,10 @@ class StopRequest:
         """Record a stop decided elsewhere (a signal another rank received)."""
         self.signal_name = self.signal_name or name
 
+    def answered(self) -> None:
+        """The request was acted on (the command reported it): a later command in this process starts clean."""
+        self.signal_name = ""
+
     def check(self, where: str) -> None:
         """A safe point: raise :class:`Preempted` naming ``where`` if a stop was requested."""
         if self.signal_name:
