@@ -261,6 +261,9 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
                 print(engine.resume_note, flush=True)
     logger = MetricsLogger(out, enabled=main, resume_step=engine.global_step, tensorboard=run.tensorboard)
     resources = ExitStack()
+    if not STOP.installed:  # called from Python, outside a CLI and a run shell: the loop owns the signals meanwhile
+        STOP.install()
+        resources.callback(STOP.uninstall)
     # the next step's batches are made while the GPU runs this step's backward; state_dict() is that of the
     # batches taken (hybridlm/data/prefetch.py)
     batches = resources.enter_context(Prefetcher(train_batches, pin_memory=engine.device.type == "cuda"))

@@ -54,7 +54,6 @@ class StopRequest:
         self.signal_name = ""
         self._previous = [signal.signal(s, self._record) for s in PREEMPT_SIGNALS]
         self._owner_pid = os.getpid()
-        _forget_in_forked_children()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPT_SIGNALS)  # a held signal is recorded here
         return self
 
@@ -83,24 +82,14 @@ class StopRequest:
         if self.signal_name:
             raise Preempted(f"stopped by {self.signal_name} {where}; rerun to go on from there")
 
-
-STOP = StopRequest()
-
-
-_FORK_HOOK = []
-
-
-def _forget_in_forked_children() -> None:
-    """A forked child (a tokenizer or data worker) gets the default handlers: its parent (a pool's ``terminate``)
-    ends it with SIGTERM, which the parent's owner would only record."""
-    if _FORK_HOOK:
-        return
-
-    def in_child() -> None:
-        if STOP._owner_pid is not None and STOP._owner_pid != os.getpid():
+    def _forget_in_forked_child(self) -> None:
+        """A process forked from the owner (a tokenizer or data worker) gets the default handlers: its parent (a
+        pool's ``terminate()``) ends it with SIGTERM, which an owner there would only record."""
+        if self._owner_pid is not None and self._owner_pid != os.getpid():
             for s in PREEMPT_SIGNALS:
                 signal.signal(s, signal.SIG_DFL)
-            STOP._previous, STOP._owner_pid, STOP.signal_name = [], None, ""
+            self._previous, self._owner_pid, self.signal_name = [], None, ""
 
-    os.register_at_fork(after_in_child=in_child)
-    _FORK_HOOK.append(in_child)
+
+STOP = StopRequest()
+os.register_at_fork(after_in_child=STOP._forget_in_forked_child)
