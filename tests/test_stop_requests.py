@@ -124,7 +124,8 @@ def test_a_forked_worker_is_ended_by_sigterm_not_recorded(owned):
 
 
 @pytest.mark.slow  # real signals at a real command's start (imports, the shell), in subprocesses
-@pytest.mark.parametrize("sig, after", [(signal.SIGUSR1, 1.0), (signal.SIGTERM, 5.0)])
+@pytest.mark.parametrize("sig, after", [(signal.SIGUSR1, 1.0), (signal.SIGTERM, 5.0)],
+                         ids=["SIGUSR1 at 1 s", "SIGTERM at 5 s"])
 def test_a_signal_before_the_shell_exists_is_one_stopped_line_and_143(tmp_path, austen_data, sig, after):
     """1 s: `pretrain.py` is still importing torch (no handler would exist yet); 5 s: loading its modules."""
     out = tmp_path / "run"
