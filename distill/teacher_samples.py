@@ -243,6 +243,7 @@ def _sample_shards(cfg, teacher, prompts_dir, out, todo, eos_id, tokenizer, dist
                                               "sha256": sha256_of(out / shard_name(batch))})
         bar.update(cfg.batch_size * cfg.gen_len)
         bar.set_postfix_str(f"{new / seconds:,.0f} new tok/s", refresh=False)
+        RunShell.check(f"after {shard_name(batch)} (the finished shards are kept; rerun to go on)")
     bar.close()
 
 

@@ -13,6 +13,7 @@ from hybridlm.model.runtime import RuntimeSettings
 from hybridlm.model.summary import model_summary
 from hybridlm.training import RunConfig
 from hybridlm.training.exits import run_cli
+from hybridlm.training.preempt import STOP
 from hybridlm.utils.atomic import json_text
 from pretrain.train import PRETRAIN_SECTIONS, run_pretraining
 
@@ -41,6 +42,7 @@ def dry_run(sections) -> dict:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    STOP.install()  # first: from here to the exit a SIGTERM / SIGUSR1 is a request (exit 143, `stopped:`)
     args = parse_args(argv)
 
     def run() -> None:

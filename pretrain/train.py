@@ -30,6 +30,7 @@ from hybridlm.config.errors import ConfigError
 from hybridlm.training.shell import RunShell, export_model
 from hybridlm.utils.faults import kill_in, with_nan_faults
 from hybridlm.utils.atomic import is_complete_directory, json_text, write_json
+from hybridlm.utils.ranks import is_rank_zero
 
 
 # a pre-training config's sections; ``runtime`` (optional): how the model runs (hybridlm/model/runtime.py)
@@ -109,7 +110,7 @@ def check_sections(sections: Dict[str, Any]) -> Tuple[DataConfig, OptimConfig, R
     data_path = Path(data_cfg.path).expanduser()
     model = dict(sections["model"])
     if (data_path / "meta.json").is_file():
-        if int(os.environ.get("RANK", "0")) == 0:
+        if is_rank_zero():
             ensure_prepared(data_cfg)  # prepared already: only checks its sources are those configured
         resolve_model_config(model, read_meta(data_path), data_path)
     else:  # not prepared yet: the vocabulary comes from the tokenizer later; check everything else now
@@ -123,8 +124,9 @@ def completed_result(sections: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """The recorded ``result.json`` of a run that already reached ``optim.max_steps`` (and exported, when
     ``run.export``), or None: rerunning such a run must not resume at its last step, train nothing and
     overwrite its figures with empty ones. ``run.resume: false`` always trains from scratch. ``result.json`` is
-    the last file a run writes, after ``final/`` is in place with its completeness marker
-    (:func:`hybridlm.utils.atomic.is_complete_directory`); a continued run deletes it before it trains."""
+    the last file a run writes, after ``final/`` is in place with its completeness marker, which must verify against
+    the files it lists (:func:`hybridlm.utils.atomic.is_complete_directory`); a continued run deletes it before it
+    trains."""
     optim = build_dataclass(OptimConfig, sections["optim"], "optim")
     run = build_dataclass(RunConfig, sections["run"], "run")
     out = Path(run.output_dir)
@@ -176,25 +178,35 @@ def sample_settings(run: RunConfig, steps: int) -> str:
 
 def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None) -> Dict[str, Any]:
     """Check every section, then run in the run shell (hybridlm/training/shell.py): the run directory's lock, the
-    pre-emption signals from start to exit, the export and result committed whole."""
+    pre-emption signals from start to exit, the export and result committed whole. A complete run is reported
+    without taking the lock (it only reads: a read-only mount says so too)."""
     _data_cfg, _optim, run_cfg = check_sections(sections)
+    done = _already_complete(sections)
+    if done is not None:
+        return done
     with RunShell(run_cfg.output_dir) as shell:
         return _pretrain(sections, run_cfg, shell, config_path)
 
 
-def _pretrain(sections: Dict[str, Any], run_cfg: RunConfig, shell: RunShell, config_path: Optional[str]):
+def _already_complete(sections: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     done = completed_result(sections)
+    if done is not None and is_rank_zero():
+        out = Path(sections["run"].get("output_dir", RunConfig.output_dir))
+        print(f"run already complete: {out} finished {done['steps']} steps; nothing to train, its result.json "
+              f"is kept (a new run.output_dir or a larger optim.max_steps trains again)", flush=True)
+        print(json_text(done), flush=True)
+    return done
+
+
+def _pretrain(sections: Dict[str, Any], run_cfg: RunConfig, shell: RunShell, config_path: Optional[str]):
+    done = _already_complete(sections)  # (completed by another process since the check before the lock)
     if done is not None:
-        if int(os.environ.get("RANK", "0")) == 0:
-            out = Path(sections["run"].get("output_dir", RunConfig.output_dir))
-            print(f"run already complete: {out} finished {done['steps']} steps; nothing to train, its result.json "
-                  f"is kept (a new run.output_dir or a larger optim.max_steps trains again)", flush=True)
-            print(json_text(done), flush=True)
         return done
-    if int(os.environ.get("RANK", "0")) == 0:  # the run goes on: its completeness marker no longer holds
+    if is_rank_zero():  # the run goes on: its completeness marker no longer holds
         with contextlib.suppress(FileNotFoundError):
             os.remove(Path(run_cfg.output_dir).expanduser() / "result.json")
     setup = prepare_pretraining(sections)
+    shell.check("with its data ready, before the model was built (nothing to save yet)")
     data_cfg, optim, run, dist, meta, config = (setup.data, setup.optim, setup.run, setup.dist, setup.meta,
                                                 setup.config)
     main = dist.rank == 0
@@ -210,6 +222,7 @@ def _pretrain(sections: Dict[str, Any], run_cfg: RunConfig, shell: RunShell, con
                           "device": str(dist.device), "precision": optim.precision,
                           "tokens_per_step": optim.global_batch_size * data_cfg.seq_len}), flush=True)
     engine = build_engine(setup)
+    shell.check("as its engine was built, before the first step (nothing to save yet)")
     train_batches, val_batches = setup.train_batches, setup.val_batches
     outcome = train_loop(engine, train_batches, run, val_batches, title=config_path or "")
     result = {"steps": outcome.steps, "tokens": outcome.tokens, "final_train_loss": outcome.final_loss,

@@ -1,7 +1,8 @@
 """The run shell (hybridlm/training/shell.py) around pre-training, every distillation stage and the route: one process
 per run directory for the stages and the route too (exit 4, one line naming the holder), SIGTERM at any phase of a
-run (start-up, the last step, the export) ends in one ``stopped:`` line and exit 143 with nothing lost, and a kill at
-a commit instant of a stage's export resumes to a complete stage."""
+run (start-up, inside a load, the last step, the export) ends in one ``stopped:`` line and exit 143 with nothing
+lost, a kill at a commit instant of a stage's export resumes to a complete stage, and a stage is finished only when
+its export verifies."""
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import pytest
 
 from conftest import REPO, demo_file, save_tiny_llama, subprocess_env
 from hybridlm.training.lock import RunLock
+from hybridlm.utils.atomic import verify_complete_directory
 from test_fault_campaign import pretrain
 
 
@@ -184,3 +186,42 @@ def test_a_seed_past_64_bits_is_one_line(tmp_path, austen_data):
     proc = pretrain(tmp_path / "run", austen_data, f"optim.seed={2**64}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error: optim.seed: "), proc.stderr[-500:]
+
+
+@pytest.mark.slow  # with the CPU `slow` tests (.ci/run): the default run stays under 20 minutes
+def test_a_signal_inside_a_load_is_reported_as_a_stop_not_a_bad_input(tmp_path, students):
+    """SIGTERM inside the student's load, whose `except` turns failures into `student.path: cannot be loaded`:
+    the load completes, the stage stops right after it."""
+    teacher, init = students
+    argv = ild_argv(teacher, init / "mla_student", tmp_path / "ild", tmp_path / "data")
+    proc = subprocess.run(argv, cwd=REPO, env=subprocess_env(HYBRIDLM_FAULT_TERM_IN="load"), capture_output=True,
+                          text=True, timeout=600)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[-1].startswith("stopped: stopped by SIGTERM after the ild stage's student was loaded"), lines[-1]
+    assert not [ln for ln in lines if ln.startswith("error:")] and not (tmp_path / "ild" / "final").exists()
+
+
+@pytest.mark.slow  # with the CPU `slow` tests (.ci/run): the default run stays under 20 minutes
+def test_a_stage_is_finished_only_when_its_export_verifies(tmp_path, students):
+    """Killed with final/ complete and its checkpoints not yet removed, then its weights truncated: the rerun redoes
+    the export from the last checkpoint. With final/.complete removed and no checkpoint left: one line, exit 2."""
+    teacher, init = students
+    out = tmp_path / "ild"
+    argv = ild_argv(teacher, init / "mla_student", out, tmp_path / "data")
+    first = subprocess.run(argv, cwd=REPO, env=subprocess_env(HYBRIDLM_FAULT_KILL_IN="export-done"),
+                           capture_output=True, text=True, timeout=600)
+    assert first.returncode == -signal.SIGKILL and (out / "checkpoints" / "latest").is_file(), first.stderr[-2000:]
+    weights = out / "final" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    again = subprocess.run(argv, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "already finished" not in again.stdout, again.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints'} at step 2" in again.stdout
+    assert verify_complete_directory(out / "final") is None and not (out / "checkpoints").exists()
+    (out / "final" / ".complete").unlink()
+    refused = subprocess.run(argv, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr and len(lines) == 1, refused.stderr[-2000:]
+    assert lines[0].startswith(f"error: run.output_dir: {out / 'final'} is not a verified export"), lines[0]
+    assert "no checkpoint is left" in lines[0] and (out / "final" / "model.safetensors").is_file()

@@ -10,6 +10,11 @@ Every stage reads and writes transformers-format directories; outputs appear ato
 """
 from __future__ import annotations
 
+import signal
+
+if __name__ == "__main__":  # `python -m upcycle.cli`: the stop signals wait, blocked, until main() owns them
+    signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGUSR1))
+
 import argparse
 import dataclasses
 import json
@@ -26,6 +31,7 @@ from hybridlm.kv_report import ATTENTION_KIND, format_kv_report, kv_report, load
 from hybridlm.model.registry import linear_kinds
 from hybridlm.teacher import resolve_teacher
 from hybridlm.training.exits import run_cli
+from hybridlm.training.preempt import STOP
 from hybridlm.utils.flags import RenamedFlag
 from smart_select.stage import add_subcommand as add_smart
 from upcycle.compose import add_subcommand as add_compose
@@ -162,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    STOP.install()  # first: from here to the exit a SIGTERM / SIGUSR1 is a request (exit 143, `stopped:`)
     args = build_parser().parse_args(argv)
     return run_cli(lambda: args.fn(args), user_errors=(ConfigError, FileExistsError))
 

@@ -128,6 +128,8 @@ def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, 
                 samples: Optional[SampleConfig]):
     hybrid = out / "hybrid"
     dist = init_distributed()
+    for name, configs in built.items():  # the one check that needs the world size, before the first stage
+        configs["optim"].gradient_accumulation_steps(dist.world_size, f"{name}.optim")
     ild_data = built["ild"]["data"]
     init_dir = out / "init"
     ild_runs = {kind: ild_sections(built["ild"], init_dir / f"{kind}_student", out / f"ild_{kind}")
@@ -139,11 +141,16 @@ def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, 
                               "kd": training_plan("kd", built["kd"]), "dpo": training_plan("dpo", built["dpo"]),
                               "report": None}, enabled=dist.rank == 0)
     summary: Dict[str, Any] = {"teacher": teacher}
+
+    def start(stage: str) -> None:  # a safe point: a signal stops the route here, the stages before it complete
+        RunShell.check(f"before the route's {stage} stage (the stages before it are complete)")
+        progress.start(stage)
+
     if dist.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "route_config.json", cfg, default=str)
 
-    progress.start("init")
+    start("init")
     prepare_calibration_data(ild_data, teacher, calib, dist.rank)
     if dist.rank == 0 and not (init_dir / "init_report.json").is_file():
         init_students(init_cfg, teacher, init_dir, overwrite=True)
@@ -151,12 +158,12 @@ def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, 
     summary["init"] = json.loads((init_dir / "init_report.json").read_text())
 
     for kind in ("mla", linear):
-        progress.start(f"ild_{kind}")
+        start(f"ild_{kind}")
         summary[f"ild_{kind}"] = run_ild(ild_runs[kind])
         progress.finished(f"ild_{kind}", summary[f"ild_{kind}"])
 
     smart_dir = out / "smart"
-    progress.start("smart")
+    start("smart")
     # every rank measures its share of the calibration batches; rank 0 writes the report only after the ranks'
     # sums are added, so each rank has looked for a finished report before any can be written
     if not (smart_dir / "smart_report.json").is_file():
@@ -166,7 +173,7 @@ def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, 
     mla_layers, _ = layers_from_report(smart_dir)
     summary["smart"] = {"mla_layers": mla_layers}
 
-    progress.start("compose")
+    start("compose")
     if dist.rank == 0 and not (hybrid / "config.json").is_file():
         compose_from_dirs(out / "ild_mla" / "final", out / f"ild_{linear}" / "final", mla_layers, hybrid,
                           overwrite=True)
@@ -176,12 +183,12 @@ def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, 
         if name not in built:
             continue
         if name == "kd" and samples is not None:  # the teacher's continuations, before the KD mix that names them
-            progress.start("sample")
+            start("sample")
             summary["sample"] = sample(samples, teacher)
-        progress.start(name)
+        start(name)
         summary[name] = run_stage(built[name])
         progress.finished(name, summary[name])
-    progress.start("report")
+    start("report")
     if dist.rank == 0:
         summary["report"] = route_report(out, ild_data.path, device=dist.device, **report_opts)
         write_json(out / "route.json", summary, default=str)

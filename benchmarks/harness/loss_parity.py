@@ -73,7 +73,7 @@ from hybridlm.engine.schedule import lr_lambda
 from hybridlm.model import HybridForCausalLM
 from hybridlm.model.configuration import resolve_model_config
 from benchmarks.harness.legacy_init import LEGACY_PARTS, apply_legacy_init, check_legacy_parts
-from hybridlm.training.preempt import PreemptionFlag, preemption_flag
+from hybridlm.training.preempt import STOP, StopRequest
 from hybridlm.utils.atomic import save_figure
 
 FAMILIES = ("gdn", "kda", "mamba2")
@@ -275,7 +275,7 @@ def evaluate(model, batches, device, bf16: bool) -> float:
     return sum(losses) / len(losses)
 
 
-def stop_if_signalled(rec: Dict[str, Any], step: int, flag: Optional[PreemptionFlag], label: str) -> bool:
+def stop_if_signalled(rec: Dict[str, Any], step: int, flag: Optional[StopRequest], label: str) -> bool:
     """A time limit's SIGTERM (``timeout``): the run ends after this step with ``cut_at``, its curve so far kept
     in the report (not resumable: ``--resume`` keeps whole runs only)."""
     if flag is None or not flag.signal_name:
@@ -291,7 +291,7 @@ def final_val_loss(rec: Dict[str, Any]) -> Optional[float]:
 
 
 def train_run(model, args, data_dir: Path, device: torch.device, val, label: str,
-              flag: Optional[PreemptionFlag] = None) -> Dict[str, Any]:
+              flag: Optional[StopRequest] = None) -> Dict[str, Any]:
     """One model through the shared loop; per-step loss, lr, grad norm, batch hash and first tokens."""
 
     cuda = device.type == "cuda"
@@ -342,7 +342,7 @@ def train_run(model, args, data_dir: Path, device: torch.device, val, label: str
 
 
 def engine_run(model, args, data_dir: Path, val, label: str, precision: str,
-               flag: Optional[PreemptionFlag] = None) -> Dict[str, Any]:
+               flag: Optional[StopRequest] = None) -> Dict[str, Any]:
     """One model through the training engine every stage uses (``pretrain.py``'s DeepSpeed ZeRO-1 at
     ``precision``), with the bench's batches, loss, optimizer settings and schedule; the same record as
     :func:`train_run`."""
@@ -673,7 +673,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_plan(plan, args, report, done, config, peer_config, data_dir: Path, device, val, out: Path,
-             flag: PreemptionFlag) -> None:
+             flag: StopRequest) -> None:
     """Train each planned run (or keep it from ``done``), writing the JSON after each; a signal stops the plan
     after the run it cut."""
     for role, variant, seed, engine_precision in plan:
@@ -778,8 +778,8 @@ def main(argv=None) -> Dict[str, Any]:
     if args.only:
         plan = [step for step in plan if step[0] == args.only]
     done = resumable_runs(report, out) if args.resume else {}
-    with preemption_flag() as flag:
-        run_plan(plan, args, report, done, config, peer_config, data_dir, device, val, out, flag)
+    flag = STOP.install()  # the signals recorded, asked after each step
+    run_plan(plan, args, report, done, config, peer_config, data_dir, device, val, out, flag)
     if flag.signal_name:
         raise SystemExit(f"stopped: {flag.signal_name}; {out / 'loss_parity.json'} has the runs so far (the cut "
                          "one with cut_at); rerun with --resume to run the missing ones")

@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+from hybridlm.utils.ranks import MPI_RANK_VARS as _MPI_RANK_VARS
 
 
 @dataclass(frozen=True)

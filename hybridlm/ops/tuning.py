@@ -35,6 +35,7 @@ import torch
 
 from hybridlm.ops.triton_launch import interpreting
 from hybridlm.utils.atomic import write_json
+from hybridlm.utils.ranks import is_rank_zero
 
 FORMAT = "hybridlm-kernel-tuning/1"
 SHIPPED_DIR = Path(__file__).resolve().parent / "tuned"
@@ -183,7 +184,7 @@ def apply_shipped_tuning(device=None, quiet: bool = False) -> Optional[TuningSta
     record = os.environ.get("HYBRIDLM_RECORD_TUNING")
     if _STATUS.table is not None or record:
         _hook_autotuner(gpu, triton.__version__, record)
-    if not quiet and os.environ.get("RANK", "0") == "0":
+    if not quiet and is_rank_zero():
         print(_STATUS.line, file=sys.stderr, flush=True)
     return _STATUS
 

@@ -5,7 +5,8 @@ A stage supplies the :class:`~hybridlm.engine.Engine` (model + loss), a resumabl
 the rest: a progress bar with tokens/s and ETA, JSONL + TensorBoard logs, periodic validation
 (loss and perplexity), atomic checkpoints every ``save_interval`` steps and at the end, resume from
 the latest checkpoint, and a saved checkpoint before stopping on repeated non-finite losses or on a
-pre-emption signal (SIGTERM / SIGUSR1: hybridlm/training/preempt.py).
+pre-emption signal (SIGTERM / SIGUSR1, recorded by hybridlm/training/preempt.py's ``STOP`` and asked here after
+every step).
 """
 from __future__ import annotations
 
@@ -25,8 +26,7 @@ from hybridlm.data.prefetch import Prefetcher
 from hybridlm.engine import (Engine, NonFiniteLossError, PendingStep, StepResult, all_reduce_sum, barrier,
                              is_main)
 from hybridlm.training.cold_start import first_step_done, first_step_notice
-from hybridlm.training.preempt import Preempted, PreemptionFlag, preemption_flag
-from hybridlm.training.shell import note_signal
+from hybridlm.training.preempt import STOP, Preempted
 from hybridlm.utils.faults import kill_if_requested
 from hybridlm.utils.metrics import MetricsLogger, plot_curves, read_jsonl
 
@@ -120,14 +120,16 @@ def _progress(enabled: bool, total: int, initial: int):
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=1.0, desc="train")
 
 
-def _should_stop(t_steady: Optional[float], max_minutes: float, flag: PreemptionFlag):
+def _should_stop(t_steady: Optional[float], max_minutes: float):
     """(time budget spent, pre-emption signal received), agreed by all ranks in one collective: the budget
     by rank 0's clock, the signal if any rank got one, so that every rank stops at the same step. The budget
     counts from the end of the first step: a cold machine's compilation and autotuning (minutes for a new
     shape) must not eat a stage's steps."""
     spent = float(bool(max_minutes) and t_steady is not None and is_main()
                   and time.perf_counter() - t_steady >= 60.0 * max_minutes)
-    spent, signalled = all_reduce_sum([spent, float(bool(flag.signal_name))])
+    spent, signalled = all_reduce_sum([spent, float(STOP.requested)])
+    if signalled and not STOP.requested:  # every rank stops at this step, and after the commits that follow it
+        STOP.record("a signal on another rank")
     return spent > 0, signalled > 0
 
 
@@ -258,10 +260,13 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
             if engine.resume_note:
                 print(engine.resume_note, flush=True)
     logger = MetricsLogger(out, enabled=main, resume_step=engine.global_step, tensorboard=run.tensorboard)
-    signals = ExitStack()
+    resources = ExitStack()
+    if not STOP.installed:  # called from Python, outside a CLI and a run shell: the loop owns the signals meanwhile
+        STOP.install()
+        resources.callback(STOP.uninstall)
     # the next step's batches are made while the GPU runs this step's backward; state_dict() is that of the
     # batches taken (hybridlm/data/prefetch.py)
-    batches = signals.enter_context(Prefetcher(train_batches, pin_memory=engine.device.type == "cuda"))
+    batches = resources.enter_context(Prefetcher(train_batches, pin_memory=engine.device.type == "cuda"))
 
     def save():
         if not checkpoints:
@@ -281,7 +286,6 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
             ppl = f"  val_ppl {val['val_ppl']:.2f}" if "val_ppl" in val else ""
             say(f"step {step}: val_loss {val['val_loss']:.4f}{ppl}")
 
-    flag = signals.enter_context(preemption_flag())
     notice = first_step_notice(engine.device) if main and engine.global_step < max_steps else None
     if notice:
         say(notice)
@@ -307,13 +311,13 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
                 # raced the few microseconds since t_steady was set)
                 book.count_launched(step)
                 out_of_time, preempted = _should_stop(book.t_steady if book.steady_steps else None,
-                                                      run.max_minutes, flag)
+                                                      run.max_minutes)
                 if out_of_time or preempted:
                     steps.settle()
                 if preempted:
                     if step < max_steps:  # else the loop ends here anyway and exports as usual
                         save()
-                        raise Preempted(f"stopped by {flag.signal_name or 'a signal on another rank'} at step {step} "
+                        raise Preempted(f"stopped by {STOP.signal_name} at step {step} "
                                         f"of {max_steps}; checkpoint saved in {run.checkpoint_dir}, rerun to resume")
                 elif out_of_time:
                     if main:
@@ -335,11 +339,9 @@ def train_loop(engine: Engine, train_batches, run: RunConfig, val_batches: Seque
             if not logged:
                 logger.log(engine.global_step, val)
                 validation_line(engine.global_step, val)
-        save()
-        if flag.signal_name:  # received in the last step or the final validation: the run shell stops after the export
-            note_signal(flag.signal_name)
+        save()  # a signal received in the last step or the final validation: the run shell stops after the export
     finally:
-        signals.close()
+        resources.close()
         if bar is not None:
             bar.close()
         logger.close()

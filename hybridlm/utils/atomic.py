@@ -17,7 +17,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 TMP_PREFIX = ".tmp_"
 
@@ -64,12 +64,14 @@ COMPLETE_MARKER = ".complete"  # written last into an atomic directory: its pres
 
 
 @contextlib.contextmanager
-def atomic_directory(final: Path, overwrite: bool = False, *, marker: bool = False,
+def atomic_directory(final: Path, overwrite: bool = False, *, marker: bool = False, amendable: Iterable[str] = (),
                      before_commit: Optional[Callable[[str], None]] = None):
     """``with atomic_directory(out) as tmp: write into tmp`` -> ``out`` appears complete or not at all.
 
     The new content is built in ``.<name>.tmp-<id>`` beside ``out``, gets :data:`COMPLETE_MARKER` as its last
-    file when ``marker`` is set, is fsynced and renamed into place. An existing ``out`` (``overwrite``) is first
+    file when ``marker`` is set (listing every file and its size, :func:`verify_complete_directory`; a file named
+    in ``amendable``, which its writer may later replace atomically, listed by name only), is fsynced and renamed
+    into place. An existing ``out`` (``overwrite``) is first
     renamed aside to ``.<name>.old-<id>`` and deleted only once the new one is in place, so at every instant
     ``out`` is either absent, the old complete directory or the new complete one. ``before_commit(stage)``, if given, is called
     with ``"written"`` (the new content complete, nothing renamed), ``"aside"`` (the old one renamed aside,
@@ -98,7 +100,7 @@ def atomic_directory(final: Path, overwrite: bool = False, *, marker: bool = Fal
     try:
         yield tmp
         if marker:
-            (tmp / COMPLETE_MARKER).write_text("complete\n")
+            (tmp / COMPLETE_MARKER).write_text(_listing(tmp, set(amendable)))
         fsync_tree(str(tmp))
         hook("written")
         if final.exists():
@@ -117,9 +119,47 @@ def atomic_directory(final: Path, overwrite: bool = False, *, marker: bool = Fal
         raise
 
 
+def _listing(root: Path, amendable: set) -> str:
+    """The marker's text: ``complete``, then ``<size> <path>`` per file below ``root`` (``- <path>`` for an
+    amendable one), sorted."""
+    lines = ["complete"]
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != COMPLETE_MARKER):
+        rel = path.relative_to(root).as_posix()
+        lines.append(f"- {rel}" if rel in amendable else f"{path.stat().st_size} {rel}")
+    return "\n".join(lines) + "\n"
+
+
+def verify_complete_directory(path) -> Optional[str]:
+    """None when ``path`` is a directory :func:`atomic_directory` finished and every file its marker lists is there
+    at the listed size (a marker from before listings were written, ``complete`` alone, lists none); else why not,
+    as a phrase for a one-line message."""
+    root = Path(path)
+    marker = root / COMPLETE_MARKER
+    if not root.is_dir():
+        return f"{root} does not exist" if not root.exists() else f"{root} is not a directory"
+    if not marker.is_file():
+        return f"{marker} is missing (the export never completed, or it was removed)"
+    try:
+        lines = marker.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        return f"{marker} cannot be read ({e})"
+    if not lines or lines[0] != "complete":
+        return f"{marker} is not a completion marker"
+    for line in lines[1:]:
+        size, _, rel = line.partition(" ")
+        file = root / rel
+        if not rel or (size != "-" and not size.isdigit()):
+            return f"{marker}: line {line!r} is not '<size> <path>'"
+        if not file.is_file():
+            return f"{file}, listed in {marker}, is missing"
+        if size != "-" and file.stat().st_size != int(size):
+            return f"{file} holds {file.stat().st_size} bytes, {marker} lists {size}"
+    return None
+
+
 def is_complete_directory(path) -> bool:
-    """Whether ``path`` is a directory that :func:`atomic_directory` finished (its marker present)."""
-    return (Path(path) / COMPLETE_MARKER).is_file()
+    """Whether ``path`` is a directory that :func:`atomic_directory` finished, every listed file as listed."""
+    return verify_complete_directory(path) is None
 
 
 def fsync_file(path: str) -> None:

@@ -22,6 +22,8 @@
                                        a point without ``:k`` matches every step
 ``HYBRIDLM_FAULT_TERM_IN=point``         SIGTERM (a scheduler's notice) at a named instant of the run shell:
                                        ``startup``  the run checked, its data and model not yet built
+                                       ``load``     inside a distillation stage's student load, whose
+                                                    ``except`` turns a failure into an error about the input
                                        ``export``   inside the export, as ``HYBRIDLM_FAULT_KILL_IN=export``
 ``HYBRIDLM_FAULT_DISK_FULL_IN=point[:k]``  at that instant (``save``, ``save-latest``, ``export``) a write fails with ENOSPC,
                                        as on a full disk
