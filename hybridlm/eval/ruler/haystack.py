@@ -46,12 +46,12 @@ def load_haystack(sources: Sequence[str], max_chars: int = MAX_CHARS) -> Haystac
             size += len(doc)
             if size >= max_chars:
                 break
-    except FileNotFoundError as e:
-        raise ConfigError(f"haystack {name!r}: {e}") from None
+    except ConfigError as e:  # a missing file, an unknown asset: named as the haystack's
+        raise ConfigError(f"--haystack: {e}") from None
     sentences = [s for doc in texts for s in split_sentences(doc)]
     if len(sentences) < MIN_SENTENCES:
-        raise ConfigError(f"haystack {name!r}: {len(sentences)} sentences of text, at least {MIN_SENTENCES} needed")
+        raise ConfigError(f"--haystack {name!r}: {len(sentences)} sentences of text, at least {MIN_SENTENCES} needed")
     words = sorted({w for s in sentences for w in _WORD.findall(s)})
     if len(words) < 200:
-        raise ConfigError(f"haystack {name!r}: {len(words)} distinct plain words, at least 200 needed")
+        raise ConfigError(f"--haystack {name!r}: {len(words)} distinct plain words, at least 200 needed")
     return Haystack(name, sentences, words)

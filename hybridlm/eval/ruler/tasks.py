@@ -233,7 +233,7 @@ def draft_cwe(spec: TaskSpec, hay: Haystack, rng: random.Random, n: int, length:
     (ex_words, ex_common, ex_rare), (common, rare) = (((20, 3, 1), (6, 1)) if length < 4096
                                                       else ((40, 10, 3), (30, 3)))
     if ex_words + n > len(hay.words):
-        raise ConfigError(f"haystack {hay.source!r}: {len(hay.words)} distinct words, cwe at {length} tokens needs "
+        raise ConfigError(f"--haystack {hay.source!r}: {len(hay.words)} distinct words, cwe at {length} tokens needs "
                           f"more; use a larger text")
     drawn = rng.sample(hay.words, len(hay.words))[:ex_words + n]  # a whole shuffle: a larger n only adds words
     example, example_top = _cwe_text(rng, drawn[:ex_words], ex_common, ex_rare)
