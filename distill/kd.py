@@ -94,7 +94,7 @@ def document_kd_batches(data_cfg, optim, dist, tokenizer):
     return AlignedLabels(train), [aligned_labels(b) for b in val]
 
 
-def kd_data(data_section: Optional[Dict[str, Any]]) -> Tuple[type, Dict[str, Any]]:
+def kd_data(data_section: Optional[Dict[str, Any]], where: str = "kd.") -> Tuple[type, Dict[str, Any]]:
     """(dataclass, section without ``format``) of a KD ``data:`` section.
 
     ``format: chat`` (default): a chat / alpaca JSON file, the assistant tokens supervised. ``format: packed``:
@@ -104,7 +104,7 @@ def kd_data(data_section: Optional[Dict[str, Any]]) -> Tuple[type, Dict[str, Any
     section = dict(data_section or {})
     fmt = section.pop("format", "chat")
     if fmt not in KD_DATA_FORMATS:
-        raise ConfigError(f"kd.data.format: {fmt!r} is not one of {', '.join(KD_DATA_FORMATS)}")
+        raise ConfigError(f"{where}data.format: {fmt!r} is not one of {', '.join(KD_DATA_FORMATS)}")
     return {"packed": DataConfig, "documents": DocumentDataConfig}.get(fmt, SFTDataConfig), section
 
 
@@ -114,7 +114,7 @@ KD_BATCHES = {DataConfig: packed_kd_batches, DocumentDataConfig: document_kd_bat
 
 def kd_configs(sections: Dict[str, Any], where: str = "") -> Dict[str, Any]:
     """A KD stage's sections built (:func:`distill.stage.stage_configs`), its ``data`` by ``data.format``."""
-    data_class, data = kd_data(sections.get("data"))
+    data_class, data = kd_data(sections.get("data"), where or "kd.")
     return stage_configs({**sections, "data": data}, data_class, {"kd": KDConfig}, where=where)
 
 

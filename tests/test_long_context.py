@@ -10,6 +10,7 @@ from test_upcycle_plan import tiny_route, tiny_teacher_config
 from upcycle.plan import load_route, plan_route, plan_rows, teacher_config_for
 
 H100_ROUTE = REPO / "configs" / "upcycle" / "smollm2_long_context_h100.yaml"
+CPU_STAGE = REPO / "configs" / "upcycle" / "smollm2_long_context_cpu.yaml"
 
 
 def test_plan_has_a_long_context_row_costed_like_kd_at_its_length():
@@ -39,6 +40,34 @@ def test_gpu_route_plans_its_8k_stage_on_one_80gb_card():
     assert rows["long_context"]["total_gib"] < 80 and rows["long_context"]["tokens"] == 300 * 8 * 8192
     assert rows["long_context"]["wall_hours"] * 60 * 2.5 < 10  # the config's comment: under ten minutes
     assert "asset:sotu" not in json.dumps(cfg["long_context"])  # the RULER haystack stays held out
+
+
+@pytest.mark.parametrize("override,message", [
+    ("long_context.optim.lrr=1e-6", "error: long_context.optim: unknown key 'lrr'"),
+    ("long_context.data.format=books", "error: long_context.data.format: 'books' is not one of chat, packed, documents"),
+    ("report.ruler_lengths=[32]", "error: report.ruler_lengths: expected context lengths of at least 64 tokens"),
+    ("report.ruler_tasks=[niah_single_9]", "error: report.ruler_tasks: unknown task 'niah_single_9'"),
+])
+def test_route_checks_the_long_context_and_ruler_settings_before_the_first_stage(tmp_path, override, message,
+                                                                                 monkeypatch, capsys):
+    from upcycle.cli import main
+    out = tmp_path / "route"
+    monkeypatch.chdir(REPO)
+    lc = ["long_context.data.format=documents", "long_context.data.path=data_cache/alpaca-smollm2",
+          "long_context.data.seq_len=1024", "long_context.optim.lr=1e-5", "report.ruler_lengths=[1024]"]
+    rc = main(["run", "--config", "configs/upcycle/smollm2_route_cpu.yaml", f"output_dir={out}", *lc, override])
+    err = capsys.readouterr().err
+    assert rc == 2, err[-1500:]
+    assert err.strip().splitlines()[-1].startswith(message), err[-800:]
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_cpu_stage_config_builds_a_documents_kd_stage():
+    from distill.kd import KD_SECTIONS, kd_configs
+    from hybridlm.config.loader import load_config
+    from hybridlm.data.document_windows import DocumentDataConfig
+    built = kd_configs(load_config(str(CPU_STAGE), [], sections=KD_SECTIONS))
+    assert isinstance(built["data"], DocumentDataConfig) and built["data"].seq_len == 2048
 
 
 # ~2-3 minutes on 2 busy cores: the whole route, each stage one step, then RULER on six models
@@ -87,3 +116,16 @@ def test_route_runs_long_context_between_kd_and_dpo_and_reports_ruler(tmp_path):
     assert "RULER @ 640, %" in (out / "report.md").read_text()
     assert "| teacher @ 640 | hybrid, init only @ 640 |" in (out / "ruler.md").read_text()
     assert_chart(out / "ruler.png")
+
+    # `upcycle kd` alone, with the shipped stage config pointed at the same student and data, trains the same step
+    alone = tmp_path / "long_context_alone"
+    kd = [sys.executable, "-m", "upcycle.cli", "kd", "--config", str(CPU_STAGE), f"teacher.path={teacher}",
+          f"student.path={out / 'kd' / 'final'}", f"data.path={tmp_path / 'data'}", "data.sources=[]",
+          "data.seq_len=96", "data.val_max_batches=1", "optim.micro_batch_size=2", "optim.global_batch_size=2",
+          "optim.max_steps=1", "optim.warmup_steps=1", "optim.lr=1e-4", "optim.min_lr=5e-6", "run.progress=false",
+          "run.eval_interval=0", "run.save_interval=0", f"run.output_dir={alone}"]
+    res = subprocess.run(kd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    losses = [[json.loads(l)["loss"] for l in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+              for d in (out / "long_context", alone)]
+    assert len(losses[0]) == 1 and losses[0] == pytest.approx(losses[1], rel=1e-6)

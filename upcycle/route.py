@@ -31,7 +31,7 @@ from upcycle.compose import compose_from_dirs
 from upcycle.init_students import InitConfig, init_students
 from upcycle.route_inputs import check_route_inputs
 from upcycle.route_progress import RouteProgress, training_plan
-from upcycle.route_report import route_report
+from upcycle.route_report import route_report, ruler_options
 
 ROUTE_SECTIONS = ("output_dir", "teacher", "init", "ild", "smart", "align", "kd", "long_context", "dpo", "report")
 
@@ -88,6 +88,9 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     check_known_keys("report", report_opts, ("seq_len", "max_tokens", "heldout_sources", "targets", "cloze_items",
                                              "generation_prompts", "generation_tokens", "generation_prompt_tokens",
                                              "ruler_lengths", "ruler_items", "ruler_tasks"))
+    if report_opts.get("ruler_lengths"):  # checked now, not after the last stage
+        ruler_options(report_opts["ruler_lengths"], report_opts.get("ruler_items", 5),
+                      report_opts.get("ruler_tasks", ("all",)))
     ild = cfg.get("ild") or {}
     hybrid = out / "hybrid"
     stages = {

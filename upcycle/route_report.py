@@ -1,7 +1,7 @@
 """The route's result table (``report.json``, ``report.md``, ``report.png``): for the teacher and the hybrid after
-each stage (init only, ILD, KD, long-context KD, DPO), perplexity and per-token KL(teacher || model) on two held-out texts, DPO's
-held-out reward accuracy, the ``austen_cloze`` accuracy of each model (``report.cloze_items``), generation scores of
-each model's greedy continuations of held-out prompts (``report.generation_prompts``;
+each stage (init only, ILD, KD, long-context KD, DPO), perplexity and per-token KL(teacher || model) on two held-out
+texts, DPO's held-out reward accuracy, the ``austen_cloze`` accuracy of each model (``report.cloze_items``),
+generation scores of each model's greedy continuations of held-out prompts (``report.generation_prompts``;
 :mod:`hybridlm.eval.generation_score`), the RULER-style long-context scores of each model at
 ``report.ruler_lengths`` (:mod:`hybridlm.eval.ruler`; also ``ruler.json``, ``ruler.md``, ``ruler.png``), and the
 tokens and minutes each stage used.
@@ -83,19 +83,27 @@ def score(model, teacher, windows: List[torch.Tensor], batch_size: int = 4) -> D
     return {"nll": nll, "ppl": math.exp(min(nll, 50.0)), "kl": kl, "tokens": count}
 
 
+def ruler_options(lengths, items=5, tasks=("all",)):
+    """``report.ruler_lengths`` / ``ruler_items`` / ``ruler_tasks`` checked: (sorted lengths, items, task names)."""
+    if isinstance(lengths, int) and not isinstance(lengths, bool):
+        lengths = [lengths]
+    if (not isinstance(lengths, (list, tuple)) or not lengths
+            or not all(isinstance(L, int) and not isinstance(L, bool) and L >= 64 for L in lengths)):
+        raise ConfigError(f"report.ruler_lengths: expected context lengths of at least 64 tokens, got {lengths!r}")
+    if isinstance(items, bool) or not isinstance(items, int) or items < 1:
+        raise ConfigError(f"report.ruler_items: expected a positive integer, got {items!r}")
+    if not isinstance(tasks, (str, list, tuple)):
+        raise ConfigError(f"report.ruler_tasks: expected task names, got {tasks!r}")
+    names = resolve_tasks([tasks] if isinstance(tasks, str) else [str(t) for t in tasks], "report.ruler_tasks")
+    return sorted(set(lengths)), items, names
+
+
 class RulerScorer:
     """The report's RULER-style scores: every model on the same tasks, lengths and items (built with the teacher's
     tokenizer, which the hybrids keep); ``write`` saves the per-task table and plot of all of them."""
 
     def __init__(self, lengths, items: int, tasks):
-        if isinstance(lengths, int):
-            lengths = [lengths]
-        if not all(isinstance(L, int) and not isinstance(L, bool) and L >= 64 for L in lengths or [None]):
-            raise ConfigError(f"report.ruler_lengths: expected context lengths of at least 64 tokens, got {lengths!r}")
-        if isinstance(items, bool) or not isinstance(items, int) or items < 1:
-            raise ConfigError(f"report.ruler_items: expected a positive integer, got {items!r}")
-        self.lengths, self.items = sorted(set(lengths)), items
-        self.tasks = resolve_tasks([tasks] if isinstance(tasks, str) else list(tasks))
+        self.lengths, self.items, self.tasks = ruler_options(lengths, items, tasks)
         self.hay = load_haystack([DEFAULT_HAYSTACK])
         self.models: List[Dict[str, Any]] = []
 
@@ -283,8 +291,8 @@ def report_markdown(report: Dict[str, Any]) -> str:
              for k in keys]
     ruler = report.get("ruler")
     if ruler:
-        lines.append(f"RULER: mean score over {len(ruler['tasks'])} RULER-style tasks, {ruler['items']} items of each per "
-                     f"length, haystack {ruler['haystack']} (per task: {Path(ruler['files']['markdown']).name}).")
+        lines.append(f"RULER: mean score over {len(ruler['tasks'])} RULER-style tasks, {ruler['items']} items of each "
+                     f"per length, haystack {ruler['haystack']} (per task: {Path(ruler['files']['markdown']).name}).")
     cloze = report.get("cloze")
     if cloze:
         lines.append(f"Cloze: {cloze['task']}, {cloze['items']} items, accuracy (length-normalised in brackets).")

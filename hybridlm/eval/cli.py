@@ -339,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192],
                    help="context lengths in the model's tokens (prompt + generation budget)")
     p.add_argument("--items", type=int, default=20, help="items per task and length")
-    p.add_argument("--seed", type=int, default=0, help="items are drawn from (seed, task, length, index): the same on every run")
+    p.add_argument("--seed", type=int, default=0,
+                   help="items are drawn from (seed, task, length, index): the same on every run")
     p.add_argument("--haystack", nargs="+", default=[DEFAULT_HAYSTACK],
                    help="text the haystacks and word lists come from: asset:<corpus>, .txt/.jsonl files or folders")
     p.add_argument("--chat", choices=("auto", "on", "off"), default="auto",

@@ -96,18 +96,18 @@ class RulerItem:
         return len(self.input_ids)
 
 
-def resolve_tasks(specs: Sequence[str]) -> List[str]:
+def resolve_tasks(specs: Sequence[str], where: str = "--tasks") -> List[str]:
     """Task names from names and groups (``all``, ``niah``), comma- or space-separated, in order, once each."""
     names: List[str] = []
     for spec in specs:
         for part in (p for p in spec.split(",") if p):
             found = TASK_GROUPS.get(part, [part] if part in TASKS else None)
             if found is None:
-                raise ConfigError(f"--tasks: unknown task {part!r} (tasks: {', '.join(TASKS)}; groups: "
+                raise ConfigError(f"{where}: unknown task {part!r} (tasks: {', '.join(TASKS)}; groups: "
                                   f"{', '.join(TASK_GROUPS)})")
             names += [n for n in found if n not in names]
     if not names:
-        raise ConfigError("--tasks: name at least one task")
+        raise ConfigError(f"{where}: name at least one task")
     return names
 
 
