@@ -70,7 +70,8 @@ def test_cpu_stage_config_builds_a_documents_kd_stage():
     assert isinstance(built["data"], DocumentDataConfig) and built["data"].seq_len == 2048
 
 
-# ~2-3 minutes on 2 busy cores: the whole route, each stage one step, then RULER on six models
+# 13 minutes on 2 cores shared with other jobs (tests/test_route.py's route: ~150 s on 2 idle cores): the whole route,
+# each stage one step, RULER's vt on six models, then `upcycle kd` alone
 @pytest.mark.slow
 def test_route_runs_long_context_between_kd_and_dpo_and_reports_ruler(tmp_path):
     for name in ("dpo_en_demo.json", "alpaca_en_demo.json"):
@@ -88,7 +89,7 @@ def test_route_runs_long_context_between_kd_and_dpo_and_reports_ruler(tmp_path):
                  "long_context.data.seq_len=96", "long_context.optim.lr=1e-4", "long_context.optim.precision=fp32",
                  "dpo.data.path=asset:dpo_en_demo", "dpo.data.max_length=64", "dpo.data.max_prompt_length=32",
                  "report.seq_len=32", "report.max_tokens=256", "report.generation_prompts=0",
-                 "report.ruler_lengths=[640]", "report.ruler_items=1", "report.ruler_tasks=[niah_single_2,vt]"]
+                 "report.ruler_lengths=[640]", "report.ruler_items=1", "report.ruler_tasks=[vt]"]
     overrides += [f"{stage}.{o}" for stage in ("ild", "kd", "long_context", "dpo") for o in small]
     cmd = [sys.executable, "-m", "upcycle.cli", "run", "--config", "configs/upcycle/smollm2_route_cpu.yaml", *overrides]
     run = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=1200)
@@ -97,7 +98,7 @@ def test_route_runs_long_context_between_kd_and_dpo_and_reports_ruler(tmp_path):
     assert stages == ["init", "ild_mla", "ild_mamba2", "smart", "compose", "kd", "long_context", "dpo", "report"]
     long = json.loads((out / "long_context" / "final" / "stage.json").read_text())
     assert long["steps"] == 1 and long["config"]["data"]["seq_len"] == 96
-    assert long["tokens"] == 2 * 96  # one step of two in-document windows
+    assert long["tokens"] == 2 * 95  # one step of two in-document windows, each window's last target dropped (KD)
     assert json.loads((out / "dpo" / "final" / "stage.json").read_text())["reference"] == \
         str(out / "long_context" / "final")  # DPO starts from the long-context hybrid
     report = json.loads((out / "report.json").read_text())
@@ -105,14 +106,14 @@ def test_route_runs_long_context_between_kd_and_dpo_and_reports_ruler(tmp_path):
     assert list(rows) == ["teacher", "hybrid, init only", "hybrid after ILD", "after KD-SFT",
                           "after long-context KD", "after DPO"]
     assert all(0.0 <= r["ruler_640"] <= 1.0 for r in rows.values())
-    assert rows["after DPO"]["tokens_trained"] - rows["after KD-SFT"]["tokens_trained"] >= 2 * 96
+    assert rows["after long-context KD"]["tokens_trained"] - rows["after KD-SFT"]["tokens_trained"] == 2 * 95
     assert "Long-context KD" in [s["stage"] for s in report["stages"]]
     ruler = json.loads((out / "ruler.json").read_text())
     assert [m["label"] for m in ruler["models"]] == list(rows)
-    assert ruler["tasks"] == ["niah_single_2", "vt"] and ruler["lengths"] == [640]
+    assert ruler["tasks"] == ["vt"] and ruler["lengths"] == [640]
     for m in ruler["models"]:
         assert m["average"]["640"] == pytest.approx(rows[m["label"]]["ruler_640"])
-        assert all(s["tokens"] + {"niah_single_2": 128, "vt": 30}[s["task"]] <= 640 for s in m["samples"])
+        assert [s["task"] for s in m["samples"]] == ["vt"] and m["samples"][0]["tokens"] + 30 <= 640
     assert "RULER @ 640, %" in (out / "report.md").read_text()
     assert "| teacher @ 640 | hybrid, init only @ 640 |" in (out / "ruler.md").read_text()
     assert_chart(out / "ruler.png")
