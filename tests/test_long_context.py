@@ -70,7 +70,7 @@ def test_cpu_stage_config_builds_a_documents_kd_stage():
     assert isinstance(built["data"], DocumentDataConfig) and built["data"].seq_len == 2048
 
 
-# 13 minutes on 2 cores shared with other jobs (tests/test_route.py's route: ~150 s on 2 idle cores): the whole route,
+# 6 minutes on 2 cores shared with other jobs (tests/test_route.py's route: ~150 s on 2 idle cores): the whole route,
 # each stage one step, RULER's vt on six models, then `upcycle kd` alone
 @pytest.mark.slow
 def test_route_runs_long_context_between_kd_and_dpo_and_reports_ruler(tmp_path):
