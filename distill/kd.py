@@ -28,6 +28,7 @@ from distill.stage import amend_stage_result, packed_lm_batches, run_stage, stag
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import Section, setting, to_dict
 from hybridlm.data import DataConfig
+from hybridlm.data.document_windows import DocumentDataConfig, open_document_splits
 from hybridlm.data.sft import SFTDataConfig, make_sft_batches
 
 IGNORE_INDEX = -100
@@ -51,7 +52,7 @@ class KDConfig(Section):
 
 
 # ------------------------------------------------------------------------------------- data
-KD_DATA_FORMATS = ("chat", "packed")
+KD_DATA_FORMATS = ("chat", "packed", "documents")
 
 
 class AlignedLabels:
@@ -88,26 +89,32 @@ def packed_kd_batches(data_cfg, optim, dist, tokenizer):
     return AlignedLabels(train), [aligned_labels(b) for b in val]
 
 
-def kd_data(data_section: Optional[Dict[str, Any]]) -> Tuple[type, Dict[str, Any]]:
+def document_kd_batches(data_cfg, optim, dist, tokenizer):
+    train, val = packed_lm_batches(data_cfg, optim, dist, tokenizer, splits=open_document_splits)
+    return AlignedLabels(train), [aligned_labels(b) for b in val]
+
+
+def kd_data(data_section: Optional[Dict[str, Any]], where: str = "kd.") -> Tuple[type, Dict[str, Any]]:
     """(dataclass, section without ``format``) of a KD ``data:`` section.
 
     ``format: chat`` (default): a chat / alpaca JSON file, the assistant tokens supervised. ``format: packed``:
     text sources packed into windows exactly like ILD's data (a :class:`hybridlm.data.DataConfig`), every token
-    supervised: KD on general text keeps what the teacher knows beyond chat."""
+    supervised: KD on general text keeps what the teacher knows beyond chat. ``format: documents``: the same packed
+    data, each window inside one document (:mod:`hybridlm.data.document_windows`): a long-context stage."""
     section = dict(data_section or {})
     fmt = section.pop("format", "chat")
     if fmt not in KD_DATA_FORMATS:
-        raise ConfigError(f"kd.data.format: {fmt!r} is not one of {', '.join(KD_DATA_FORMATS)}")
-    return (DataConfig if fmt == "packed" else SFTDataConfig), section
+        raise ConfigError(f"{where}data.format: {fmt!r} is not one of {', '.join(KD_DATA_FORMATS)}")
+    return {"packed": DataConfig, "documents": DocumentDataConfig}.get(fmt, SFTDataConfig), section
 
 
 # the batch source of each KD data section
-KD_BATCHES = {DataConfig: packed_kd_batches, SFTDataConfig: make_sft_batches}
+KD_BATCHES = {DataConfig: packed_kd_batches, DocumentDataConfig: document_kd_batches, SFTDataConfig: make_sft_batches}
 
 
 def kd_configs(sections: Dict[str, Any], where: str = "") -> Dict[str, Any]:
     """A KD stage's sections built (:func:`distill.stage.stage_configs`), its ``data`` by ``data.format``."""
-    data_class, data = kd_data(sections.get("data"))
+    data_class, data = kd_data(sections.get("data"), where or "kd.")
     return stage_configs({**sections, "data": data}, data_class, {"kd": KDConfig}, where=where)
 
 

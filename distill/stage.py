@@ -75,16 +75,18 @@ def check_unfinished_export(run: RunConfig) -> None:
                       f"{run.checkpoint_dir} to redo it from; move {final} aside to train the stage again")
 
 
-def packed_lm_batches(data_cfg: DataConfig, optim: OptimConfig, dist, tokenizer):
-    """Default batch source: packed token windows (prepared with the teacher's tokenizer on rank 0)."""
+def packed_lm_batches(data_cfg: DataConfig, optim: OptimConfig, dist, tokenizer, splits: Callable = open_splits):
+    """Default batch source: packed token windows (prepared with the teacher's tokenizer on rank 0); ``splits``
+    opens the prepared directory (:func:`hybridlm.data.document_windows.open_document_splits`: windows inside one
+    document)."""
     if dist.rank == 0:
         if data_cfg.tokenizer == "teacher":
             data_cfg.tokenizer = str(Path(tokenizer.name_or_path))
         ensure_prepared(data_cfg)
     barrier()
     check_tokenizer_matches(tokenizer, load_tokenizer(read_meta(data_cfg.path)["tokenizer"]["path"]))
-    return open_splits(data_cfg.path, data_cfg.seq_len, optim.micro_batch_size, data_cfg.val_max_batches,
-                       dist.rank, dist.world_size, data_cfg.seed)
+    return splits(data_cfg.path, data_cfg.seq_len, optim.micro_batch_size, data_cfg.val_max_batches,
+                  dist.rank, dist.world_size, data_cfg.seed)
 
 
 def stage_configs(sections: Dict[str, Any], data_class: type = DataConfig, extra: Optional[Dict[str, type]] = None,

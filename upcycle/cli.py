@@ -94,8 +94,13 @@ def cmd_report(args) -> dict:
     cloze = args.cloze_items if args.cloze_items is not None else saved.get("cloze_items", 0)
     gen = {key: getattr(args, key) if getattr(args, key) is not None else saved[key]
            for key in ("generation_prompts", "generation_tokens") if getattr(args, key) is not None or key in saved}
+    ruler = {key: saved[key] for key in ("ruler_lengths", "ruler_items", "ruler_tasks") if key in saved}
+    if args.ruler_lengths is not None:
+        ruler["ruler_lengths"] = args.ruler_lengths
+    if args.ruler_items is not None:
+        ruler["ruler_items"] = args.ruler_items
     return route_report(args.route_dir, data, seq_len=args.seq_len, max_tokens=args.tokens, heldout_sources=sources,
-                        cloze_items=cloze, **gen)
+                        cloze_items=cloze, **gen, **ruler)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: the route config's report.generation_prompts)")
     rp.add_argument("--generation-tokens", type=int, default=None,
                     help="tokens of each greedy continuation (default: the route config's, else 64)")
+    rp.add_argument("--ruler-lengths", type=int, nargs="*", default=None,
+                    help="context lengths of the RULER-style tasks each model is scored on (none: no RULER; default: "
+                         "the route config's report.ruler_lengths)")
+    rp.add_argument("--ruler-items", type=int, default=None,
+                    help="RULER items per task and length (default: the route config's report.ruler_items, else 5)")
     rp.set_defaults(fn=cmd_report)
     k = sub.add_parser("kv-report", help="KV-cache size of a hybrid against its Llama teacher, without weights")
     k.add_argument("--teacher", required=True, help="config.json, model directory, or asset:smollm2")

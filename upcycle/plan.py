@@ -269,11 +269,16 @@ def plan_route(cfg: Dict[str, Any], teacher_cfg, gpus: int) -> RoutePlan:
         plans.append(StagePlan("align", gpus, b, s, tokens, by, fl * tokens,
                                "the mixers train; the stream runs end to end"))
 
-    if kd:
-        optim = _optim(kd, "kd")
-        s = int((kd.get("data") or {}).get("seq_len", 1024))
+    # KD, and the long-context stage (KD again at its own, longer, sequence length)
+    for name, section, note in (("kd", kd, "every parameter trains"),
+                                ("long_context", dict(cfg.get("long_context") or {}),
+                                 "KD again at its longer sequence length")):
+        if not section:
+            continue
+        optim = _optim(section, name)
+        s = int((section.get("data") or {}).get("seq_len", 1024))
         b, ckpt = int(optim["micro_batch_size"]), bool(optim.get("activation_checkpointing", False))
-        chunk = int((kd.get("kd") or {}).get("chunk_tokens", 1024))
+        chunk = int((section.get("kd") or {}).get("chunk_tokens", 1024))
         tokens = int(optim["max_steps"]) * int(optim["global_batch_size"]) * s
         by = {"teacher weights (bf16)": BF16 * T, **trained_bytes(hp, hp, gpus),
               "activations": activation_bytes(hy["config"], hy["layer_kinds"], b * s, ckpt) + BF16 * b * s * d,
@@ -281,7 +286,7 @@ def plan_route(cfg: Dict[str, Any], teacher_cfg, gpus: int) -> RoutePlan:
         fl = (6.0 * hp_mm + (2.0 if ckpt else 0.0) * hp_mm
               + 3 * forward_flops_per_token(hy["config"], hy["layer_kinds"], 0, s)
               + teacher_forward_flops(shapes, T_mm, s))
-        plans.append(StagePlan("kd", gpus, b, s, tokens, by, fl * tokens, "every parameter trains"))
+        plans.append(StagePlan(name, gpus, b, s, tokens, by, fl * tokens, note))
 
     dpo = dict(cfg.get("dpo") or {})
     if dpo:

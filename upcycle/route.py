@@ -1,9 +1,11 @@
 """``upcycle run``: the whole route, each stage skipped when its output is complete.
 
 init (SVD MLA + MambaInLlama students) -> ILD of both -> SMART layer choice -> compose -> [align] -> [sample] -> KD
--> DPO (``align``: hidden-state alignment of the composed hybrid, run when the config has an ``align:`` section;
-``sample``: the teacher's sampled continuations, a data source KD's mix can name, run when there is a ``sample:``
-section; distill/teacher_samples.py).
+-> [long_context] -> DPO (``align``: hidden-state alignment of the composed hybrid, run when the config has an
+``align:`` section; ``sample``: the teacher's sampled continuations, a data source KD's mix can name, run when there
+is a ``sample:`` section, distill/teacher_samples.py; ``long_context``: a second KD stage at a longer sequence length,
+usually on windows inside one document (``data.format: documents``), run when the config has a ``long_context:``
+section; DPO then starts from it).
 A route config names the teacher, one ``output_dir`` and a section per stage; each training section holds
 that stage's ``data`` / ``optim`` / ``run`` (and ``kd`` / ``dpo``) settings, as in the single-stage configs.
 """
@@ -32,13 +34,15 @@ from upcycle.compose import compose_from_dirs
 from upcycle.init_students import InitConfig, init_students
 from upcycle.route_inputs import check_route_inputs
 from upcycle.route_progress import RouteProgress, training_plan
-from upcycle.route_report import route_report
+from upcycle.route_report import route_report, ruler_options
 
-ROUTE_SECTIONS = ("output_dir", "teacher", "init", "ild", "smart", "align", "sample", "kd", "dpo", "report")
+ROUTE_SECTIONS = ("output_dir", "teacher", "init", "ild", "smart", "align", "sample", "kd", "long_context", "dpo",
+                  "report")
 
 
 # each training stage's one schema (its module's *_configs), used here to check the route before it starts
-STAGE_CONFIGS = {"ild": ild_configs, "align": align_configs, "kd": kd_configs, "dpo": dpo_configs}
+STAGE_CONFIGS = {"ild": ild_configs, "align": align_configs, "kd": kd_configs, "long_context": kd_configs,
+                 "dpo": dpo_configs}
 
 
 def _stage_sections(section: Dict[str, Any], where: str, **fixed) -> Dict[str, Any]:
@@ -86,7 +90,11 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     linear = init_cfg.linear_mixer
     report_opts = dict(cfg.get("report") or {})
     check_known_keys("report", report_opts, ("seq_len", "max_tokens", "heldout_sources", "targets", "cloze_items",
-                                             "generation_prompts", "generation_tokens", "generation_prompt_tokens"))
+                                             "generation_prompts", "generation_tokens", "generation_prompt_tokens",
+                                             "ruler_lengths", "ruler_items", "ruler_tasks"))
+    if report_opts.get("ruler_lengths"):  # checked now, not after the last stage
+        ruler_options(report_opts["ruler_lengths"], report_opts.get("ruler_items", 5),
+                      report_opts.get("ruler_tasks", ("all",)))
     ild = cfg.get("ild") or {}
     hybrid = out / "hybrid"
     stages = {
@@ -97,12 +105,15 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
         stages["align"] = _stage_sections(cfg["align"], "align", teacher__path=teacher, student__path=str(hybrid),
                                           run__output_dir=str(out / "align"))
     kd_student = out / "align" / "final" if "align" in stages else hybrid
-    stages.update({
-        "kd": _stage_sections(cfg.get("kd") or {}, "kd", teacher__path=teacher, student__path=str(kd_student),
-                              run__output_dir=str(out / "kd")),
-        "dpo": _stage_sections(cfg.get("dpo") or {}, "dpo", student__path=str(out / "kd" / "final"),
-                               run__output_dir=str(out / "dpo")),
-    })
+    stages["kd"] = _stage_sections(cfg.get("kd") or {}, "kd", teacher__path=teacher, student__path=str(kd_student),
+                                   run__output_dir=str(out / "kd"))
+    if cfg.get("long_context"):  # KD again at a longer sequence length (an empty section: none)
+        stages["long_context"] = _stage_sections(cfg["long_context"], "long_context", teacher__path=teacher,
+                                                 student__path=str(out / "kd" / "final"),
+                                                 run__output_dir=str(out / "long_context"))
+    dpo_student = out / ("long_context" if "long_context" in stages else "kd") / "final"
+    stages["dpo"] = _stage_sections(cfg.get("dpo") or {}, "dpo", student__path=str(dpo_student),
+                                    run__output_dir=str(out / "dpo"))
     built = check_route(stages)
     samples = sample_section(cfg, out, built)
     calib = [init_cfg.calib_sources] if isinstance(init_cfg.calib_sources, str) else list(init_cfg.calib_sources)
@@ -137,8 +148,11 @@ def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, 
     ild_plans = {f"ild_{kind}": training_plan("ild", configs) for kind, configs in ild_runs.items()}
     align_plan = {"align": training_plan("align", built["align"])} if "align" in built else {}
     sample_plan = {"sample": None} if samples else {}
+    long_plan = ({"long_context": training_plan("long_context", built["long_context"])}
+                 if "long_context" in built else {})
     progress = RouteProgress({"init": None, **ild_plans, "smart": None, "compose": None, **align_plan, **sample_plan,
-                              "kd": training_plan("kd", built["kd"]), "dpo": training_plan("dpo", built["dpo"]),
+                              "kd": training_plan("kd", built["kd"]), **long_plan,
+                              "dpo": training_plan("dpo", built["dpo"]),
                               "report": None}, enabled=dist.rank == 0)
     summary: Dict[str, Any] = {"teacher": teacher}
 
@@ -179,7 +193,7 @@ def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, 
                           overwrite=True)
     barrier()
 
-    for name, run_stage in (("align", run_align), ("kd", run_kd), ("dpo", run_dpo)):
+    for name, run_stage in (("align", run_align), ("kd", run_kd), ("long_context", run_kd), ("dpo", run_dpo)):
         if name not in built:
             continue
         if name == "kd" and samples is not None:  # the teacher's continuations, before the KD mix that names them

@@ -88,8 +88,8 @@ def check_record_file(spec: str, where: str) -> None:
 
 def check_route_inputs(teacher: str, built: Dict[str, Dict[str, Any]], calib_sources: Iterable[str],
                        heldout_sources: Optional[Iterable[str]] = (), produced: Iterable[str] = ()) -> None:
-    """``built``: the route's checked stage sections (``ild``, ``kd``, ``dpo``); ``produced``: the directories an
-    earlier stage writes, which a later stage's sources may name (the teacher samples)."""
+    """``built``: the route's checked stage sections (``ild``, ``kd``, [``long_context``], ``dpo``); ``produced``: the
+    directories an earlier stage writes, which a later stage's sources may name (the teacher samples)."""
     check_teacher(teacher)
     ild = built["ild"]["data"]
     check_packed(ild, "ild.data")
@@ -102,6 +102,8 @@ def check_route_inputs(teacher: str, built: Dict[str, Dict[str, Any]], calib_sou
         check_split_rule(ild, kd)
     else:
         check_record_file(kd.path, "kd.data.path")
+    if "long_context" in built:
+        check_packed(built["long_context"]["data"], "long_context.data", prepared_by=[ild.path, kd.path])
     check_record_file(built["dpo"]["data"].path, "dpo.data.path")
     for i, spec in enumerate(heldout_sources or ()):
         check_source(spec, f"report.heldout_sources[{i}]")

@@ -1,8 +1,10 @@
 """The route's result table (``report.json``, ``report.md``, ``report.png``): for the teacher and the hybrid after
-each stage (init only, ILD, KD, DPO), perplexity and per-token KL(teacher || model) on two held-out texts, DPO's
-held-out reward accuracy, the ``austen_cloze`` accuracy of each model (``report.cloze_items``), generation scores of
-each model's greedy continuations of held-out prompts (``report.generation_prompts``;
-:mod:`hybridlm.eval.generation_score`), and the tokens and minutes each stage used.
+each stage (init only, ILD, KD, long-context KD, DPO), perplexity and per-token KL(teacher || model) on two held-out
+texts, DPO's held-out reward accuracy, the ``austen_cloze`` accuracy of each model (``report.cloze_items``),
+generation scores of each model's greedy continuations of held-out prompts (``report.generation_prompts``;
+:mod:`hybridlm.eval.generation_score`), the RULER-style long-context scores of each model at
+``report.ruler_lengths`` (:mod:`hybridlm.eval.ruler`; also ``ruler.json``, ``ruler.md``, ``ruler.png``), and the
+tokens and minutes each stage used.
 
     upcycle report --route-dir runs/smollm2_route [--data data_cache/mix-smollm2] [--tokens 65536]
 
@@ -31,6 +33,8 @@ from hybridlm.eval.build_tasks import austen_cloze_items
 from hybridlm.eval.generation_score import GenerationScorer, NGRAM, PROMPT_SOURCE, check_prompt_source_heldout, heldout_prompts
 from hybridlm.eval.multiple_choice import multiple_choice_accuracy
 from hybridlm.eval.perplexity import token_windows
+from hybridlm.eval.ruler import evaluate_model, load_haystack, resolve_tasks, ruler_result, write_ruler_outputs
+from hybridlm.eval.ruler.haystack import DEFAULT_HAYSTACK
 from hybridlm.model import HybridForCausalLM
 from hybridlm.teacher import load_teacher, load_teacher_tokenizer
 from hybridlm.utils.atomic import atomic_write_text, json_text, save_figure, write_json
@@ -41,7 +45,7 @@ from upcycle.init_students import InitConfig
 
 STAGE_DIRS = (("ild_mla", "ILD (MLA student)"), ("ild_mamba2", "ILD (Mamba2 student)"),
               ("ild_gdn", "ILD (GDN student)"), ("ild_kda", "ILD (KDA student)"),
-              ("align", "Alignment"), ("kd", "KD-SFT"), ("dpo", "DPO"))
+              ("align", "Alignment"), ("kd", "KD-SFT"), ("long_context", "Long-context KD"), ("dpo", "DPO"))
 
 
 def _stage_row(out: Path, name: str, label: str) -> Optional[Dict[str, Any]]:
@@ -80,16 +84,54 @@ def score(model, teacher, windows: List[torch.Tensor], batch_size: int = 4) -> D
     return {"nll": nll, "ppl": math.exp(min(nll, 50.0)), "kl": kl, "tokens": count}
 
 
+def ruler_options(lengths, items=5, tasks=("all",)):
+    """``report.ruler_lengths`` / ``ruler_items`` / ``ruler_tasks`` checked: (sorted lengths, items, task names)."""
+    if isinstance(lengths, int) and not isinstance(lengths, bool):
+        lengths = [lengths]
+    if (not isinstance(lengths, (list, tuple)) or not lengths
+            or not all(isinstance(L, int) and not isinstance(L, bool) and L >= 64 for L in lengths)):
+        raise ConfigError(f"report.ruler_lengths: expected context lengths of at least 64 tokens, got {lengths!r}")
+    if isinstance(items, bool) or not isinstance(items, int) or items < 1:
+        raise ConfigError(f"report.ruler_items: expected a positive integer, got {items!r}")
+    if not isinstance(tasks, (str, list, tuple)):
+        raise ConfigError(f"report.ruler_tasks: expected task names, got {tasks!r}")
+    names = resolve_tasks([tasks] if isinstance(tasks, str) else [str(t) for t in tasks], "report.ruler_tasks")
+    return sorted(set(lengths)), items, names
+
+
+class RulerScorer:
+    """The report's RULER-style scores: every model on the same tasks, lengths and items (built with the teacher's
+    tokenizer, which the hybrids keep); ``write`` saves the per-task table and plot of all of them."""
+
+    def __init__(self, lengths, items: int, tasks):
+        self.lengths, self.items, self.tasks = ruler_options(lengths, items, tasks)
+        self.hay = load_haystack([DEFAULT_HAYSTACK])
+        self.models: List[Dict[str, Any]] = []
+
+    def __call__(self, model, tokenizer, label: str) -> Dict[str, float]:
+        r = evaluate_model(model, tokenizer, label, self.tasks, self.lengths, self.items, self.hay)
+        self.models.append(r)
+        return {f"ruler_{L}": r["average"][str(L)] for L in self.lengths}
+
+    def write(self, json_path: Path) -> Dict[str, Any]:
+        result = ruler_result(self.models, self.tasks, self.lengths, self.items, self.hay, seed=0)
+        files = write_ruler_outputs(result, json_path)
+        return {"tasks": self.tasks, "lengths": self.lengths, "items": self.items, "haystack": self.hay.source,
+                "files": files}
+
+
 @torch.no_grad()
 def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 65536,
                  device: Optional[torch.device] = None, heldout_sources=(), targets=(1.25, 1.10),
                  cloze_items: int = 0, generation_prompts: int = 0, generation_tokens: int = 64,
-                 generation_prompt_tokens: int = 32) -> Dict[str, Any]:
+                 generation_prompt_tokens: int = 32, ruler_lengths=(), ruler_items: int = 5,
+                 ruler_tasks=("all",)) -> Dict[str, Any]:
     """Measure every model the route has written so far; write ``report.json``, ``report.md`` and ``report.png``.
     ``cloze_items`` > 0 adds the ``austen_cloze`` accuracy (that many items) of every model; ``generation_prompts``
     > 0 adds the generation scores (``gen_ppl``, ``gen_ppl_ratio``, ``gen_repeat4``, ``gen_agree``) of greedy
     continuations of ``generation_tokens`` tokens after that many held-out prompts of ``generation_prompt_tokens``
-    tokens (:mod:`hybridlm.eval.generation_score`)."""
+    tokens (:mod:`hybridlm.eval.generation_score`); ``ruler_lengths`` adds the mean RULER-style score of every model
+    at each of those lengths over ``ruler_items`` items of each of ``ruler_tasks`` (``ruler.*`` files beside)."""
 
     out = Path(route_dir)
     route_cfg = out / "route_config.json"
@@ -99,7 +141,9 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     teacher_spec = cfg.get("teacher") or "asset:smollm2"
     texts = {"a": {"name": f"{data_path} (validation split)", "windows": heldout_windows(data_path, seq_len, max_tokens)}}
-    tokenizer = load_teacher_tokenizer(teacher_spec) if heldout_sources or cloze_items or generation_prompts else None
+    ruler = RulerScorer(ruler_lengths, ruler_items, ruler_tasks) if ruler_lengths else None
+    tokenizer = (load_teacher_tokenizer(teacher_spec)
+                 if heldout_sources or cloze_items or generation_prompts or ruler else None)
     if heldout_sources:
         if isinstance(heldout_sources, str):
             heldout_sources = [heldout_sources]
@@ -126,10 +170,12 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
         models.append(("hybrid, init only", 0, lambda: HybridForCausalLM.from_pretrained(init_hybrid)))
     align_tokens = ild_tokens + tokens_by.get("Alignment", 0)
     kd_tokens = align_tokens + tokens_by.get("KD-SFT", 0)
+    long_tokens = kd_tokens + tokens_by.get("Long-context KD", 0)
     for label, trained, path in (("hybrid after ILD", ild_tokens, out / "hybrid"),
                                  ("after alignment", align_tokens, out / "align" / "final"),
                                  ("after KD-SFT", kd_tokens, out / "kd" / "final"),
-                                 ("after DPO", kd_tokens + tokens_by.get("DPO", 0), out / "dpo" / "final")):
+                                 ("after long-context KD", long_tokens, out / "long_context" / "final"),
+                                 ("after DPO", long_tokens + tokens_by.get("DPO", 0), out / "dpo" / "final")):
         if (path / "config.json").is_file():
             models.append((label, trained, lambda p=path: HybridForCausalLM.from_pretrained(p)))
 
@@ -146,6 +192,8 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
             row.update({"cloze_acc": mc["acc"], "cloze_acc_norm": mc["acc_norm"]})
         if generation is not None:
             row.update(generation(model))
+        if ruler is not None:
+            row.update(ruler(model, tokenizer, label))
         rows.append(row)
         print(json_text(rows[-1]), flush=True)
         if model is not teacher:
@@ -164,6 +212,8 @@ def route_report(route_dir, data_path, seq_len: int = 512, max_tokens: int = 655
     samples = teacher_samples_summary(out, cfg)
     if samples:
         report["teacher_samples"] = samples
+    if ruler is not None:
+        report["ruler"] = ruler.write(out / "ruler.json")
     write_json(out / "report.json", report)
     atomic_write_text(str(out / "report.md"), report_markdown(report))
     plot_report(report, out / "report.png")
@@ -260,6 +310,10 @@ def report_markdown(report: Dict[str, Any]) -> str:
     keys = [k for k in ("a", "b") if k in held]
     lines = [f"Held-out ({k}): {held[k]['tokens']:,} tokens of {held[k]['text']}, windows of {held[k]['seq_len']}."
              for k in keys]
+    ruler = report.get("ruler")
+    if ruler:
+        lines.append(f"RULER: mean score over {len(ruler['tasks'])} RULER-style tasks, {ruler['items']} items of each "
+                     f"per length, haystack {ruler['haystack']} (per task: {Path(ruler['files']['markdown']).name}).")
     cloze = report.get("cloze")
     if cloze:
         lines.append(f"Cloze: {cloze['task']}, {cloze['items']} items, accuracy (length-normalised in brackets).")
@@ -280,8 +334,10 @@ def report_markdown(report: Dict[str, Any]) -> str:
                      f"generation, {samples['new_tokens_per_second']:,} tokens/s ({samples['dir']}).")
     cols = " | ".join(f"perplexity ({k}) | KL ({k}), nats/token" for k in keys) + (" | cloze acc" if cloze else "")
     cols += f" | gen ppl | gen ppl ratio | repeat {gen['ngram']}-gram | agree, tokens" if gen else ""
+    ruler_lengths = [str(L) for L in ruler["lengths"]] if ruler else []
+    cols += "".join(f" | RULER @ {L}, %" for L in ruler_lengths)
     lines += ["", f"| model | tokens trained | {cols} |", "|---|---|" + "---|---|" * len(keys) + ("---|" if cloze else "")
-              + ("---|---|---|---|" if gen else "")]
+              + ("---|---|---|---|" if gen else "") + "---|" * len(ruler_lengths)]
     for r in report["perplexity"]:
         cells = " | ".join(f"{r['ppl' if k == 'a' else 'ppl_' + k]:.2f} | {r['kl' if k == 'a' else 'kl_' + k]:.4f}"
                            for k in keys)
@@ -291,6 +347,7 @@ def report_markdown(report: Dict[str, Any]) -> str:
             repeat = r[f"gen_repeat{gen['ngram']}"]
             cells += (f" | {r['gen_ppl']:.3f} | {r['gen_ppl_ratio']:.3f} | {repeat:.3f} | "
                       f"{r['gen_agree']:.1f}")
+        cells += "".join(f" | {100 * r[f'ruler_{L}']:.1f}" for L in ruler_lengths)
         lines.append(f"| {r['model']} | {r['tokens_trained']:,} | {cells} |")
     lines += ["", "| stage | steps | tokens | minutes | held-out DPO reward accuracy |", "|---|---|---|---|---|"]
     for s in report["stages"]:

@@ -3,12 +3,18 @@
     hybrid-eval ppl --model runs/x/final --text notes.txt asset:janeausten --seq-len 1024 --max-tokens 65536
     hybrid-eval ppl --model asset:smollm2 --dataset DIR_OR_NAME[:split] [--text-field text]
     hybrid-eval lm-eval --model runs/x/final --tasks austen_cloze --limit 200 --batch-size 8
+    hybrid-eval ruler --model asset:smollm2 runs/x/final --lengths 4096 8192 --items 20 --out ruler/ruler.json
 
 (also ``python -m hybridlm.eval ...``). ``--model`` is a saved hybrid directory (``HybridForCausalLM``, loaded
 strictly: a missing or unexpected weight is an error), a Llama teacher directory, a ``.gguf`` file or
 ``asset:smollm2``; the tokenizer is the one saved with the model unless ``--tokenizer`` names another.
 Each command prints one JSON line (and writes it, indented, to ``--out``); bad input is one ``error:`` line
 on stderr and exit status 2.
+
+``ruler`` builds RULER's synthetic long-context tasks from local text (:mod:`hybridlm.eval.ruler`; needle in a
+haystack, variable tracking, common / frequent words extraction) at each ``--lengths`` in every model's own tokens,
+scores each model's greedy answers by RULER's string match, and writes ``--out`` (JSON), a Markdown table and a
+PNG beside it (docs/long_context.md).
 
 ``ppl`` reads text the way ``hybrid-prepare`` does (:mod:`hybridlm.data.prepare`: ``.txt`` files whole,
 ``.json``/``.jsonl``/``.parquet`` records by ``--text-field`` or alpaca fields, folders, ``asset:janeausten``),
@@ -242,6 +248,45 @@ def run_lm_eval(args) -> Dict[str, Any]:
             "device": str(device), "dtype": args.dtype, "seconds": round(time.perf_counter() - t0, 2)}
 
 
+# -------------------------------------------------------------------------------------------- ruler
+def run_ruler(args) -> Dict[str, Any]:
+    from hybridlm.eval.ruler import evaluate_model, load_haystack, resolve_tasks, ruler_result, write_ruler_outputs
+
+    tasks = resolve_tasks(args.tasks)
+    if not args.lengths or any(L < 64 for L in args.lengths) or args.items < 1:
+        raise ConfigError("--lengths: each at least 64 tokens; --items: at least 1")
+    if args.labels and len(args.labels) != len(args.model):
+        raise ConfigError(f"--labels: {len(args.labels)} given for {len(args.model)} models")
+    lengths = sorted(set(args.lengths))
+    resolved = [resolve_model(spec) for spec in args.model]  # every model checked before any is loaded
+    check_writable(args.ruler_out)
+    device = resolve_device(args.device)
+    hay = load_haystack(args.haystack)
+    kinds = [kind for kind, _, _ in resolved]
+    labels = args.labels or [default_label(spec, kind, kinds) for spec, kind in zip(args.model, kinds)]
+    models = []
+    for spec, label, (kind, path, gguf) in zip(args.model, labels, resolved):
+        tok = load_eval_tokenizer(path, gguf, args.tokenizer)
+        model = load_model(kind, path, gguf, args.dtype, device)
+        r = evaluate_model(model, tok, label, tasks, lengths, args.items, hay, seed=args.seed, chat=args.chat)
+        models.append({"model": spec, "model_type": kind, **r})
+        del model
+    result = ruler_result(models, tasks, lengths, args.items, hay, args.seed)
+    result.update(device=str(device), dtype=args.dtype)
+    files = write_ruler_outputs(result, Path(args.ruler_out).expanduser())
+    return {"command": "ruler", "files": files, "lengths": lengths, "items": args.items,
+            "models": [{"model": m["model"], "label": m["label"], "average": m["average"], "scores": m["scores"]}
+                       for m in models]}
+
+
+def default_label(spec: str, kind: str, kinds: List[str]) -> str:
+    """``teacher`` / ``hybrid`` by model type, or the model's name when several models share a type."""
+    name = "teacher" if kind == "llama" else "hybrid"
+    if kinds.count(kind) == 1:
+        return name
+    return spec if spec.startswith(ASSET_PREFIX) else f"{name} ({Path(spec).expanduser().resolve().name})"
+
+
 # --------------------------------------------------------------------------------------------- CLI
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="saved hybrid dir, Llama teacher dir, .gguf file or asset:smollm2")
@@ -279,6 +324,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, default=None, help="context length for the harness (default: its own)")
     p.add_argument("--seed", type=int, default=1234)
     p.set_defaults(func=run_lm_eval)
+
+    from hybridlm.eval.ruler.haystack import DEFAULT_HAYSTACK
+    p = sub.add_parser("ruler", help="RULER-style long-context tasks built from local text (needle in a haystack, "
+                                     "variable tracking, common / frequent words)")
+    p.add_argument("--model", nargs="+", required=True,
+                   help="one or more models (a teacher and its hybrid are drawn side by side): saved hybrid dirs, "
+                        "Llama teacher dirs, .gguf files or asset:smollm2")
+    p.add_argument("--labels", nargs="+", default=None, help="a label per --model (default: teacher / hybrid)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer instead of each model's own")
+    p.add_argument("--tasks", nargs="+", default=["all"],
+                   help="task names or groups (all, niah): niah_single_1..3, niah_multikey_1..3, niah_multivalue, "
+                        "niah_multiquery, vt, cwe, fwe")
+    p.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192],
+                   help="context lengths in the model's tokens (prompt + generation budget)")
+    p.add_argument("--items", type=int, default=20, help="items per task and length")
+    p.add_argument("--seed", type=int, default=0,
+                   help="items are drawn from (seed, task, length, index): the same on every run")
+    p.add_argument("--haystack", nargs="+", default=[DEFAULT_HAYSTACK],
+                   help="text the haystacks and word lists come from: asset:<corpus>, .txt/.jsonl files or folders")
+    p.add_argument("--chat", choices=("auto", "on", "off"), default="auto",
+                   help="wrap each prompt in the tokenizer's chat template (auto: when it has one)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", choices=DTYPES, default="fp32")
+    p.add_argument("--out", dest="ruler_out", default="ruler.json",
+                   help="result JSON (every item's prediction); the .md table and .png plot go beside it")
+    p.set_defaults(func=run_ruler, out=None)
     return ap
 
 

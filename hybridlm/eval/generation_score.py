@@ -157,7 +157,7 @@ def training_sources(cfg: Dict[str, Any]) -> List[str]:
     """Every data source a route config (``ild`` / ``kd`` / ``dpo`` sections) or a stage config (``data``) trains
     on, and ``init.calib_sources``: ``asset:`` names, files and packed-data directories as written."""
     specs: List[str] = _source_specs(cfg.get("data"))
-    for stage in ("ild", "kd", "dpo"):
+    for stage in ("ild", "kd", "long_context", "dpo"):
         specs += _source_specs((cfg.get(stage) or {}).get("data"))
     specs += [str(s) for s in ((cfg.get("init") or {}).get("calib_sources") or [])]
     return list(dict.fromkeys(specs))
