@@ -173,6 +173,8 @@ def test_the_stage_command_on_a_link_and_on_a_read_only_mount(tmp_path):
 def test_rank_zero_is_asked_one_way_before_the_group_exists(tmp_path, monkeypatch, env, holds):
     """An MPI launcher names the rank only in its own variable (DeepSpeed sets RANK when it opens the group): a
     rank other than 0 must not take the lock then either."""
+    import hybridlm.utils.ranks as ranks
+    monkeypatch.setattr(ranks.dist, "is_initialized", lambda: False)  # before the group: an earlier test may hold one
     for var in ("RANK", "OMPI_COMM_WORLD_RANK"):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
