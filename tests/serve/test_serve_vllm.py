@@ -145,3 +145,21 @@ def test_the_openai_server_answers_a_completion(export, reference, tmp_path):
     mine = _generate(reference, [tok(TEXTS[0])["input_ids"]])[0]
     assert response["usage"]["completion_tokens"] == NEW
     assert response["choices"][0]["text"] == tok.decode(mine)
+
+
+def test_the_readme_serving_commands_run_in_this_environment():
+    """README's commands that name the serving environment (.venv-serve) run there as written: each program with its
+    module starts (`--help`) and knows every option the README gives it."""
+    import re
+    import shlex
+    readme = (HERE.parents[1] / "README.md").read_text(encoding="utf-8")
+    lines = [ln.strip() for block in re.findall(r"```bash\n(.*?)```", readme, re.S) for ln in block.splitlines()]
+    served = [shlex.split(ln) for ln in lines if ln.startswith(".venv-serve/bin/python -m vllm")]
+    assert served, "README names no serving command in .venv-serve"
+    for words in served:
+        module = words[2]
+        out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        options = [w.split("=")[0] for w in words[3:] if w.startswith("--")]
+        unknown = [o for o in options if o not in out.stdout]
+        assert not unknown, f"{module} --help does not know {unknown}"
