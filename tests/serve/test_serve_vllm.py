@@ -3,6 +3,7 @@ to the toolkit's own ``generate()``, the weight mapping against vLLM's parameter
 ``vllm serve`` answering ``/v1/completions``. Needs vLLM (scripts/serve_tests.sh makes its environment);
 skipped without it."""
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -61,9 +62,10 @@ def _generate(model, prompts):
         return model.generate(ids, attention_mask=mask, generation_config=cfg)[:, width:].tolist()
 
 
-def _run_vllm(export, runs, timeout=600):
-    proc = subprocess.run([sys.executable, str(HERE / "vllm_greedy.py"), str(export), json.dumps(runs), str(NEW)],
-                          capture_output=True, text=True, timeout=timeout)
+def _run_vllm(export, runs, timeout=600, dtype="float32", env=None):
+    proc = subprocess.run([sys.executable, str(HERE / "vllm_greedy.py"), str(export), json.dumps(runs), str(NEW),
+                           dtype], capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
     return proc
 
 
