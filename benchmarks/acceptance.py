@@ -114,9 +114,19 @@ def _pytest_counts(junit: Path) -> Callable[[str, Path], dict]:
     return read
 
 
+def _tuned_afresh(log: str) -> Optional[int]:
+    """Autotuned launches the shipped tuning lacked, summed over a log's first-step lines (hybridlm/ops/tuning.py
+    ``TuningStatus.served``); None where no line says (no CUDA tuning status)."""
+    found = re.findall(r"shipped tuning served \d+ autotuned kernels, (\d+) tuned afresh", log)
+    return sum(int(n) for n in found) if found else None
+
+
 def _first_step(log: str, out: Path) -> dict:
-    """The pre-training log's first-step line and the last logged loss."""
+    """The pre-training log's first-step line, the launches it tuned afresh and the last logged loss."""
     counts: dict = {}
+    afresh = _tuned_afresh(log)
+    if afresh is not None:
+        counts["tuned_afresh"] = afresh
     m = re.search(r"first step done in ([0-9.]+) s", log)
     if m:
         counts["first_step_seconds"] = float(m.group(1))
@@ -125,6 +135,8 @@ def _first_step(log: str, out: Path) -> dict:
         counts["last_step"], counts["last_loss"] = int(steps[-1][0]), float(steps[-1][1])
     counts["summary"] = (f"first step {counts.get('first_step_seconds', '?')} s; step {counts.get('last_step', '?')} "
                          f"loss {counts.get('last_loss', '?')}")
+    if afresh is not None:
+        counts["summary"] += f"; {afresh} launches tuned afresh"
     return counts
 
 
@@ -134,7 +146,12 @@ def _route_stages(log: str, out: Path) -> dict:
     ppl = {}
     if report.is_file():
         ppl = {r["model"]: r["ppl"] for r in json.loads(report.read_text()).get("perplexity", [])}
-    return {"stages": stages, "ppl": ppl, "summary": f"{len(stages)} stages: {' '.join(stages)}"}
+    counts = {"stages": stages, "ppl": ppl, "summary": f"{len(stages)} stages: {' '.join(stages)}"}
+    afresh = _tuned_afresh(log)
+    if afresh is not None:
+        counts["tuned_afresh"] = afresh
+        counts["summary"] += f"; {afresh} launches tuned afresh"
+    return counts
 
 
 # the route smoke's twin: SmolLM2-135M-Instruct's layer shapes (so its kernels launch at the shapes of the route and

@@ -32,10 +32,13 @@ def test_without_cuda_one_line_and_exit_2(tmp_path):
 def test_the_report_and_summary_of_passing_failing_and_stopped_parts(tmp_path):
     py = sys.executable
     parts = [
-        A.Part("pretrain", [py, "-c", "print('step 1 loss 9.5'); print('first step done in 12.5 s'); "
-                                      "print('step 30 loss 6.25')"], 60, read=A._first_step),
-        A.Part("route", [py, "-c", "import sys; print('route: stage 1/8 init'); sys.exit(3)"], 60,
-               read=A._route_stages),
+        A.Part("pretrain", [py, "-c", "print('step 1 loss 9.5'); print('first step done in 12.5 s (compilation and "
+                                      "autotuning included; shipped tuning served 22 autotuned kernels, 0 tuned "
+                                      "afresh)'); print('step 30 loss 6.25')"], 60, read=A._first_step),
+        A.Part("route", [py, "-c", "import sys; print('route: stage 1/8 init'); print('first step done in 2.8 s "
+                                   "(shipped tuning served 4 autotuned kernels, 6 tuned afresh)'); print('first step "
+                                   "done in 19.1 s (shipped tuning served 14 autotuned kernels, 10 tuned afresh)'); "
+                                   "sys.exit(3)"], 60, read=A._route_stages),
         A.Part("generate", [py, "-c", "import time; time.sleep(30)"], 1),
         A.Part("gpu_tests", [py, "-c", "pass"], 60, before=lambda out: 1 / 0),
     ]
@@ -49,8 +52,9 @@ def test_the_report_and_summary_of_passing_failing_and_stopped_parts(tmp_path):
     got = {p["name"]: p for p in report["parts"]}
     assert not report["passed"] and report["first_step_seconds"] == 12.5
     assert got["pretrain"]["passed"] and got["pretrain"]["counts"] == {"first_step_seconds": 12.5, "last_step": 30,
-                                                                      "last_loss": 6.25}
+                                                                      "last_loss": 6.25, "tuned_afresh": 0}
     assert (got["route"]["passed"], got["route"]["exit_code"], got["route"]["counts"]["stages"]) == (False, 3, ["init"])
+    assert got["route"]["counts"]["tuned_afresh"] == 16 and got["route"]["summary"].endswith("16 launches tuned afresh")
     assert got["generate"]["exit_code"] == 124 and got["generate"]["summary"].startswith("stopped at its limit of 1 s")
     assert got["gpu_tests"]["exit_code"] == 125
     assert "ZeroDivisionError" in (tmp_path / "gpu_tests.log").read_text()
