@@ -235,10 +235,9 @@ def test_make_off_the_gpu_takes_the_gpu_the_records_name(tmp_path):
 
 
 def test_a_project_kernel_built_outside_a_model_puts_the_shipped_tuning_in_place(monkeypatch):
-    """hybridlm/ops/triton_launch.py ``autotuned``: a kernel called directly (not through a model's Triton path) is
-    served from the shipped file too; on a CPU the call is a no-op (None), as apply_shipped_tuning's own."""
-    from hybridlm.ops import triton_launch
+    """hybridlm/ops/tuning.py ``autotuned``, which builds the project's autotuners: a kernel called directly (not
+    through a model's Triton path) is served from the shipped file too."""
     calls = []
     monkeypatch.setattr(T, "apply_shipped_tuning", lambda *a, **k: calls.append((a, k)))
-    tuner = triton_launch.autotuned(scale_kernel, CONFIGS, ["n"])
+    tuner = T.autotuned(scale_kernel, CONFIGS, ["n"])
     assert isinstance(tuner, Autotuner) and calls == [((), {})]

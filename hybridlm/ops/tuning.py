@@ -33,7 +33,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from hybridlm.ops.triton_launch import interpreting
+from hybridlm.ops.triton_launch import interpreting, load_triton
 from hybridlm.utils.atomic import write_json
 
 FORMAT = "hybridlm-kernel-tuning/1"
@@ -273,3 +273,17 @@ def make_tuning_file(out: Path, records: List[Path], gpu: str, triton_version: s
             "sha256": entries_digest(entries)}
     write_json(out, data, indent=None)
     return data
+
+
+def autotuned(kernel, configs, key, prune=None):
+    """``kernel`` autotuned over ``configs`` by ``key``, the winners kept on disk as fla keeps its own (Triton's
+    ``cache_results``), so that hybridlm/training/kernel_cache.py carries them to a fresh machine too: without
+    them each of the project's kernels compiles and times every configuration there first. ``prune(configs,
+    named_args, **kwargs)``: the configurations a launch may take (Triton's ``early_config_prune``).
+
+    The shipped tuning is put in place here too, not only where a model takes the Triton path
+    (hybridlm/ops/backend.py): a kernel called directly (its tests, a benchmark) is then served, and recorded, like
+    a model's."""
+    apply_shipped_tuning()
+    return load_triton().autotune(configs, key=key, cache_results=True,
+                                  prune_configs_by={"early_config_prune": prune} if prune else None)(kernel)
