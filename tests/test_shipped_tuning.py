@@ -232,12 +232,3 @@ def test_make_off_the_gpu_takes_the_gpu_the_records_name(tmp_path):
                           str(tmp_path / "b.jsonl")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "the records do not name one GPU and Triton version" in out.stderr, out.stderr
     assert not (tmp_path / "u.json").exists()
-
-
-def test_a_project_kernel_built_outside_a_model_puts_the_shipped_tuning_in_place(monkeypatch):
-    """hybridlm/ops/tuning.py ``autotuned``, which builds the project's autotuners: a kernel called directly (not
-    through a model's Triton path) is served from the shipped file too."""
-    calls = []
-    monkeypatch.setattr(T, "apply_shipped_tuning", lambda *a, **k: calls.append((a, k)))
-    tuner = T.autotuned(scale_kernel, CONFIGS, ["n"])
-    assert isinstance(tuner, Autotuner) and calls == [((), {})]

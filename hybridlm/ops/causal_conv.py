@@ -37,8 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridlm.ops.gradient_slots import GradientSlot, gradient_into
-from hybridlm.ops.triton_launch import interpreting, load_triton, next_power_of_2
-from hybridlm.ops.tuning import autotuned
+from hybridlm.ops.triton_launch import autotuned, interpreting, load_triton, next_power_of_2
 
 BT = 64  # rows of time per tile (fixed: the partial-gradient buffers are sized by it)
 # time tiles per program of the backward's pass 1, whose fp32 weight-gradient partials (one row per program) are

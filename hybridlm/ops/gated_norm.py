@@ -28,8 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridlm.ops.gradient_slots import GradientSlot, gradient_into
-from hybridlm.ops.triton_launch import interpreting, load_triton, persistent_programs, rows_view
-from hybridlm.ops.tuning import autotuned
+from hybridlm.ops.triton_launch import autotuned, interpreting, load_triton, persistent_programs, rows_view
 
 tl = None  # triton.language, bound by load_triton(globals()) on first use (hybridlm/ops/triton_launch.py)
 _KERNELS = None

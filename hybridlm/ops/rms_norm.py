@@ -24,8 +24,7 @@ from typing import Optional
 
 import torch
 
-from hybridlm.ops.triton_launch import interpreting, load_triton, next_power_of_2, persistent_programs
-from hybridlm.ops.tuning import autotuned
+from hybridlm.ops.triton_launch import autotuned, interpreting, load_triton, next_power_of_2, persistent_programs
 
 tl = None  # triton.language, bound by load_triton(globals()) on first use (hybridlm/ops/triton_launch.py)
 _KERNELS = None

@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridlm.ops.triton_launch import interpreting, load_triton, rows_view
-from hybridlm.ops.tuning import autotuned
+from hybridlm.ops.triton_launch import autotuned, interpreting, load_triton, rows_view
 
 tl = None  # triton.language, bound by load_triton(globals()) on first use (hybridlm/ops/triton_launch.py)
 _KERNELS = None

@@ -1,6 +1,5 @@
-"""What the project's Triton kernels share at launch: the import of triton, row views of their inputs, and how many
-persistent programs a backward that loops over row blocks gets (their autotuning: hybridlm/ops/tuning.py
-``autotuned``)."""
+"""What the project's Triton kernels share at launch: the import of triton, their autotuning, row views of their
+inputs, and how many persistent programs a backward that loops over row blocks gets."""
 from __future__ import annotations
 
 import os
@@ -28,6 +27,15 @@ def load_triton(kernel_globals: Optional[dict] = None):
     if kernel_globals is not None:
         kernel_globals["tl"] = triton.language
     return triton
+
+
+def autotuned(kernel, configs, key, prune=None):
+    """``kernel`` autotuned over ``configs`` by ``key``, the winners kept on disk as fla keeps its own (Triton's
+    ``cache_results``), so that hybridlm/training/kernel_cache.py carries them to a fresh machine too: without
+    them each of the project's kernels compiles and times every configuration there first. ``prune(configs,
+    named_args, **kwargs)``: the configurations a launch may take (Triton's ``early_config_prune``)."""
+    return load_triton().autotune(configs, key=key, cache_results=True,
+                                  prune_configs_by={"early_config_prune": prune} if prune else None)(kernel)
 
 
 def next_power_of_2(n: int) -> int:

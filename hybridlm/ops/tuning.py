@@ -11,8 +11,10 @@ candidates): a launch whose kernel, tuning key and candidates match a shipped en
 nothing; any other launch tunes as usual.
 
 An entry matches on the kernel's name and Triton's hash of its source (``JITFunction.cache_key``: the source, the
-functions it calls and the constant globals it reads), the tuning key Triton computes (shapes, dtypes) and the
-candidate configurations; so an entry made for another kernel version, shape or candidate list is never used. A
+functions it calls, the constant globals it reads and the line the kernel starts at in its file), the tuning key
+Triton computes (shapes, dtypes) and the candidate configurations; so an entry made for another kernel version,
+shape or candidate list is never used, and a line added above a kernel voids its entries
+(tests/test_tuning_coverage.py fails then). A
 file made for another GPU or Triton, or whose content does not match its digest, is ignored with one line.
 
 Files are made on the GPU they are for: runs with ``HYBRIDLM_RECORD_TUNING=FILE.jsonl`` append each tuned launch to
@@ -33,7 +35,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from hybridlm.ops.triton_launch import interpreting, load_triton
+from hybridlm.ops.triton_launch import interpreting
 from hybridlm.utils.atomic import write_json
 
 FORMAT = "hybridlm-kernel-tuning/1"
@@ -273,17 +275,3 @@ def make_tuning_file(out: Path, records: List[Path], gpu: str, triton_version: s
             "sha256": entries_digest(entries)}
     write_json(out, data, indent=None)
     return data
-
-
-def autotuned(kernel, configs, key, prune=None):
-    """``kernel`` autotuned over ``configs`` by ``key``, the winners kept on disk as fla keeps its own (Triton's
-    ``cache_results``), so that hybridlm/training/kernel_cache.py carries them to a fresh machine too: without
-    them each of the project's kernels compiles and times every configuration there first. ``prune(configs,
-    named_args, **kwargs)``: the configurations a launch may take (Triton's ``early_config_prune``).
-
-    The shipped tuning is put in place here too, not only where a model takes the Triton path
-    (hybridlm/ops/backend.py): a kernel called directly (its tests, a benchmark) is then served, and recorded, like
-    a model's."""
-    apply_shipped_tuning()
-    return load_triton().autotune(configs, key=key, cache_results=True,
-                                  prune_configs_by={"early_config_prune": prune} if prune else None)(kernel)
