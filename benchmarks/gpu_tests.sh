@@ -6,6 +6,10 @@
 #
 #   bash benchmarks/gpu_tests.sh OUT_DIR
 #
+# Its time on a fresh host is mostly compiling and autotuning at the tests' own shapes: the modules timed alone add up
+# to more than 12 minutes (BENCHMARKS.md, "GPU"). benchmarks/acceptance.sh runs each test function once instead
+# (benchmarks/acceptance.py GPU_SUBSET, a few minutes).
+#
 # Runs python -m pytest -m gpu on the first visible GPU, and writes OUT_DIR/gpu_tests.xml (JUnit) and
 # OUT_DIR/gpu_tests.log (pytest's output), then prints the summary: the counts and each failed test; Triton's
 # autotune results into OUT_DIR/autotune.tar.xz. Exits with pytest's status. Needs the test extra (pip install -e '.[test]'; scripts/setup.sh installs it).

@@ -31,8 +31,8 @@ def help_form(line: str):
     prog, rest = words[0], words[1:]
     if prog in ("bash", "source"):
         return None  # the set-up script and the activation: run by CI itself
-    if prog == "vllm":
-        return None  # the serving environment's program, not this one's (scripts/serve_tests.sh serves there)
+    if prog == "vllm" or prog.startswith(".venv-serve/"):
+        return None  # the serving environment's programs: tests/serve/test_serve_vllm.py runs them there
     if prog.endswith("python") or prog == "python":
         head = rest[:2] if rest[0] == "-m" else rest[:1]
         if head[-1] == "pytest":

@@ -11,8 +11,10 @@ candidates): a launch whose kernel, tuning key and candidates match a shipped en
 nothing; any other launch tunes as usual.
 
 An entry matches on the kernel's name and Triton's hash of its source (``JITFunction.cache_key``: the source, the
-functions it calls and the constant globals it reads), the tuning key Triton computes (shapes, dtypes) and the
-candidate configurations; so an entry made for another kernel version, shape or candidate list is never used. A
+functions it calls, the constant globals it reads and the line the kernel starts at in its file), the tuning key
+Triton computes (shapes, dtypes) and the candidate configurations; so an entry made for another kernel version,
+shape or candidate list is never used, and a line added above a kernel voids its entries
+(tests/test_tuning_coverage.py fails then). A
 file made for another GPU or Triton, or whose content does not match its digest, is ignored with one line.
 
 Files are made on the GPU they are for: runs with ``HYBRIDLM_RECORD_TUNING=FILE.jsonl`` append each tuned launch to

@@ -10,6 +10,7 @@ convolved channel repeated, and the scan then sees exactly the x and B our layer
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,11 @@ SERVED_KINDS = ("mla", "mamba2", MLP_KIND)
 # smallest that fits, which changes no score (the pad adds 0 to every dot product) and no output (sliced off)
 ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.mixer\.(.+)")
+# how the MLA layers keep their cache in vLLM: "heads" (per-head keys and values decompressed by kv_b, on vLLM's
+# paged attention; tested on CPU) or "latent" (the latent and the shared RoPE key, on vLLM's MLA backends: CUDA,
+# fp16 / bf16)
+MLA_CACHE_ENV = "HYBRIDLM_VLLM_MLA_CACHE"
+MLA_CACHES = ("heads", "latent")
 
 
 def _where(config) -> str:
@@ -64,6 +70,21 @@ def attention_head_size(config) -> int:
     raise ConfigError(f"{_where(config)}mla: qk_nope_head_dim + qk_rope_head_dim "
                       f"({a.qk_nope_head_dim + a.qk_rope_head_dim}) and v_head_dim ({a.v_head_dim}) must be at "
                       f"most {ATTENTION_HEAD_SIZES[-1]} to run on vLLM's attention")
+
+
+def mla_cache_mode() -> str:
+    """The MLA cache this process serves with (``$HYBRIDLM_VLLM_MLA_CACHE``, default ``heads``); ConfigError for
+    another value. vLLM starts its engine processes with the server's environment, so every process reads the same."""
+    mode = os.environ.get(MLA_CACHE_ENV, "heads")
+    if mode not in MLA_CACHES:
+        raise ConfigError(f"{MLA_CACHE_ENV}={mode!r}: expected one of {', '.join(MLA_CACHES)}")
+    return mode
+
+
+def latent_size(config) -> int:
+    """Values per token a latent MLA layer caches: ``kv_lora_rank + qk_rope_head_dim`` (upcycle kv-report's count)."""
+    a = config.mixer_args("mla")
+    return a.kv_lora_rank + a.qk_rope_head_dim
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,11 @@ Each block is ``x + sublayer(norm(x))`` as in :mod:`hybridlm.model.modeling`, wi
 
 * Mamba2: vLLM's ``MambaMixer2`` (its conv and SSD kernels, its state cache), weights re-laid out at load
   (:mod:`hybridlm.serve.mapping`); the SSD state is fp32 unless ``--mamba-ssm-cache-dtype`` says otherwise.
-* MLA: our projections, latent norms and RoPE (``rope_inv_freq`` included), then vLLM's paged ``Attention``
-  over the decompressed heads, zero-padded to a head size its kernels take. vLLM's latent MLA path is not used:
-  vLLM turns it on only for the model types it lists (``ModelConfig.use_mla``), and its CPU kernel only takes
-  DeepSeek's 512 + 64 latent. The cache therefore holds per-head keys and values, not the latent.
+* MLA: our projections, latent norms and RoPE (``rope_inv_freq`` included), then either vLLM's paged
+  ``Attention`` over the decompressed heads, zero-padded to a head size its kernels take (the default; the cache
+  holds per-head keys and values), or, with ``HYBRIDLM_VLLM_MLA_CACHE=latent``, vLLM's ``MLAAttention`` over the
+  latent (the plugin's convertor makes vLLM read the export as latent attention, ``ModelConfig.use_mla``; CUDA and
+  fp16 / bf16 only: vLLM's CPU MLA kernel takes only DeepSeek's 512 + 64 latent).
 * MLP: SwiGLU on vLLM's merged gate/up projection.
 
 One device: tensor and pipeline parallelism are refused (the MLA projections are not sharded).
@@ -21,9 +22,14 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import SiluAndMul
-from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention import Attention, MLAAttention
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator, MambaStateShapeCalculator
@@ -69,22 +75,21 @@ class _Mamba2(MambaMixer2):
         return super().forward(hidden)
 
 
-class _MLA(nn.Module):
-    """Multi-head latent attention with our projections and RoPE, attending through vLLM's paged attention."""
+class _MLAProjections(nn.Module):
+    """MLA's projections, latent norms and RoPE as the export has them; the attention is the subclass's."""
 
-    def __init__(self, config, vllm_config: VllmConfig, prefix: str):
+    def __init__(self, config, vllm_config: VllmConfig, prefix: str, kv_b_linear=ReplicatedLinear):
         super().__init__()
         a, d = config.mixer_args("mla"), config.hidden_size
         self.heads, self.nope, self.rope, self.v_dim = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
         self.kv_lora_rank, self.q_lora_rank = a.kv_lora_rank, a.q_lora_rank
         self.rope_theta = a.rope_theta
         self.rope_inv_freq = tuple(a.rope_inv_freq) if a.rope_inv_freq else None
-        self.head_size = attention_head_size(config)
+        self.scale = (self.nope + self.rope) ** -0.5
         qk = self.nope + self.rope
 
-        def linear(n_in, n_out, name):
-            return ReplicatedLinear(n_in, n_out, bias=False, quant_config=vllm_config.quant_config,
-                                    prefix=f"{prefix}.{name}")
+        def linear(n_in, n_out, name, kind=ReplicatedLinear):
+            return kind(n_in, n_out, bias=False, quant_config=vllm_config.quant_config, prefix=f"{prefix}.{name}")
 
         if self.q_lora_rank:
             self.q_a_proj = linear(d, self.q_lora_rank, "q_a_proj")
@@ -94,10 +99,35 @@ class _MLA(nn.Module):
             self.q_proj = linear(d, self.heads * qk, "q_proj")
         self.kv_a_proj = linear(d, self.kv_lora_rank + self.rope, "kv_a_proj")
         self.kv_a_norm = RMSNorm(self.kv_lora_rank, eps=a.norm_eps) if a.latent_norm else nn.Identity()
-        self.kv_b_proj = linear(self.kv_lora_rank, self.heads * (self.nope + self.v_dim), "kv_b_proj")
+        self.kv_b_proj = linear(self.kv_lora_rank, self.heads * (self.nope + self.v_dim), "kv_b_proj", kv_b_linear)
         self.o_proj = linear(self.heads * self.v_dim, d, "o_proj")
+
+    def project(self, positions: torch.Tensor, x: torch.Tensor):
+        """``q [N, H, nope + rope]`` with its RoPE part rotated, the normed latent ``[N, kv_lora_rank]`` and the
+        rotated shared RoPE key ``[N, 1, rope]``: the toolkit's own RoPE on the token axis (vLLM's flat
+        ``[tokens, ...]`` layout as one row of a batch)."""
+        N, H = x.shape[0], self.heads
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)[0]))[0]
+        else:
+            q = self.q_proj(x)[0]
+        q_nope, q_rope = q.view(N, H, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        c_kv, k_rope = self.kv_a_proj(x)[0].split([self.kv_lora_rank, self.rope], dim=-1)
+        cos, sin = rope_cos_sin(positions, self.rope, self.rope_theta, self.rope_inv_freq)
+        q = torch.cat([q_nope, apply_rope(q_rope.unsqueeze(0), cos, sin)[0]], dim=-1)
+        k_rope = apply_rope(k_rope.view(1, N, 1, self.rope), cos, sin)[0]
+        return q, self.kv_a_norm(c_kv), k_rope
+
+
+class _MLA(_MLAProjections):
+    """Multi-head latent attention with our projections and RoPE, attending through vLLM's paged attention over
+    per-head keys and values decompressed by kv_b (``HYBRIDLM_VLLM_MLA_CACHE=heads``, the default)."""
+
+    def __init__(self, config, vllm_config: VllmConfig, prefix: str):
+        super().__init__(config, vllm_config, prefix)
+        self.head_size = attention_head_size(config)
         # one KV head per query head: MLA decompresses a key and a value for every head
-        self.attn = Attention(self.heads, self.head_size, qk ** -0.5, num_kv_heads=self.heads,
+        self.attn = Attention(self.heads, self.head_size, self.scale, num_kv_heads=self.heads,
                               cache_config=vllm_config.cache_config, quant_config=vllm_config.quant_config,
                               prefix=f"{prefix}.attn")
 
@@ -107,20 +137,32 @@ class _MLA(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         N, H = x.shape[0], self.heads
-        if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)[0]))[0]
-        else:
-            q = self.q_proj(x)[0]
-        q_nope, q_rope = q.view(N, H, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
-        c_kv, k_rope = self.kv_a_proj(x)[0].split([self.kv_lora_rank, self.rope], dim=-1)
-        k_nope, v = self.kv_b_proj(self.kv_a_norm(c_kv))[0].view(N, H, -1).split([self.nope, self.v_dim], dim=-1)
-        # the toolkit's own RoPE on the token axis (vLLM's flat [tokens, ...] layout as one row of a batch)
-        cos, sin = rope_cos_sin(positions, self.rope, self.rope_theta, self.rope_inv_freq)
-        q_rope = apply_rope(q_rope.unsqueeze(0), cos, sin)[0]
-        k_rope = apply_rope(k_rope.view(1, N, 1, self.rope), cos, sin)[0].expand(N, H, self.rope)
-        o = self.attn(self._pad(torch.cat([q_nope, q_rope], -1)), self._pad(torch.cat([k_nope, k_rope], -1)),
-                      self._pad(v))
+        q, latent, k_rope = self.project(positions, x)
+        k_nope, v = self.kv_b_proj(latent)[0].view(N, H, -1).split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(N, H, self.rope)], -1)
+        o = self.attn(self._pad(q), self._pad(k), self._pad(v))
         o = o.view(N, H, self.head_size)[..., :self.v_dim].reshape(N, H * self.v_dim)
+        return self.o_proj(o)[0]
+
+
+class _LatentMLA(_MLAProjections):
+    """MLA served from its latent (``HYBRIDLM_VLLM_MLA_CACHE=latent``): vLLM's MLA attention caches the normed
+    latent and the rotated RoPE key, ``kv_lora_rank + qk_rope_head_dim`` values per token and layer (what
+    ``upcycle kv-report`` counts), attends prefill tokens through kv_b's decompressed heads and decode tokens in the
+    latent space, kv_b folded into the query and the output (vLLM's ``split_kv_b_proj``: the export's kv_b rows
+    are per head [nope | v], as DeepSeek's)."""
+
+    def __init__(self, config, vllm_config: VllmConfig, prefix: str):
+        super().__init__(config, vllm_config, prefix, kv_b_linear=ColumnParallelLinear)
+        self.attn = MLAAttention(num_heads=self.heads, scale=self.scale, qk_nope_head_dim=self.nope,
+                                 qk_rope_head_dim=self.rope, v_head_dim=self.v_dim,
+                                 q_lora_rank=self.q_lora_rank or None, kv_lora_rank=self.kv_lora_rank,
+                                 kv_b_proj=self.kv_b_proj, cache_config=vllm_config.cache_config,
+                                 quant_config=vllm_config.quant_config, prefix=f"{prefix}.attn")
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, latent, k_rope = self.project(positions, x)
+        o = self.attn(q, latent, k_rope, output_shape=(x.shape[0], self.heads * self.v_dim))
         return self.o_proj(o)[0]
 
 
@@ -147,7 +189,8 @@ class _Block(nn.Module):
     def __init__(self, config, kind: str, vllm_config: VllmConfig, prefix: str):
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mixer = _SUBLAYERS[kind](config, vllm_config, f"{prefix}.mixer")
+        sublayer = _LatentMLA if kind == "mla" and vllm_config.model_config.use_mla else _SUBLAYERS[kind]
+        self.mixer = sublayer(config, vllm_config, f"{prefix}.mixer")
 
     def forward(self, positions, hidden, residual):
         if residual is None:

