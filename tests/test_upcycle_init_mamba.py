@@ -384,18 +384,25 @@ def test_output_scale_fit_is_the_least_squares_solution(kind):
         assert r["rel_err_after"] < min(1.0, r["rel_err_before"])        # better than silence and than w = 1
         block = student.model.layers[2 * i]
         x, a, _ = trace[i]
-        w = block.mixer.norm_weight if kind == "mamba2" else block.mixer.o_norm_weight
+        if kind == "mamba2":
+            w = block.mixer.norm_weight                                   # one weight per channel
+        else:  # the heads share o_norm_weight: the per-channel fit is folded into o_proj's columns
+            assert torch.equal(block.mixer.o_norm_weight, torch.ones(D_H))
+            ratio = block.mixer.o_proj.weight / attn_w(teacher, i)["o"]
+            torch.testing.assert_close(ratio, ratio[:1].expand_as(ratio))  # W_o diag(w)
+            assert ratio[0].std() > 0
+            w = block.mixer.o_proj.weight.T                               # row j: channel j's column
         def err():
             with torch.no_grad():
                 return ((block.mixer(block.norm(x)) - a).double().pow(2).sum() / a.double().pow(2).sum()).item()
         best = err()
         assert abs(best - r["rel_err_after"]) < 1e-5
         with torch.no_grad():
-            for j in (0, w.numel() // 2):
-                for delta in (0.05, -0.05):
-                    w[j] += delta
+            for j in (0, w.shape[0] // 2):
+                for factor in (1.05, 1 / 1.05):
+                    w[j] *= factor
                     assert err() > best - 1e-7                            # a (ridge-)optimum: no nudge helps
-                    w[j] -= delta
+                    w[j] /= factor
 
 
 def test_calibration_text_round_robin_and_errors(tmp_path):
