@@ -180,7 +180,8 @@ def test_gdn_student_layer_is_the_teachers_gated_linear_attention():
 def test_gdn_init_fits_smollm2_attention_on_real_text():
     """Real teacher, real text: a GDN layer initialised from SmolLM2's attention and calibrated on one window of
     Emma reproduces that attention's output on another window far better than a silent layer (relative error
-    1). The init before docs/upcycling_init.md's GDN section measured 0.87 / 0.86 at these layers."""
+    1). The init before docs/upcycling_init.md's GDN section (random convs, gate and beta) measured 0.72 to 0.88 at
+    layer 0 and 0.68 at layer 24, depending on the seed."""
     from distill.ild import teacher_trace
     from hybridlm.data.assets import corpus_path
     from hybridlm.model.layers import GatedDeltaNet
@@ -205,7 +206,7 @@ def test_gdn_init_fits_smollm2_attention_on_real_text():
             h = t_layer.input_layernorm(x)
             fit_output_scale(mixer, h[:1], a[:1])               # calibrated on the first window
             held_out = ((mixer(h[1:]) - a[1:]).double().pow(2).sum() / a[1:].double().pow(2).sum()).item()
-        assert held_out < 0.5, (i, held_out)                    # measured 0.14 / 0.11
+        assert held_out < 0.5, (i, held_out)                    # measured 0.12 / 0.05
 
 
 # ------------------------------------------------------------------------------------------ errors
