@@ -7,11 +7,11 @@ output-norm weight ``w`` is fitted by least squares, teacher-forced: with ``n`` 
 
     minimise  sum_tokens || W_o (w[idx] * n) - a ||^2  +  ridge ||w||^2
 
-(``idx`` maps channels to weights: one weight per channel; with ``per_channel=False`` on GDN / KDA one per head
-channel, shared by the heads). Mamba2's norm weight has one entry per channel; GDN /
-KDA share theirs across heads, so their per-channel fit is folded into ``W_o``'s columns instead (the norm
-weight stays 1). The normal equations are ``(P^T ((n^T n) * (W_o^T W_o)) P) w = P^T ((a W_o) * n).sum(0)`` with
-``P`` the channel-to-weight one-hot matrix, a small dense solve per layer. On the calibration tokens the fit is
+(``idx`` maps channels to weights: one weight per channel; with ``per_channel=False`` on GDN / KDA, one per head
+channel shared by the heads). Mamba2's norm weight has one entry per channel and takes ``w``; GDN / KDA share
+theirs across heads, so their per-channel ``w`` is folded into ``W_o``'s columns (the norm weight stays 1). The
+normal equations are ``(P^T ((n^T n) * (W_o^T W_o)) P) w = P^T ((a W_o) * n).sum(0)`` with ``P`` the
+channel-to-weight one-hot matrix, a small dense solve per layer. On the calibration tokens the fit is
 never worse than a silent mixer (w = 0). docs/upcycling_init.md has the measurements.
 """
 from __future__ import annotations

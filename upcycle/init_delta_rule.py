@@ -10,8 +10,8 @@ projections rather than as a scrambled copy of them: the q / k / v convs pass th
 SiLU after them stays), the output gate is the constant swish(g_bias) = 1 with g_proj's weights zero, beta is
 the constant :data:`GDN_INIT_BETA` with b_proj's weights zero (a small beta makes the delta rule's erase term
 small: close to additive linear attention) and the decay a constant per head (a_proj's weights zero, A_log and
-dt_bias as drawn). Measured on SmolLM2 in docs/upcycling_init.md. KDA keeps the
-default init of everything but q / k / v / o.
+dt_bias as drawn). Measured on SmolLM2 in docs/upcycling_init.md. KDA keeps the default init of everything but
+q / k / v / o.
 """
 from __future__ import annotations
 
@@ -52,10 +52,13 @@ def init_delta_rule_from_attention(mixer, attn, kind: str = "gdn") -> None:
         start_as_linear_attention(mixer)
 
 
+@torch.no_grad()
 def start_as_linear_attention(mixer, beta: float = GDN_INIT_BETA) -> None:
-    """A random conv kernel mixes each channel of q / k / v with its neighbours in time, a random output gate
-    multiplies each channel by noise of either sign and a random beta erases half of the state along each key:
-    together they left the copied attention no better than a silent layer (docs/upcycling_init.md)."""
+    """Identity q / k / v convs, the constant gate 1, the constant ``beta`` and a constant decay per head, in place
+    (the GDN mixer needs ``g_bias`` and ``b_bias``). At fla's random init the convs mix each channel with its
+    neighbours in time, the gate multiplies each channel by small noise of either sign and beta ~ 0.5 erases half
+    the state along each key: the copied attention was then no better than a silent layer
+    (docs/upcycling_init.md)."""
     for conv in (mixer.q_conv1d, mixer.k_conv1d, mixer.v_conv1d):
         set_conv_identity(conv)
     mixer.a_proj.weight.zero_()    # a per-head constant decay: -exp(A_log) * softplus(dt_bias) per token

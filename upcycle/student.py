@@ -130,6 +130,7 @@ def student_config(llama_cfg, layer_kinds: Sequence[str], *, kv_lora_rank: int, 
         vocab_size=s["vocab"], hidden_size=s["d"], intermediate_size=s["ffn"],
         hybrid_override_pattern=pattern_for(layer_kinds), mixer=next((k for k in layer_kinds if k != "mla"), "mamba2"),
         mla=mla_args(s, q_lora_rank, kv_lora_rank, qk_rope_head_dim, rope_init), mamba2=mamba2_args(s),
-        gdn=delta_rule_args(s, biases=True), kda=delta_rule_args(s), rms_norm_eps=s["eps"], tie_word_embeddings=s["tie"],
+        gdn=delta_rule_args(s, biases=True), kda=delta_rule_args(s), rms_norm_eps=s["eps"],
+        tie_word_embeddings=s["tie"],
         bos_token_id=getattr(llama_cfg, "bos_token_id", None), eos_token_id=getattr(llama_cfg, "eos_token_id", None),
     )

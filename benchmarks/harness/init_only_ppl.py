@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness.init_variants import ROUTE_MLA_LAYERS
 from hybridlm.config.loader import load_config
 from hybridlm.config.structured import build_dataclass
 from hybridlm.data.packed import heldout_windows
@@ -31,8 +32,6 @@ from upcycle.compose import compose_from_dirs
 from upcycle.init_students import InitConfig, init_students
 from upcycle.route import ROUTE_SECTIONS, _stage_sections, check_route, prepare_calibration_data
 from upcycle.route_report import score
-
-ROUTE_MLA_LAYERS = (0, 4, 9, 13, 17, 21, 25, 29)
 
 
 def main(argv=None) -> int:
@@ -78,7 +77,8 @@ def main(argv=None) -> int:
         print(f"{r['model']:20s} perplexity {r['ppl']:10.2f}  KL {r['kl']:.4f}  ({r['tokens']} tokens)")
     print("layer  rel. error before -> after calibration")
     for i, r in result["all_layers_rel_err"].items():
-        print(f"{i:5d}  {r['rel_err_before']:10.4g} -> {r['rel_err_after']:.4f}{'  (MLA in the hybrid)' if i in mla_layers else ''}")
+        note = "  (MLA in the hybrid)" if i in mla_layers else ""
+        print(f"{i:5d}  {r['rel_err_before']:10.4g} -> {r['rel_err_after']:.4f}{note}")
     write_json(Path(args.out) if args.out else work / "init_only.json", result)
     return 0
 
