@@ -57,8 +57,9 @@ def delta_rule_layer(m, x, per_channel_gate, out_act):
         gate = lin("g_proj.weight", x)
         dt_bias = p["dt_bias"].view(HV, 1)
         A = torch.exp(p["A_log"]).view(HV, 1)
+    gate = gate + p.get("g_bias", 0)                           # gate_bias / beta_bias: added to the projections
     decay = torch.exp(-A * F.softplus(a + dt_bias))           # [B,T,HV,K or 1]
-    beta = torch.sigmoid(lin("b_proj.weight", x))              # [B,T,HV]
+    beta = torch.sigmoid(lin("b_proj.weight", x) + p.get("b_bias", 0))  # [B,T,HV]
     S = torch.zeros(B, HV, K, V, dtype=torch.float64)
     outs = []
     for t in range(T):

@@ -7,9 +7,11 @@ output-norm weight ``w`` is fitted by least squares, teacher-forced: with ``n`` 
 
     minimise  sum_tokens || W_o (w[idx] * n) - a ||^2  +  ridge ||w||^2
 
-(``idx`` maps channels to weights: one weight per channel for Mamba2, one per head channel shared by the heads
-for GDN / KDA). The normal equations are ``(P^T ((n^T n) * (W_o^T W_o)) P) w = P^T ((a W_o) * n).sum(0)`` with
-``P`` the channel-to-weight one-hot matrix, a small dense solve per layer. On the calibration tokens the fit is
+(``idx`` maps channels to weights: one weight per channel; with ``per_channel=False`` on GDN / KDA, one per head
+channel shared by the heads). Mamba2's norm weight has one entry per channel and takes ``w``; GDN / KDA share
+theirs across heads, so their per-channel ``w`` is folded into ``W_o``'s columns (the norm weight stays 1). The
+normal equations are ``(P^T ((n^T n) * (W_o^T W_o)) P) w = P^T ((a W_o) * n).sum(0)`` with ``P`` the
+channel-to-weight one-hot matrix, a small dense solve per layer. On the calibration tokens the fit is
 never worse than a silent mixer (w = 0). docs/upcycling_init.md has the measurements.
 """
 from __future__ import annotations
@@ -86,10 +88,20 @@ def _out_proj(mixer) -> torch.nn.Linear:
 
 
 @torch.no_grad()
-def fit_output_scale(mixer, x: torch.Tensor, target: torch.Tensor, ridge: float = 1e-3) -> Dict[str, float]:
-    """Set ``mixer``'s output-norm weight to the least-squares fit of ``mixer(x) ~ target``; returns the
-    relative squared error before and after (``target`` [B, T, d] is the teacher attention's output)."""
+def fit_output_scale(mixer, x: torch.Tensor, target: torch.Tensor, ridge: float = 1e-3,
+                     per_channel: Optional[bool] = None) -> Dict[str, float]:
+    """Set ``mixer``'s output scale to the least-squares fit of ``mixer(x) ~ target``; returns the relative squared
+    error before and after (``target`` [B, T, d] is the teacher attention's output).
+
+    ``per_channel`` (default: where the norm weight is shared by the heads, GDN / KDA): one weight per channel
+    of every head, folded into the out projection's columns (the norm weight set to 1), since the per-head norm
+    erases the teacher's head-to-head scale that one shared weight cannot restore. False: the norm weight
+    itself (Mamba2's has one entry per channel already)."""
     weight, out_proj = _norm_weight(mixer), _out_proj(mixer)
+    channels = out_proj.in_features
+    if per_channel is None:
+        per_channel = weight.numel() < channels
+    width = channels if per_channel else weight.numel()
     target = target.to(torch.float64).reshape(-1, target.shape[-1])
     before = (mixer(x).to(torch.float64).reshape(target.shape) - target).pow(2).sum() / target.pow(2).sum()
     weight.fill_(1.0)
@@ -101,13 +113,16 @@ def fit_output_scale(mixer, x: torch.Tensor, target: torch.Tensor, ridge: float 
         hook.remove()
     n = captured["n"].reshape(-1, out_proj.in_features).to(torch.float64)
     w_o = out_proj.weight.to(torch.float64)
-    channels = out_proj.in_features
-    onehot = torch.zeros(channels, weight.numel(), dtype=torch.float64, device=n.device)
-    onehot[torch.arange(channels), torch.arange(channels) % weight.numel()] = 1.0  # heads share o_norm_weight
+    onehot = torch.zeros(channels, width, dtype=torch.float64, device=n.device)
+    onehot[torch.arange(channels), torch.arange(channels) % width] = 1.0  # shared: heads share o_norm_weight
     gram = onehot.T @ ((n.T @ n) * (w_o.T @ w_o)) @ onehot
     rhs = onehot.T @ ((target @ w_o) * n).sum(0)
     gram += ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    weight.copy_(torch.linalg.solve(gram, rhs).to(weight.dtype))
+    w = torch.linalg.solve(gram, rhs)
+    if width == weight.numel():
+        weight.copy_(w.to(weight.dtype))
+    else:  # W_o (w * n) = (W_o diag(w)) n with the norm weight at 1
+        out_proj.weight.copy_((w_o * w).to(out_proj.weight.dtype))
     after = (mixer(x).to(torch.float64).reshape(target.shape) - target).pow(2).sum() / target.pow(2).sum()
     return {"rel_err_before": float(before), "rel_err_after": float(after)}
 

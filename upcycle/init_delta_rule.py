@@ -1,16 +1,29 @@
-"""Initialise a Gated DeltaNet or KDA mixer from a Llama attention (the MambaInLlama mapping).
+"""Initialise a Gated DeltaNet or KDA mixer from a Llama attention (the MambaInLlama mapping, docs/upcycling_init.md).
 
 Shapes of :func:`upcycle.student.delta_rule_args`: n_h heads of d_h for q, k and v. q_proj <- W_q, k_proj /
-v_proj <- W_k / W_v with each kv head repeated across its GQA group, o_proj <- W_o; the rest (convs, beta, decay
-and output gates) keeps its default init, the decay parameters and output-norm weight re-drawn by the layer's
-initialisers.
+v_proj <- W_k / W_v with each kv head repeated across its GQA group (kv head j serves query heads j*g .. j*g+g-1,
+Llama's ``repeat_kv``), o_proj <- W_o; A_log / dt_bias are re-drawn by the layer's initialisers and the
+output-norm weight starts at 1 (:mod:`upcycle.calibrate` then fits the output scale).
+
+GDN (its students have ``gate_bias`` and ``beta_bias``) starts as gated linear attention over the teacher's
+projections rather than as a scrambled copy of them: the q / k / v convs pass the current token through (the
+SiLU after them stays), the output gate is the constant swish(g_bias) = 1 with g_proj's weights zero, beta is
+the constant :data:`GDN_INIT_BETA` with b_proj's weights zero (a small beta makes the delta rule's erase term
+small: close to additive linear attention) and the decay a constant per head (a_proj's weights zero, A_log and
+dt_bias as drawn). Measured on SmolLM2 in docs/upcycling_init.md. KDA keeps the default init of everything but
+q / k / v / o.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from upcycle.init_copy import copy_into, expect, repeat_kv_rows
+from upcycle.init_mamba2 import SILU_INVERSE_OF_ONE, set_conv_identity
 from upcycle.teacher_attention import attention_shapes, attention_weights
+
+GDN_INIT_BETA = 0.05  # sigmoid(b_bias) at init
 
 
 @torch.no_grad()
@@ -23,6 +36,9 @@ def init_delta_rule_from_attention(mixer, attn, kind: str = "gdn") -> None:
     expect(kind, "head_dim", mixer.head_k_dim, d_h)
     expect(kind, "num_v_heads", mixer.num_v_heads, n_h)
     expect(kind, "head_v_dim", mixer.head_v_dim, d_h)
+    if kind == "gdn":
+        expect(kind, "gate_bias", mixer.g_bias is not None, True)
+        expect(kind, "beta_bias", mixer.b_bias is not None, True)
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         if getattr(mixer, name).bias is not None:
             raise ValueError(f"{kind} init from attention: {name} has a bias, expected none")
@@ -31,4 +47,22 @@ def init_delta_rule_from_attention(mixer, attn, kind: str = "gdn") -> None:
     copy_into(mixer.v_proj.weight, repeat_kv_rows(w["v"], n_kv, n_h))
     copy_into(mixer.o_proj.weight, w["o"])
     mixer.reset_recurrent_parameters()   # A_log, dt_bias
-    mixer.o_norm_weight.fill_(1.0)
+    mixer.o_norm_weight.fill_(1.0)       # upcycle.calibrate fits the output scale
+    if kind == "gdn":
+        start_as_linear_attention(mixer)
+
+
+@torch.no_grad()
+def start_as_linear_attention(mixer, beta: float = GDN_INIT_BETA) -> None:
+    """Identity q / k / v convs, the constant gate 1, the constant ``beta`` and a constant decay per head, in place
+    (the GDN mixer needs ``g_bias`` and ``b_bias``). At fla's random init the convs mix each channel with its
+    neighbours in time, the gate multiplies each channel by small noise of either sign and beta ~ 0.5 erases half
+    the state along each key: the copied attention was then no better than a silent layer
+    (docs/upcycling_init.md)."""
+    for conv in (mixer.q_conv1d, mixer.k_conv1d, mixer.v_conv1d):
+        set_conv_identity(conv)
+    mixer.a_proj.weight.zero_()    # a per-head constant decay: -exp(A_log) * softplus(dt_bias) per token
+    mixer.g_proj.weight.zero_()
+    mixer.g_bias.fill_(SILU_INVERSE_OF_ONE)
+    mixer.b_proj.weight.zero_()
+    mixer.b_bias.fill_(math.log(beta / (1.0 - beta)))

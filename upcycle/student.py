@@ -107,10 +107,12 @@ def mamba2_args(s: Dict[str, Any]) -> Dict[str, Any]:
                 d_xb=s["n_kv"] * s["d_h"], conv_size=4, conv_bias=True, norm_eps=s["eps"], gate_bias=True)
 
 
-def delta_rule_args(s: Dict[str, Any]) -> Dict[str, Any]:
+def delta_rule_args(s: Dict[str, Any], biases: bool = False) -> Dict[str, Any]:
     """GDN / KDA with the attention's heads: q, k and v all get n_h heads of d_h (the teacher's k and v
-    rows repeated across each GQA group)."""
-    return dict(num_heads=s["n_h"], head_dim=s["d_h"], num_v_heads=s["n_h"], head_v_dim=s["d_h"], norm_eps=s["eps"])
+    rows repeated across each GQA group); ``biases``: an output-gate and a beta bias, so that the gate and beta
+    can start constant (GDN: :func:`upcycle.init_delta_rule.start_as_linear_attention`)."""
+    return dict(num_heads=s["n_h"], head_dim=s["d_h"], num_v_heads=s["n_h"], head_v_dim=s["d_h"], norm_eps=s["eps"],
+                gate_bias=biases, beta_bias=biases)
 
 
 def student_config(llama_cfg, layer_kinds: Sequence[str], *, kv_lora_rank: int, qk_rope_head_dim: int,
@@ -128,6 +130,7 @@ def student_config(llama_cfg, layer_kinds: Sequence[str], *, kv_lora_rank: int, 
         vocab_size=s["vocab"], hidden_size=s["d"], intermediate_size=s["ffn"],
         hybrid_override_pattern=pattern_for(layer_kinds), mixer=next((k for k in layer_kinds if k != "mla"), "mamba2"),
         mla=mla_args(s, q_lora_rank, kv_lora_rank, qk_rope_head_dim, rope_init), mamba2=mamba2_args(s),
-        gdn=delta_rule_args(s), kda=delta_rule_args(s), rms_norm_eps=s["eps"], tie_word_embeddings=s["tie"],
+        gdn=delta_rule_args(s, biases=True), kda=delta_rule_args(s), rms_norm_eps=s["eps"],
+        tie_word_embeddings=s["tie"],
         bos_token_id=getattr(llama_cfg, "bos_token_id", None), eos_token_id=getattr(llama_cfg, "eos_token_id", None),
     )

@@ -86,6 +86,10 @@ class DeltaRuleArgs:
     conv_size: int = 4
     norm_eps: float = 1e-6
     gate_rank: Optional[int] = None    # KDA only: low-rank gate bottleneck, default head_v_dim
+    # learned biases on the output gate's and on beta's input: let a layer upcycled from attention start with a
+    # constant gate and a small beta (docs/upcycling_init.md); off for models trained from scratch, as in fla
+    gate_bias: bool = False
+    beta_bias: bool = False
 
     def finalize(self, hidden: int, where: str) -> None:
         _positive(self, where, ("num_heads", "head_dim", "num_v_heads", "head_v_dim", "conv_size", "gate_rank"))

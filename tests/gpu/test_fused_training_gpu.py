@@ -65,12 +65,19 @@ SHAPES = scaled(
 BATCH, SEQ = scaled((2, 512), (1, 40))
 
 
-def _model(pattern, backend="triton", **switches):
-    """Backend ``triton`` runs on CUDA, and on a CPU under the interpreter."""
+def _model(pattern, backend="triton", gdn_biases=False, **switches):
+    """Backend ``triton`` runs on CUDA, and on a CPU under the interpreter. ``gdn_biases``: GDN with the gate and
+    beta biases of the upcycled students, drawn at random."""
     torch.manual_seed(0)
-    cfg = HybridConfig(**SHAPES, runtime=dict(backend=backend, **switches), hybrid_override_pattern=pattern,
+    shapes = dict(SHAPES, gdn=dict(SHAPES["gdn"], gate_bias=True, beta_bias=True)) if gdn_biases else SHAPES
+    cfg = HybridConfig(**shapes, runtime=dict(backend=backend, **switches), hybrid_override_pattern=pattern,
                        initializer_range=0.05)
-    return HybridForCausalLM(cfg).to(DEVICE).train()
+    model = HybridForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("g_bias", "b_bias")):
+                p.normal_(0.0, 1.0)
+    return model.to(DEVICE).train()
 
 
 def _loss_and_grads(model, ids):
@@ -85,19 +92,20 @@ ALL_ON = dict(split_conv_outputs=True, projection_grads_in_place=True, qk_norm_i
 # GDN also runs without the q / k norm, and without the in-place gradients: each held to the same bound
 CASES = [("G-G-", ALL_ON), ("G-G-", dict(ALL_ON, qk_norm_in_conv=False)),
          ("G-G-", dict(ALL_ON, projection_grads_in_place=False)),
-         ("K-K-", ALL_ON), ("S-S-", ALL_ON), ("*-*-", ALL_ON)]
+         ("G-G-", dict(ALL_ON, gdn_biases=True)), ("K-K-", ALL_ON), ("S-S-", ALL_ON), ("*-*-", ALL_ON)]
 
 
 # one sublayer kind per case (each compiles only its own kernels: a fresh machine spends minutes autotuning fla's),
 # two blocks deep so that a residual add goes into a norm between them; bf16, as training runs
-@pytest.mark.parametrize("pattern,keys", CASES, ids=["gdn", "gdn-no_qk_norm", "gdn-not_in_place", "kda",
-                                                     "mamba2", "mla"])
+@pytest.mark.parametrize("pattern,keys", CASES, ids=["gdn", "gdn-no_qk_norm", "gdn-not_in_place", "gdn-biases",
+                                                     "kda", "mamba2", "mla"])
 def test_fused_training_step_matches_the_unfused_one(pattern, keys):
+    biases = keys.get("gdn_biases", False)
     fused = _model(pattern, **keys).to(torch.bfloat16)
-    plain = _model(pattern, **UNFUSED).to(torch.bfloat16)
+    plain = _model(pattern, gdn_biases=biases, **UNFUSED).to(torch.bfloat16)
     plain.load_state_dict(fused.state_dict())
     # the referee: the same weights in fp32 through the torch path (no TF32), which neither side shares
-    reference = _model(pattern, backend="torch", **UNFUSED)
+    reference = _model(pattern, backend="torch", gdn_biases=biases, **UNFUSED)
     reference.load_state_dict({n: t.float() for n, t in fused.state_dict().items()})
     ids = torch.randint(1, SHAPES["vocab_size"], (BATCH, SEQ), device=DEVICE, generator=generator(1))
     (loss_f, grads_f), (loss_p, grads_p) = (_loss_and_grads(m, ids) for m in (fused, plain))

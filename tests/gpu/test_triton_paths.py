@@ -41,12 +41,18 @@ def record(name: str, errs: dict) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("kind", ["gdn", "kda", "mamba2", "mla", "mlp"])
+@pytest.mark.parametrize("kind", ["gdn", "gdn_biases", "kda", "mamba2", "mla", "mlp"])
 @pytest.mark.parametrize("T", [scaled(300, 70)])  # past fla's 64-token chunk
 def test_sublayer_triton_matches_torch(kind, dtype, T):
     cfg = _config()
+    if kind == "gdn_biases":  # the upcycled GDN students' gate and beta biases, added to the projections' views
+        cfg = _config(gdn={**cfg.gdn, "gate_bias": True, "beta_bias": True})
     torch.manual_seed(0)
-    layer = SUBLAYERS[kind](cfg, 0).to(DEVICE, dtype)
+    layer = SUBLAYERS[kind.split("_")[0]](cfg, 0).to(DEVICE, dtype)
+    if kind == "gdn_biases":
+        with torch.no_grad():
+            layer.g_bias.normal_(0.0, 1.0)
+            layer.b_bias.normal_(0.0, 1.0)
     run = lambda backend: run_path(layer, backend, lambda: torch.randn(2, T, cfg.hidden_size, device=DEVICE,
                                                                       dtype=dtype), lambda m, x: m(x))
     errs = relative_errors(run("triton"), run("torch"))

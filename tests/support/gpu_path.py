@@ -47,7 +47,7 @@ CUDA_ONLY = {
 # Mamba2's kernels stop). The project's kernels compute in fp32 and run in bf16 there; these tests run in fp32 there.
 FLA_BF16 = "fla's chunk kernels in bf16: the interpreter computes bf16 arithmetic on the raw bits (fp32 runs them)"
 CUDA_ONLY_PATTERNS = (
-    (r"tests/gpu/test_triton_paths\.py::test_sublayer_triton_matches_torch\[.*(gdn|kda|mamba2)-bfloat16\]", FLA_BF16),
+    (r"tests/gpu/test_triton_paths\.py::test_sublayer_triton_matches_torch\[.*(gdn|gdn_biases|kda|mamba2)-bfloat16\]", FLA_BF16),
     (r"tests/gpu/test_triton_paths\.py::test_whole_model_loss_and_grads_match\[bfloat16\]", FLA_BF16),
     (r"tests/gpu/test_fused_training_gpu\.py::test_fused_training_step_matches_the_unfused_one\[(gdn|kda|mamba2).*\]",
      FLA_BF16 + "; this test trains in bf16"),

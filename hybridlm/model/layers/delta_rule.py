@@ -1,7 +1,8 @@
 """Shared body of the two delta-rule mixers (Gated DeltaNet, Kimi Delta Attention).
 
-x -> q, k, v projections -> depthwise causal conv + SiLU -> L2-normalised q, k; beta = sigmoid(b_proj x);
-a log-decay gate g <= 0 -> gated delta rule -> per-head gated RMSNorm -> o_proj.
+x -> q, k, v projections -> depthwise causal conv + SiLU -> L2-normalised q, k; beta = sigmoid(b_proj x [+ b_bias]);
+a log-decay gate g <= 0 -> gated delta rule -> per-head gated RMSNorm (gate: the output-gate projection
+[+ g_bias]) -> o_proj. The two biases exist with ``gate_bias`` / ``beta_bias`` (upcycled layers).
 Subclasses define the gate (scalar per head for GDN, per key channel for KDA) and the output gate.
 Grouped value heads (num_v_heads a multiple of num_heads) share each q/k head, as in fla.
 
@@ -56,6 +57,12 @@ class DeltaRuleMixer(nn.Module):
         for p in (self.A_log, self.dt_bias):
             p._no_weight_decay = True
         self.build_gate_projections(d, args)
+        # optional biases added after the projections (the fused projection GEMM stays bias-free)
+        self.g_bias = nn.Parameter(torch.zeros(self.value_dim)) if args.gate_bias else None
+        self.b_bias = nn.Parameter(torch.zeros(self.num_v_heads)) if args.beta_bias else None
+        for p in (self.g_bias, self.b_bias):
+            if p is not None:
+                p._no_weight_decay = True
         self.o_norm_weight = nn.Parameter(torch.ones(self.head_v_dim))
         self.o_proj = nn.Linear(self.value_dim, d, bias=False)
         self.reset_recurrent_parameters()
@@ -145,6 +152,8 @@ class DeltaRuleMixer(nn.Module):
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)
         # fused, a and b are column slices of one tensor; fla's kernels index them as contiguous [B, T, HV(, K)]
         a, b = self.gate_input(a).contiguous(), b.contiguous()
+        if self.b_bias is not None:
+            b = b + self.b_bias.to(b.dtype)
         state = None if cache is None else cache.state
         if triton:
             o, state = self.triton_delta_rule(q, k, v, a, b, initial_state=state, output_final_state=cache is not None,
@@ -162,6 +171,8 @@ class DeltaRuleMixer(nn.Module):
         if cache is not None:
             cache.advance(state, T)
         gate = self.output_gate(z)
+        if self.g_bias is not None:
+            gate = gate + self.g_bias.to(gate.dtype)
         z_slot = gradient_slot(z) if gate is z else None  # z's gradient written in place (gradient_slots.py)
         o = gated_rms_norm(o, gate.view(B, T, self.num_v_heads, self.head_v_dim), self.o_norm_weight, self.norm_eps,
                            activation=self.output_gate_activation,
