@@ -15,7 +15,8 @@ master weights and AdamW moments: about 1 / N of one GPU's).
 (after ``--delay`` seconds more: inside a step), and records how the launch stopped: seconds from the kill to the
 launcher's exit, its status, the ranks' processes left alive, the ``error:`` / ``stopped:`` lines and tracebacks.
 ``route``: two `upcycle run` routes (one GPU, several) stage by stage: each model's perplexities, KL and cloze
-accuracy in their report.json, each stage's steps and minutes.
+accuracy in their report.json, each stage's steps and minutes; with ``--plan-config``, ``upcycle plan``'s GiB per rank
+and minutes per stage at 1 and ``--gpus`` ranks, and with ``--memory``, the most memory each GPU had in use during each route (nvidia-smi).
 Each writes its JSON atomically; ``within`` fields compare against ``--rtol`` (relative, default 0.01).
 """
 from __future__ import annotations
@@ -264,7 +265,46 @@ def route_report(route: Path) -> Dict[str, Any]:
     return read_json(route / "report.json")
 
 
-def compare_routes(one: Path, many: Path, rtol: float, atol_cloze: float) -> Dict[str, Any]:
+def gpu_memory_peaks(csv: Optional[Path]) -> Optional[Dict[str, float]]:
+    """``index: GiB``, the most each GPU had in use in ``nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,
+    nounits -lms 1000`` samples (MiB), or None without the file."""
+    if csv is None or not csv.is_file():
+        return None
+    peaks: Dict[str, float] = {}
+    for line in csv.read_text().splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 2 and fields[0].isdigit():
+            try:
+                peaks[fields[0]] = max(peaks.get(fields[0], 0.0), float(fields[1]) / 1024)
+            except ValueError:
+                continue
+    return peaks or None
+
+
+PLAN_PEAK_TFLOPS, PLAN_MFU = 989.0, 0.3  # upcycle plan's defaults: an H100 SXM's dense bf16 peak, 30 % of it
+
+
+def route_plan(config: Path, gpus: int, overrides: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """``upcycle plan``'s rows for ``gpus`` ranks: ``stage: {ranks, micro_batch, seq_len, total_gib, wall_minutes}``."""
+    from hybridlm.config.errors import ConfigError
+    from upcycle.plan import load_route, plan_route, plan_rows, teacher_config_for
+
+    try:
+        cfg = load_route(config, overrides)
+        plan = plan_route(cfg, teacher_config_for(cfg, None), gpus)
+    except ConfigError as e:
+        fail(f"upcycle plan of {config}: {e}")
+    rows = plan_rows(plan.stages, gpus, PLAN_PEAK_TFLOPS, PLAN_MFU)
+    # the minutes from the stage's FLOPs as plan_rows counts them (its hours are rounded to 0.01)
+    return {r["stage"]: {"ranks": r["ranks"], "micro_batch": r["micro_batch"], "seq_len": r["seq_len"],
+                         "total_gib": r["total_gib"],
+                         "wall_minutes": round(p.flops / (p.ranks * PLAN_PEAK_TFLOPS * 1e12 * PLAN_MFU) / 60, 2)}
+            for r, p in zip(rows, plan.stages)}
+
+
+def compare_routes(one: Path, many: Path, rtol: float, atol_cloze: float,
+                   memory: Sequence[Optional[Path]] = (None, None), plan_config: Optional[Path] = None,
+                   gpus: int = 0, plan_overrides: Sequence[str] = ()) -> Dict[str, Any]:
     a, b = route_report(one), route_report(many)
     ppl_a = {r["model"]: r for r in a.get("perplexity", [])}
     ppl_b = {r["model"]: r for r in b.get("perplexity", [])}
@@ -296,8 +336,16 @@ def compare_routes(one: Path, many: Path, rtol: float, atol_cloze: float) -> Dic
     compared = [m for m in models if "within" in m]
     if not compared:
         fail(f"{one}/report.json and {many}/report.json share no model")
+    # what upcycle plan expected per rank, beside the most each GPU had in use over the whole route
+    planned = None
+    if plan_config is not None:
+        planned = {"config": str(plan_config), "peak_tflops": PLAN_PEAK_TFLOPS, "mfu": PLAN_MFU,
+                   "overrides_several": list(plan_overrides), "one_gpu": route_plan(plan_config, 1, ()),
+                   "several": route_plan(plan_config, gpus, plan_overrides)}
+    measured = {"one_gpu": gpu_memory_peaks(memory[0]), "several": gpu_memory_peaks(memory[1])}
     return {**header("route"), "one_gpu": str(one), "several": str(many), "rtol": rtol, "atol_cloze": atol_cloze,
-            "models": models, "stages": stages, "within": all(m["within"] for m in compared)}
+            "models": models, "stages": stages, "plan": planned, "gpu_memory_used_peak_gib": measured,
+            "within": all(m["within"] for m in compared)}
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -329,6 +377,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--many", required=True, help="the several-GPU route's folder")
     s.add_argument("--rtol", type=float, default=0.01)
     s.add_argument("--atol-cloze", type=float, default=0.02)
+    s.add_argument("--memory", nargs=2, default=None, metavar=("ONE_CSV", "MANY_CSV"),
+                   help="nvidia-smi samples (index, MiB used) taken during each route")
+    s.add_argument("--plan-config", default=None, help="the routes' config: upcycle plan's rows at 1 and --gpus ranks")
+    s.add_argument("--gpus", type=int, default=8, help="ranks of the several-GPU route (for the plan)")
+    s.add_argument("--plan-override", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="overrides the several-GPU route ran with (route.sh's lowered micro-batches)")
     s.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -346,7 +400,9 @@ def main(argv=None) -> Dict[str, Any]:
         report = {**header("kill"), **kill_rank(cmd, args.rank, args.after_step, Path(args.metrics), Path(args.log),
                                                args.delay, args.timeout)}
     else:
-        report = compare_routes(Path(args.one), Path(args.many), args.rtol, args.atol_cloze)
+        memory = [Path(p) for p in args.memory] if args.memory else [None, None]
+        report = compare_routes(Path(args.one), Path(args.many), args.rtol, args.atol_cloze, memory,
+                                Path(args.plan_config) if args.plan_config else None, args.gpus, args.plan_override)
     write_json(Path(args.out), report)
     return report
 

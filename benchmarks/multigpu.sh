@@ -24,7 +24,8 @@
 #   route    benchmarks/route.sh with NGPU=1 (or ROUTE_ONE, an earlier one-GPU route's OUT_DIR) and NGPU=N on
 #            ROUTE_CONFIG: each model's perplexities and cloze accuracy and each stage's minutes, compared
 #            (OUT_DIR/route.json); `upcycle plan --gpus N` with the micro-batches route.sh used
-#            (OUT_DIR/plan_<n>gpu.txt) beside the measured per-rank peak memory and minutes
+#            (OUT_DIR/plan_<n>gpu.txt): its GiB per rank and hours per stage beside the measured minutes and the
+#            most memory each GPU had in use during the route (nvidia-smi every second, OUT_DIR/route_<n>gpu.memory.csv)
 # A part's report already in OUT_DIR is kept: run the same command again to go on after a stop. Progress and the
 # runs' output: OUT_DIR/multigpu.log and OUT_DIR/*.log.
 # Data: DATA (default data_cache/janeausten-llama3.2, prepared from Jane Austen's novels when missing).
@@ -125,16 +126,19 @@ part_losses() {
     --out "$OUT/losses.json" || failed+=("losses:report")
 }
 
+# saved_at_20 DIR: the run's last checkpoint is of step 20 (step_20, or step_20.K for a step saved again)
+saved_at_20() { grep -qE '^step_20(\.[0-9]+)?$' "$1/checkpoints/latest" 2>/dev/null; }
+
 # saved_run RANKS: 30 steps on RANKS GPUs stopped by SIGTERM (a scheduler's notice) after step 20, its checkpoint
 # saved, exit 143; a run stopped so already is kept
 saved_run() {
   local n=$1 dir=$OUT/saved_${1}gpu
-  [ -d "$dir/checkpoints/step_20" ] && { say "resume: the run saved on $n GPU(s) kept ($dir)"; return 0; }
+  saved_at_20 "$dir" && { say "resume: the run saved on $n GPU(s) kept ($dir)"; return 0; }
   rm -rf "$dir"
   say "resume: 30 steps on $n GPU(s), stopped after step 20 ($dir)"
   pretrain_args "$dir" 30 run.eval_interval=10 run.save_interval=100
   HYBRIDLM_FAULT_TERM_AT_STEP=20 run_ranks "$n" "$dir.log" "${ARGS[@]}"
-  [ -d "$dir/checkpoints/step_20" ] || { echo "error: no checkpoint of step 20 in $dir ($dir.log)" >&2; return 1; }
+  saved_at_20 "$dir" || { echo "error: no checkpoint of step 20 in $dir ($dir.log)" >&2; return 1; }
 }
 
 # resumed_run FROM TO: a copy of the run saved on FROM GPUs resumed on TO
@@ -189,29 +193,43 @@ part_kill() {
     --out "$OUT/kill_rerun.json" || failed+=("kill:report")
 }
 
+# route_on NGPU DIR CONFIG: benchmarks/route.sh, each GPU's memory in use sampled meanwhile (DIR.memory.csv)
+route_on() {
+  local n=$1 dir=$2 config=$3 sampler= rc
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 1000 > "$dir.memory.csv" 2>/dev/null &
+    sampler=$!
+  fi
+  NGPU=$n bash benchmarks/route.sh "$dir" "$config" > "$dir.log" 2>&1
+  rc=$?
+  [ -z "$sampler" ] || kill "$sampler" 2>/dev/null
+  return $rc
+}
+
 part_route() {
-  local config one=${ROUTE_ONE:-}
+  local config one=${ROUTE_ONE:-} n extra
   config=$(user_path "${ROUTE_CONFIG:-configs/upcycle/smollm2_route_h200.yaml}")
   if [ -z "$one" ]; then
     one=$OUT/route_1gpu
     say "route on 1 GPU ($one)"
-    NGPU=1 bash benchmarks/route.sh "$one" "$config" > "$OUT/route_1gpu.log" 2>&1 || { failed+=("route:1"); return; }
+    route_on 1 "$one" "$config" || { failed+=("route:1"); return; }
   else
     one=$(user_path "$one")
   fi
   say "route on $N GPUs ($OUT/route_${N}gpu)"
-  NGPU=$N bash benchmarks/route.sh "$OUT/route_${N}gpu" "$config" > "$OUT/route_${N}gpu.log" 2>&1 \
-    || { failed+=("route:$N"); return; }
-  "$PY" -m benchmarks.multigpu route --one "$one/route" --many "$OUT/route_${N}gpu/route" --rtol "$RTOL" \
-    --out "$OUT/route.json" || failed+=("route:report")
+  route_on "$N" "$OUT/route_${N}gpu" "$config" || { failed+=("route:$N"); return; }
   # the plan at the micro-batches route.sh lowered for N GPUs (its "for N GPUs:" line)
-  local extra
   extra=$(sed -n "s/.*for $N GPUs: //p" "$OUT/route_${N}gpu/route.log" | tail -n 1)
   for n in 1 "$N"; do
-    # shellcheck disable=SC2086
+    # shellcheck disable=SC2046,SC2086  # the overrides split into words on purpose
     "$PY" -m upcycle.cli plan --config "$config" --gpus "$n" $([ "$n" = "$N" ] && echo $extra) \
       > "$OUT/plan_${n}gpu.txt" 2>&1 || failed+=("route:plan$n")
   done
+  # shellcheck disable=SC2086
+  "$PY" -m benchmarks.multigpu route --one "$one/route" --many "$OUT/route_${N}gpu/route" --rtol "$RTOL" \
+    --memory "$one.memory.csv" "$OUT/route_${N}gpu.memory.csv" --plan-config "$config" --gpus "$N" \
+    --plan-override $extra --out "$OUT/route.json" || failed+=("route:report")
+  say "route: $OUT/route.json"
 }
 
 for part in "${PARTS[@]}"; do
