@@ -399,6 +399,9 @@ def main(argv=None) -> Dict[str, Any]:
             fail("kill: no command after --")
         report = {**header("kill"), **kill_rank(cmd, args.rank, args.after_step, Path(args.metrics), Path(args.log),
                                                args.delay, args.timeout)}
+        if not (report.get("killed") and report.get("stopped")):
+            write_json(Path(args.out), report)
+            fail(f"kill: {report.get('reason', 'the launch did not stop')} ({args.out}, {args.log})")
     else:
         memory = [Path(p) for p in args.memory] if args.memory else [None, None]
         report = compare_routes(Path(args.one), Path(args.many), args.rtol, args.atol_cloze, memory,

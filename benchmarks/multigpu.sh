@@ -19,8 +19,8 @@
 #            each resumed run's losses from step 21 against the uninterrupted run's. OUT_DIR/resume.json
 #   kill     the same run on N with a checkpoint every 10 steps; rank N-1 SIGKILLed inside step 16: the seconds until
 #            every rank has stopped, the launcher's status, the ranks left alive and the error lines
-#            (OUT_DIR/kill.json); then the same command again: it resumes at step 10 and its losses are compared
-#            with the uninterrupted run's (OUT_DIR/kill_rerun.json)
+#            (OUT_DIR/kill.json); then the same command again: it resumes at its last checkpoint (step 10) and
+#            its losses are compared with the uninterrupted run's (OUT_DIR/kill_rerun.json)
 #   route    benchmarks/route.sh with NGPU=1 (or ROUTE_ONE, an earlier one-GPU route's OUT_DIR) and NGPU=N on
 #            ROUTE_CONFIG: each model's perplexities and cloze accuracy and each stage's minutes, compared
 #            (OUT_DIR/route.json); `upcycle plan --gpus N` with the micro-batches route.sh used
@@ -33,7 +33,11 @@
 # Settings (environment):
 #   NGPUS="1 2 4 8"        rank counts of scaling (those above the visible GPUs are left out); N is the largest
 #   SCALING_CONFIGS="gdn_300m:64 gdn_1b:16"   configs of scaling with their micro-batch per GPU
+#   SEQ=2048               tokens per sequence of scaling
 #   LOSS_STEPS=200         steps of the losses part
+#   PRETRAIN_CONFIG=configs/experiments/gdn_300m.yaml   the recipe of losses, resume and kill
+#   PRETRAIN_OVERRIDES="k=v ..."   more pretrain.py overrides for those, after the parts' own (e.g. a smaller model
+#                          for a quick pass: "model.num_layers=4")
 #   ROUTE_CONFIG=configs/upcycle/smollm2_route_h200.yaml   ROUTE_ONE=DIR (an earlier NGPU=1 route.sh OUT_DIR)
 #   RTOL=0.01              relative loss / perplexity difference the reports call within (bf16 noise)
 #   and those of benchmarks/common.sh (PYTHON, CUDA_VISIBLE_DEVICES, HYBRIDLM_NVLS, MASTER_PORT, TRITON_CACHE_DIR, ...)
@@ -56,15 +60,19 @@ N=$(printf '%s\n' "${COUNTS[@]}" | sort -n | tail -n 1)
 [ "$N" -ge 2 ] || fail "NGPUS=${NGPUS:-}: the largest count must be at least 2"
 M=$(( N / 2 ))
 RTOL=${RTOL:-0.01}
+PRETRAIN_CONFIG=$(user_path "${PRETRAIN_CONFIG:-configs/experiments/gdn_300m.yaml}")
+[ -f "$PRETRAIN_CONFIG" ] || fail "PRETRAIN_CONFIG=$PRETRAIN_CONFIG: no such file"
 bench_log multigpu.log
 DATA=$(user_path "${DATA:-data_cache/janeausten-llama3.2}")
 prepare_data "$DATA"
 say "multigpu: parts ${PARTS[*]}; ranks ${COUNTS[*]} (N=$N, M=$M) of GPUs ${GPUS[*]}; multicast $([ "${HYBRIDLM_NVLS:-0}" = 1 ] && echo "the libraries' default" || echo off); $PY"
 
-# run_ranks N LOG ARGS...: ARGS on N GPUs (one process without the launcher when N = 1), output into LOG
+# run_ranks N LOG ARGS...: ARGS (a script, or --module NAME, and its arguments) on N GPUs (one process without the
+# launcher when N = 1), output into LOG
 run_ranks() {
   local n=$1 log=$2; shift 2
   if [ "$n" -gt 1 ]; then launch "$n" "$@"
+  elif [ "$1" = --module ]; then shift; CUDA_VISIBLE_DEVICES=${GPUS[0]} "$PY" -m "$@"
   else CUDA_VISIBLE_DEVICES=${GPUS[0]} "$PY" "$@"; fi > "$log" 2>&1
 }
 
@@ -72,9 +80,11 @@ run_ranks() {
 # per GPU, into DIR)
 pretrain_args() {
   local dir=$1 steps=$2; shift 2
-  ARGS=(pretrain.py --config configs/experiments/gdn_300m.yaml "data.path=$DATA" optim.micro_batch_size=16
+  # shellcheck disable=SC2206  # PRETRAIN_OVERRIDES splits into words on purpose
+  ARGS=(pretrain.py --config "$PRETRAIN_CONFIG" "data.path=$DATA" optim.micro_batch_size=16
         optim.global_batch_size=128 optim.warmup_steps=10 "optim.max_steps=$steps" run.log_interval=1
-        data.val_max_batches=4 run.sample_tokens=0 run.progress=false run.export=false "run.output_dir=$dir" "$@")
+        data.val_max_batches=4 run.sample_tokens=0 run.progress=false run.export=false "run.output_dir=$dir" "$@"
+        ${PRETRAIN_OVERRIDES:-})
 }
 
 # the uninterrupted 30-step run on N GPUs that resume and kill compare with (a finished run is not trained again)
@@ -96,8 +106,8 @@ part_scaling() {
       speeds+=("$n=$dir/train_speed.json")
       [ -f "$dir/train_speed.json" ] && { say "scaling $config on $n GPU(s): kept ($dir)"; continue; }
       say "scaling $config on $n GPU(s), micro-batch $mb"
-      run_ranks "$n" "$dir.log" -m benchmarks.train_speed --out "$dir" --data "$DATA" --configs "$config" --peers \
-        --micro-batch "$mb" --steps 10 --warmup 3 || { failed+=("scaling:$config:$n"); rm -f "$dir/train_speed.json"; }
+      run_ranks "$n" "$dir.log" --module benchmarks.train_speed --out "$dir" --data "$DATA" --configs "$config" --peers \
+        --micro-batch "$mb" --seq "${SEQ:-2048}" --steps 10 --warmup 3 || { failed+=("scaling:$config:$n"); rm -f "$dir/train_speed.json"; }
       grep -E "tok/s|OOM|Error" "$dir.log" | tail -n 2
     done
   done
@@ -173,10 +183,11 @@ part_resume() {
 }
 
 part_kill() {
+  [ -f "$OUT/kill_rerun.json" ] && { say "kill: kept ($OUT/kill.json, $OUT/kill_rerun.json)"; return; }
   reference_run
   local dir=$OUT/killed_${N}gpu
   pretrain_args "$dir" 30 run.eval_interval=10 run.save_interval=10
-  if [ ! -f "$OUT/kill.json" ]; then
+  if ! grep -qs '"stopped": true' "$OUT/kill.json"; then
     rm -rf "$dir"
     say "kill: rank $(( N - 1 )) of $N killed inside step 16 ($dir)"
     # the same launch as launch() (common.sh), through the rank killer
@@ -188,8 +199,11 @@ part_kill() {
   fi
   say "kill: the same command again ($OUT/killed_${N}gpu_rerun.log)"
   run_ranks "$N" "$OUT/killed_${N}gpu_rerun.log" "${ARGS[@]}" || { failed+=("kill:rerun"); return; }
-  grep -m 1 "^resumed from" "$OUT/killed_${N}gpu_rerun.log"
-  "$PY" -m benchmarks.multigpu losses --reference "$REF" --run "rerun=$dir" --after-step 10 --rtol "$RTOL" \
+  local at
+  at=$(sed -n 's/^resumed from .* at step \([0-9]*\).*/\1/p' "$OUT/killed_${N}gpu_rerun.log" | head -n 1)
+  [ -n "$at" ] || { echo "error: the rerun did not resume ($OUT/killed_${N}gpu_rerun.log)" >&2; failed+=("kill:rerun"); return; }
+  say "kill: the rerun resumed at step $at"
+  "$PY" -m benchmarks.multigpu losses --reference "$REF" --run "rerun=$dir" --after-step "$at" --rtol "$RTOL" \
     --out "$OUT/kill_rerun.json" || failed+=("kill:report")
 }
 
