@@ -10,7 +10,7 @@
 #   scaling  python -m benchmarks.train_speed (pretrain.py's own step, checkpoints off) on GDN-300M at micro-batch
 #            64 and GDN-1B at 16 per GPU, 10 steps after 3, at each of NGPUS: tokens/s, per GPU, scaling
 #            efficiency against one GPU, each rank's peak memory and ZeRO-1 optimizer shard (fp32 master weights and
-#            AdamW moments: about 1 / N of one GPU's). OUT_DIR/scaling.json, OUT_DIR/speed_<config>_<n>gpu/
+#            AdamW moments: about 1 / N of one GPU's). OUT_DIR/scaling_<config>.json from OUT_DIR/speed_<config>_<n>gpu/
 #   losses   pretrain.py on GDN-300M, LOSS_STEPS steps at global batch 128 x 2048 (micro-batch 16: 8 accumulation
 #            steps on one GPU, 1 on 8), on 1 GPU and on N over the same batches: every step's loss and the
 #            validation losses compared. OUT_DIR/losses.json, runs in OUT_DIR/loss_<n>gpu/
@@ -62,6 +62,7 @@ M=$(( N / 2 ))
 RTOL=${RTOL:-0.01}
 PRETRAIN_CONFIG=$(user_path "${PRETRAIN_CONFIG:-configs/experiments/gdn_300m.yaml}")
 [ -f "$PRETRAIN_CONFIG" ] || fail "PRETRAIN_CONFIG=$PRETRAIN_CONFIG: no such file"
+multicast_env  # HYBRIDLM_NVLS checked before any work; every launch below inherits the setting
 bench_log multigpu.log
 DATA=$(user_path "${DATA:-data_cache/janeausten-llama3.2}")
 prepare_data "$DATA"
@@ -97,13 +98,12 @@ reference_run() {
 
 failed=()
 part_scaling() {
-  local spec config mb n dir speeds=()
+  local spec config mb n dir
   for spec in ${SCALING_CONFIGS:-gdn_300m:64 gdn_1b:16}; do
     config=${spec%%:*}; mb=${spec#*:}
     [[ $mb =~ ^[1-9][0-9]*$ ]] || fail "SCALING_CONFIGS: '$spec' is not CONFIG:MICRO_BATCH"
     for n in "${COUNTS[@]}"; do
       dir=$OUT/speed_${config}_${n}gpu
-      speeds+=("$n=$dir/train_speed.json")
       [ -f "$dir/train_speed.json" ] && { say "scaling $config on $n GPU(s): kept ($dir)"; continue; }
       say "scaling $config on $n GPU(s), micro-batch $mb"
       run_ranks "$n" "$dir.log" --module benchmarks.train_speed --out "$dir" --data "$DATA" --configs "$config" --peers \

@@ -28,7 +28,8 @@ our loop does (its fastest plain loop: the GPU is never left waiting for the hos
 
 Per entry: median step time over ``--steps`` steps after ``--warmup`` steps (the first includes Triton
 autotuning), tokens/s = global tokens per step / that, MFU by :mod:`benchmarks.harness.flops`, and peak
-``torch.cuda.max_memory_allocated`` over the measured steps. ``--find-max-batch`` tries
+``torch.cuda.max_memory_allocated`` over the measured steps; ours also list every rank's peak and its ZeRO-1 shard
+(``ranks``: the fp32 master weights and AdamW moments it holds). ``--find-max-batch`` tries
 ``--batch-candidates`` from the largest, each in a fresh model / engine, and measures the largest that
 does not run out of memory. Writes ``DIR/train_speed.json`` and ``DIR/train_speed.png`` after every
 entry; ``--merge A.json B.json --out DIR`` joins reports of separate runs and redraws the chart. ``--profile N``

@@ -26,7 +26,7 @@ def one_error_line(proc, start):
 def test_help_names_every_part_and_setting():
     proc = bench("--help", timeout=60)
     assert proc.returncode == 0
-    for word in ("scaling", "losses", "resume", "kill", "route", "NGPUS=", "HYBRIDLM_NVLS", "OUT_DIR/scaling.json",
+    for word in ("scaling", "losses", "resume", "kill", "route", "NGPUS=", "HYBRIDLM_NVLS", "OUT_DIR/scaling_<config>.json",
                  "OUT_DIR/resume.json", "OUT_DIR/kill.json", "OUT_DIR/route.json", "upcycle plan --gpus N"):
         assert word in proc.stdout, word
 
@@ -54,6 +54,7 @@ def fake_gpus(tmp_path):
     (4, {"NGPUS": "1"}, [], "error: NGPUS=1: the largest count must be at least 2"),
     (4, {"NGPUS": "two"}, [], "error: NGPUS: 'two' is not a GPU count"),
     (4, {}, ["speed"], "error: unknown part 'speed' (expected: scaling losses resume kill route)"),
+    (4, {"HYBRIDLM_NVLS": "on"}, [], "error: HYBRIDLM_NVLS=on: expected 0 (multicast off, the default) or 1"),
 ])
 def test_refusals_before_any_work(tmp_path, fake_gpus, count, extra, args, start):
     env = subprocess_env(PYTHON=fake_gpus(count), **extra)
@@ -88,7 +89,7 @@ def test_the_scripts_parts_on_two_cpu_ranks(tmp_path, austen_data, fake_gpus):
     LOCAL_SIZE devices) with a tiny model of every sublayer kind on the real corpus and tokenizer."""
     out = tmp_path / "out"
     tiny = [*dotted(TINY_MODEL), "data.seq_len=32", "data.sources=[]", "optim.micro_batch_size=2",
-            "optim.global_batch_size=8"]
+            "optim.global_batch_size=8", "optim.warmup_steps=2"]
     env = subprocess_env(PYTHON=fake_gpus(2), LOCAL_SIZE="2", NGPUS="1 2", DATA=str(austen_data), SEQ="32",
                          SCALING_CONFIGS="tiny_hybrid:2", LOSS_STEPS="8", RTOL="1e-4", MASTER_PORT=str(free_port()),
                          PRETRAIN_CONFIG="configs/experiments/default_cpu.yaml", PRETRAIN_OVERRIDES=" ".join(tiny))
