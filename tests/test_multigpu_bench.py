@@ -83,7 +83,7 @@ def dotted(overrides):
     return out
 
 
-@pytest.mark.slow  # ~5 min on 2 shared cores: eleven launches, 2 CPU ranks through DeepSpeed's launcher
+@pytest.mark.slow  # ~7 min on 2 shared cores (412 s): eleven launches, 2 CPU ranks through DeepSpeed's launcher
 def test_the_scripts_parts_on_two_cpu_ranks(tmp_path, austen_data, fake_gpus):
     """scaling, losses, resume and kill as the script runs them, on 2 gloo ranks (DeepSpeed's CPU accelerator counts
     LOCAL_SIZE devices) with a tiny model of every sublayer kind on the real corpus and tokenizer."""
@@ -161,7 +161,7 @@ def test_route_comparison_reads_both_reports(tmp_path):
     assert got["within"] is False and got["models"][0]["within"] is True and got["models"][1]["within"] is False
 
 
-@pytest.mark.slow  # ~40 s: upcycle plan of the SmolLM2 route at 1 and 8 ranks
+@pytest.mark.slow  # 6 s after the other tests, ~40 s alone: upcycle plan of the SmolLM2 route at 1 and 8 ranks
 def test_route_report_carries_the_plan_and_each_gpus_memory(tmp_path):
     one, many = write_route_report(tmp_path, "one", 18.0, 0.70, 11.0), write_route_report(tmp_path, "many", 18.0, 0.70, 2.0)
     # nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 1000 (MiB)
