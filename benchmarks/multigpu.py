@@ -16,7 +16,8 @@ master weights and AdamW moments: about 1 / N of one GPU's).
 launcher's exit, its status, the ranks' processes left alive, the ``error:`` / ``stopped:`` lines and tracebacks.
 ``route``: two `upcycle run` routes (one GPU, several) stage by stage: each model's perplexities, KL and cloze
 accuracy in their report.json, each stage's steps and minutes; with ``--plan-config``, ``upcycle plan``'s GiB per rank
-and minutes per stage at 1 and ``--gpus`` ranks, and with ``--memory``, the most memory each GPU had in use during each route (nvidia-smi).
+and minutes per stage at 1 and ``--gpus`` ranks; with ``--memory``, the most memory each GPU had in use during each
+route (nvidia-smi).
 Each writes its JSON atomically; ``within`` fields compare against ``--rtol`` (relative, default 0.01).
 """
 from __future__ import annotations

@@ -47,7 +47,10 @@ shift
 PARTS=("$@")
 [ ${#PARTS[@]} -gt 0 ] || PARTS=(scaling losses resume kill)
 for part in "${PARTS[@]}"; do
-  case "$part" in scaling|losses|resume|kill|route) ;; *) fail "unknown part '$part' (expected: scaling losses resume kill route)" ;; esac
+  case "$part" in
+    scaling|losses|resume|kill|route) ;;
+    *) fail "unknown part '$part' (expected: scaling losses resume kill route)" ;;
+  esac
 done
 [ "${#GPUS[@]}" -ge 2 ] || fail "$BENCH_NAME needs at least 2 visible GPUs; ${#GPUS[@]} visible (CUDA_VISIBLE_DEVICES)"
 COUNTS=()
@@ -66,7 +69,8 @@ multicast_env  # HYBRIDLM_NVLS checked before any work; every launch below inher
 bench_log multigpu.log
 DATA=$(user_path "${DATA:-data_cache/janeausten-llama3.2}")
 prepare_data "$DATA"
-say "multigpu: parts ${PARTS[*]}; ranks ${COUNTS[*]} (N=$N, M=$M) of GPUs ${GPUS[*]}; multicast $([ "${HYBRIDLM_NVLS:-0}" = 1 ] && echo "the libraries' default" || echo off); $PY"
+MULTICAST=$([ "${HYBRIDLM_NVLS:-0}" = 1 ] && echo "the libraries' default" || echo off)
+say "multigpu: parts ${PARTS[*]}; ranks ${COUNTS[*]} (N=$N, M=$M) of GPUs ${GPUS[*]}; multicast $MULTICAST; $PY"
 
 # run_ranks N LOG ARGS...: ARGS (a script, or --module NAME, and its arguments) on N GPUs (one process without the
 # launcher when N = 1), output into LOG
@@ -93,7 +97,8 @@ reference_run() {
   REF=$OUT/reference_${N}gpu
   say "reference: 30 steps on $N GPUs ($REF)"
   pretrain_args "$REF" 30 run.eval_interval=10 run.save_interval=10
-  run_ranks "$N" "$OUT/reference_${N}gpu.log" "${ARGS[@]}" || fail "the reference run failed ($OUT/reference_${N}gpu.log)"
+  run_ranks "$N" "$OUT/reference_${N}gpu.log" "${ARGS[@]}" \
+    || fail "the reference run failed ($OUT/reference_${N}gpu.log)"
 }
 
 failed=()
@@ -106,8 +111,11 @@ part_scaling() {
       dir=$OUT/speed_${config}_${n}gpu
       [ -f "$dir/train_speed.json" ] && { say "scaling $config on $n GPU(s): kept ($dir)"; continue; }
       say "scaling $config on $n GPU(s), micro-batch $mb"
-      run_ranks "$n" "$dir.log" --module benchmarks.train_speed --out "$dir" --data "$DATA" --configs "$config" --peers \
-        --micro-batch "$mb" --seq "${SEQ:-2048}" --steps 10 --warmup 3 || { failed+=("scaling:$config:$n"); rm -f "$dir/train_speed.json"; }
+      if ! run_ranks "$n" "$dir.log" --module benchmarks.train_speed --out "$dir" --data "$DATA" --configs "$config" \
+          --peers --micro-batch "$mb" --seq "${SEQ:-2048}" --steps 10 --warmup 3; then
+        failed+=("scaling:$config:$n")
+        rm -f "$dir/train_speed.json"  # measured again on the next run
+      fi
       grep -E "tok/s|OOM|Error" "$dir.log" | tail -n 2
     done
   done
@@ -116,7 +124,8 @@ part_scaling() {
     config=${spec%%:*}
     local have=()
     for n in "${COUNTS[@]}"; do
-      [ -f "$OUT/speed_${config}_${n}gpu/train_speed.json" ] && have+=("$n=$OUT/speed_${config}_${n}gpu/train_speed.json")
+      dir=$OUT/speed_${config}_${n}gpu
+      [ -f "$dir/train_speed.json" ] && have+=("$n=$dir/train_speed.json")
     done
     [ ${#have[@]} -gt 0 ] || continue
     "$PY" -m benchmarks.multigpu scaling --speed "${have[@]}" --out "$OUT/scaling_$config.json" \
@@ -201,7 +210,11 @@ part_kill() {
   run_ranks "$N" "$OUT/killed_${N}gpu_rerun.log" "${ARGS[@]}" || { failed+=("kill:rerun"); return; }
   local at
   at=$(sed -n 's/^resumed from .* at step \([0-9]*\).*/\1/p' "$OUT/killed_${N}gpu_rerun.log" | head -n 1)
-  [ -n "$at" ] || { echo "error: the rerun did not resume ($OUT/killed_${N}gpu_rerun.log)" >&2; failed+=("kill:rerun"); return; }
+  if [ -z "$at" ]; then
+    echo "error: the rerun did not resume ($OUT/killed_${N}gpu_rerun.log)" >&2
+    failed+=("kill:rerun")
+    return
+  fi
   say "kill: the rerun resumed at step $at"
   "$PY" -m benchmarks.multigpu losses --reference "$REF" --run "rerun=$dir" --after-step "$at" --rtol "$RTOL" \
     --out "$OUT/kill_rerun.json" || failed+=("kill:report")
@@ -250,5 +263,8 @@ for part in "${PARTS[@]}"; do
   "part_$part"
 done
 export_autotune
-[ ${#failed[@]} -eq 0 ] || { echo "error: multigpu: failed: ${failed[*]} (their logs in $OUT; rerun the same command to go on)" >&2; exit 1; }
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "error: multigpu: failed: ${failed[*]} (their logs in $OUT; rerun the same command to go on)" >&2
+  exit 1
+fi
 say "multigpu: done; reports in $OUT/*.json"

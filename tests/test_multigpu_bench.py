@@ -26,7 +26,8 @@ def one_error_line(proc, start):
 def test_help_names_every_part_and_setting():
     proc = bench("--help", timeout=60)
     assert proc.returncode == 0
-    for word in ("scaling", "losses", "resume", "kill", "route", "NGPUS=", "HYBRIDLM_NVLS", "OUT_DIR/scaling_<config>.json",
+    for word in ("scaling", "losses", "resume", "kill", "route", "NGPUS=", "HYBRIDLM_NVLS",
+                 "OUT_DIR/scaling_<config>.json",
                  "OUT_DIR/resume.json", "OUT_DIR/kill.json", "OUT_DIR/route.json", "upcycle plan --gpus N"):
         assert word in proc.stdout, word
 
@@ -163,7 +164,8 @@ def test_route_comparison_reads_both_reports(tmp_path):
 
 @pytest.mark.slow  # 6 s after the other tests, ~40 s alone: upcycle plan of the SmolLM2 route at 1 and 8 ranks
 def test_route_report_carries_the_plan_and_each_gpus_memory(tmp_path):
-    one, many = write_route_report(tmp_path, "one", 18.0, 0.70, 11.0), write_route_report(tmp_path, "many", 18.0, 0.70, 2.0)
+    one = write_route_report(tmp_path, "one", 18.0, 0.70, 11.0)
+    many = write_route_report(tmp_path, "many", 18.0, 0.70, 2.0)
     # nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 1000 (MiB)
     (tmp_path / "one.csv").write_text("0, 1024\n0, 51200\n0, 2048\n")
     (tmp_path / "many.csv").write_text("0, 8192\n1, 9216\n0, 4096\n1, not a number\n")
