@@ -9,6 +9,7 @@ import sys
 import pytest
 import yaml
 
+from benchmarks.multigpu import main as multigpu_main
 from conftest import REPO, TINY_MODEL, subprocess_env
 from hybridlm.engine import free_port
 
@@ -154,11 +155,12 @@ def test_route_comparison_reads_both_reports(tmp_path):
     def route(dirname, ppl, acc, minutes):
         return write_route_report(tmp_path, dirname, ppl, acc, minutes)
     one, same, off = route("one", 18.0, 0.70, 11.0), route("same", 18.05, 0.71, 2.0), route("off", 19.0, 0.60, 2.0)
-    got = report("route", "--one", str(one), "--many", str(same), "--out", str(tmp_path / "a.json"))
+    got = multigpu_main(["route", "--one", str(one), "--many", str(same), "--out", str(tmp_path / "a.json")])
     assert got["within"] is True and got["stages"][0]["speedup"] == pytest.approx(5.5)
+    assert json.loads((tmp_path / "a.json").read_text()) == got  # the report as written
     kd = got["models"][1]
     assert kd["ppl"]["rel_diff"] == pytest.approx(0.05 / 18.0) and kd["cloze_acc"]["diff"] == pytest.approx(0.01)
-    got = report("route", "--one", str(one), "--many", str(off), "--out", str(tmp_path / "b.json"))
+    got = multigpu_main(["route", "--one", str(one), "--many", str(off), "--out", str(tmp_path / "b.json")])
     assert got["within"] is False and got["models"][0]["within"] is True and got["models"][1]["within"] is False
 
 
