@@ -12,6 +12,12 @@
 #                           anything runs: the first step compiles the winners only
 #   HYBRIDLM_CACHE=DIR      the asset cache (tokenizer, corpora, record files, teacher; default ~/.cache/hybridlm)
 #   MASTER_PORT=29500       the rendezvous port of multi-GPU runs
+#   HYBRIDLM_NVLS=0         NVLink multicast (NVLS) for multi-GPU runs: 0 (default) launches the ranks with
+#                           NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1, for hosts
+#                           whose GPUs other jobs share; 1 leaves the libraries' defaults (multicast on where the
+#                           host has it), for a host of your own. Any of the three variables you set yourself is
+#                           kept as you set it (hybridlm.engine.init_distributed applies the same defaults to a
+#                           rank launched without these scripts)
 set -u
 BENCH_CWD=$PWD  # where the script was started: the user's relative paths are relative to it
 BENCH_SCRIPT=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
@@ -104,14 +110,29 @@ prepare_data() {
     || fail "could not prepare $dir (above); without network, carry the assets in (benchmarks/README.md, 'Air-gapped host')"
 }
 
+# multicast_env: NVLink multicast off for the ranks about to be launched, unless HYBRIDLM_NVLS=1 (see the
+# settings above); a variable the user exported keeps its value
+multicast_env() {
+  case "${HYBRIDLM_NVLS:-0}" in
+    1) return 0 ;;
+    0) ;;
+    *) fail "HYBRIDLM_NVLS=$HYBRIDLM_NVLS: expected 0 (multicast off, the default) or 1 (the libraries' defaults)" ;;
+  esac
+  export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE-0}
+  export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST-1}
+  export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS-1}
+}
+
 # launch N ARGS...: ARGS (a script, or --module NAME, and its arguments) through DeepSpeed's launcher, one process
 # on each of the first N visible GPUs. --no_local_rank: each rank reads LOCAL_RANK from its environment
-# (hybridlm.engine.init_distributed); a --local_rank argument would land before a CLI's subcommand (upcycle run)
+# (hybridlm.engine.init_distributed); a --local_rank argument would land before a CLI's subcommand (upcycle run).
+# NVLink multicast off unless HYBRIDLM_NVLS=1 (multicast_env)
 launch() {
   local n=$1; shift
   [ "$n" -le "${#GPUS[@]}" ] || fail "NGPU=$n, but only ${#GPUS[@]} GPUs are visible (CUDA_VISIBLE_DEVICES)"
   local ids
   ids=$(IFS=,; echo "${GPUS[*]:0:$n}")
+  multicast_env
   # the launcher takes the GPUs from CUDA_VISIBLE_DEVICES when given no --num_gpus / --include
   CUDA_VISIBLE_DEVICES=$ids "$PY" -m deepspeed.launcher.runner --master_port "${MASTER_PORT:-29500}" --no_local_rank "$@"
 }

@@ -28,7 +28,8 @@ our loop does (its fastest plain loop: the GPU is never left waiting for the hos
 
 Per entry: median step time over ``--steps`` steps after ``--warmup`` steps (the first includes Triton
 autotuning), tokens/s = global tokens per step / that, MFU by :mod:`benchmarks.harness.flops`, and peak
-``torch.cuda.max_memory_allocated`` over the measured steps. ``--find-max-batch`` tries
+``torch.cuda.max_memory_allocated`` over the measured steps; ours also list every rank's peak and its ZeRO-1 shard
+(``ranks``: the fp32 master weights and AdamW moments it holds). ``--find-max-batch`` tries
 ``--batch-candidates`` from the largest, each in a fresh model / engine, and measures the largest that
 does not run out of memory. Writes ``DIR/train_speed.json`` and ``DIR/train_speed.png`` after every
 entry; ``--merge A.json B.json --out DIR`` joins reports of separate runs and redraws the chart. ``--profile N``
@@ -214,19 +215,46 @@ def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[s
         engine = build_engine(setup)
         train_loop(engine, setup.train_batches, setup.run, (), title=name, checkpoints=False,
                    on_step=lambda r: (timer(r), profiler and profiler(r)))
+        timing = timer.summary()
+        ranks = per_rank({"rank": setup.dist.rank, "peak_gib": timing["peak_gib"],
+                          "peak_reserved_gib": timing.get("peak_reserved_gib"), **optimizer_shard_gib(engine)})
     finally:
         if engine is not None:
             engine.ds_engine.destroy()
         del engine
-    return {**profile_result(profiler), "params": summary["params"], "non_embedding_params": summary["non_embedding_params"],
+    return {"ranks": ranks, **profile_result(profiler), "params": summary["params"], "non_embedding_params": summary["non_embedding_params"],
             "matmul_params": n_mm, "mixers": F.describe(mixers),
             "overrides": own,
-            "flops": F.train_flops_per_token(n_mm, mixers), "timing": timer.summary(),
+            "flops": F.train_flops_per_token(n_mm, mixers), "timing": timing,
             "precision": args.precision,
             "recipe": f"pretrain.py: DeepSpeed ZeRO-1 {PRECISION_RECIPE[args.precision]}, "
                       f"{'fused ' if cuda else ''}AdamW, clip 1.0, backend {setup.config.runtime.backend}"
                       f"{', activation checkpointing' if args.activation_checkpointing else ''} "
                       f"({'Triton' if cuda else 'torch'} kernels)"}
+
+
+def optimizer_shard_gib(engine) -> Dict[str, Any]:
+    """What ZeRO-1 leaves on this rank: its partition of the fp32 master weights and of AdamW's two moments, in
+    GiB, and the trainable parameters of the whole model (each rank holds about 1 / world of the first two)."""
+    zopt = engine.optimizer
+    parts = getattr(zopt, "single_partition_of_fp32_groups", None)
+    if parts is None:  # bf16 with fp32 gradient accumulation: DeepSpeed's BF16_Optimizer
+        parts = zopt.fp32_groups_flat_partition
+    state = engine.ds_engine.basic_optimizer.state
+    moments = sum(int(t.numel()) * t.element_size() for s in state.values() for t in s.values()
+                  if torch.is_tensor(t) and t.dim() > 0)
+    return {"master_gib": sum(int(p.numel()) * p.element_size() for p in parts) / 2**30,
+            "adam_moments_gib": moments / 2**30,
+            "trainable_params": sum(int(p.numel()) for p in engine.module.parameters() if p.requires_grad)}
+
+
+def per_rank(values: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """``values`` of every rank, in rank order (this rank's alone in a one-process run)."""
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return [values]
+    gathered: List[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, values)
+    return gathered
 
 
 # ------------------------------------------------------------------------------------- peers

@@ -12,7 +12,7 @@ run, and a rerun with a larger ``tokens`` only adds shards. A shard is finished 
 ``.shard_NNNNN.json`` (rows, tokens, seconds, the shard's sha256) exists and the shard's content matches it;
 both are written atomically, shard first. ``.samples.json`` (hidden, so that ``prepare`` reads only the shards)
 holds what the samples were made from: the teacher's weights by sha256, the prompts' dataset, the settings and
-the seed; a rerun against another teacher or other settings is refused with one line. Ranks share the shards
+its seed; a rerun against another teacher or other settings is refused with one line. Ranks share the shards
 round-robin; rank 0 writes the summary (``complete``, tokens, minutes, tokens/s) when every shard is there.
 
 CLI: ``upcycle sample --teacher asset:smollm2 --prompts data_cache/mix-smollm2 --out data_cache/samples --tokens 2e6``;

@@ -10,6 +10,10 @@
 
 On CUDA the backend is NCCL and each process binds ``cuda:LOCAL_RANK``; without CUDA it is gloo on
 the CPU accelerator.  Calling it again returns the same :class:`DistInfo`.
+
+NVLink multicast is off unless ``HYBRIDLM_NVLS=1``: before the process group exists, :func:`multicast_setting`
+sets ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NVSHMEM_DISABLE_NVLS=1`` where the
+environment does not set them already (the benchmark scripts' launcher does the same, benchmarks/common.sh).
 """
 from __future__ import annotations
 
@@ -26,7 +30,12 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from hybridlm.config.errors import ConfigError
 from hybridlm.utils.ranks import MPI_RANK_VARS as _MPI_RANK_VARS
+
+# NVLink multicast off (NCCL's NVLS algorithms, torch's symmetric memory, NVSHMEM): hosts shared with other jobs
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+NVLS_SETTING = "HYBRIDLM_NVLS"
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,21 @@ def _release_pinned_groups() -> None:
                 fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
 
 
+def multicast_setting(environ=os.environ) -> dict:
+    """Apply ``HYBRIDLM_NVLS`` to ``environ`` and return what it set: unset or ``0``, each variable of
+    :data:`MULTICAST_OFF` the environment lacks; ``1``, nothing (the libraries' defaults: multicast where the
+    host has it). A variable the user set keeps its value either way."""
+    value = environ.get(NVLS_SETTING, "0")
+    if value not in ("0", "1"):
+        raise ConfigError(f"{NVLS_SETTING}={value}: expected 0 (NVLink multicast off, the default) or 1 (the "
+                         f"libraries' defaults)")
+    if value == "1":
+        return {}
+    applied = {k: v for k, v in MULTICAST_OFF.items() if k not in environ}
+    environ.update(applied)
+    return applied
+
+
 def init_distributed(timeout_minutes: int = 30) -> DistInfo:
     """Initialise ``torch.distributed`` through DeepSpeed (idempotent) and return this process's place."""
     global _INFO
@@ -136,6 +160,7 @@ def init_distributed(timeout_minutes: int = 30) -> DistInfo:
 
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
     if cuda:
+        multicast_setting()  # read by NCCL when the group's communicators are made, later than this
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         backend = "nccl"
