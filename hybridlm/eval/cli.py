@@ -44,6 +44,8 @@ from hybridlm.data.packed import heldout_windows, read_meta
 from hybridlm.data.prepare import _record_text, iter_documents
 from hybridlm.eval.harness import run_harness
 from hybridlm.eval.perplexity import perplexity, token_stream, windows_from_ids
+from hybridlm.eval.ruler import evaluate_model, load_haystack, resolve_tasks, ruler_result, write_ruler_outputs
+from hybridlm.eval.ruler.haystack import DEFAULT_HAYSTACK
 from hybridlm.teacher import load_teacher, load_teacher_tokenizer, resolve_teacher
 from hybridlm.utils.atomic import json_text, write_json
 
@@ -250,8 +252,6 @@ def run_lm_eval(args) -> Dict[str, Any]:
 
 # -------------------------------------------------------------------------------------------- ruler
 def run_ruler(args) -> Dict[str, Any]:
-    from hybridlm.eval.ruler import evaluate_model, load_haystack, resolve_tasks, ruler_result, write_ruler_outputs
-
     tasks = resolve_tasks(args.tasks)
     if not args.lengths or any(L < 64 for L in args.lengths) or args.items < 1:
         raise ConfigError("--lengths: each at least 64 tokens; --items: at least 1")
@@ -325,7 +325,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     p.set_defaults(func=run_lm_eval)
 
-    from hybridlm.eval.ruler.haystack import DEFAULT_HAYSTACK
     p = sub.add_parser("ruler", help="RULER-style long-context tasks built from local text (needle in a haystack, "
                                      "variable tracking, common / frequent words)")
     p.add_argument("--model", nargs="+", required=True,

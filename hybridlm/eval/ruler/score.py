@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence
 
 import torch
@@ -135,7 +136,6 @@ def plot_ruler(result: Dict[str, Any], png) -> None:
 
 def write_ruler_outputs(result: Dict[str, Any], json_path) -> Dict[str, str]:
     """``json_path`` and, beside it with the same stem, the Markdown table and the PNG (each written atomically)."""
-    from pathlib import Path
     p = Path(json_path)
     md, png = p.with_suffix(".md"), p.with_suffix(".png")
     write_json(p, result)
