@@ -63,9 +63,9 @@ class SampleConfig(Section):
     top_k: int = setting(0, ge=0)  # 0: no top-k filter
     batch_size: int = setting(256, ge=1)  # continuations per generation batch = per shard
     seed: int = setting(0, ge=0, lt=2**63)
-    # static: transformers' static KV cache, which it compiles (CUDA graphs) on a GPU: the fastest path for a
-    # Llama teacher; dynamic: the plain cache
-    cache: str = setting("static", choices=CACHES)
+    # dynamic: transformers' plain cache; static: its static cache, which it compiles on a GPU. On one H100 at 512 x
+    # 512 both decode at the same rate and the static cache's first batch is slower (BENCHMARKS.md, "Upcycling speed")
+    cache: str = setting("dynamic", choices=CACHES)
     dtype: str = setting("auto", choices=DTYPES)  # auto: bfloat16 on a GPU, float32 on the CPU
 
     def num_shards(self) -> int:
@@ -311,7 +311,8 @@ SAMPLE_HELP = {
     "prompt_len": "prompt tokens", "gen_len": "new tokens per continuation at most",
     "temperature": "sampling temperature", "top_p": "nucleus sampling mass", "top_k": "top-k filter (0: none)",
     "batch_size": "continuations per generation batch (one shard each)", "seed": "prompts and draws",
-    "cache": "static: transformers' static KV cache, compiled on a GPU (fastest); dynamic: the plain cache",
+    "cache": "dynamic: transformers' plain cache; static: its static cache, compiled on a GPU (no faster at "
+             "large batches, slower to start)",
     "dtype": "auto: bfloat16 on a GPU, float32 on the CPU",
 }
 
