@@ -58,6 +58,10 @@ def test_an_old_export_loads_runs_with_the_defaults_and_resaves_without_runtime_
     old = json.loads((folder / "config.json").read_text())
     new = json.loads((tmp_path / "resaved" / "config.json").read_text())
     assert not set(new) & set(RUNTIME_KEYS) and "runtime" not in new and "_runtime" not in new
+    for kind in ("gdn", "kda"):  # options the delta-rule mixers gained since, written at their defaults (off)
+        for option in ("gate_bias", "beta_bias"):
+            if option not in old.get(kind, {}):
+                assert new[kind].pop(option) is False
     assert {k: v for k, v in old.items() if k not in RUNTIME_KEYS} == new  # nothing else changed
 
 

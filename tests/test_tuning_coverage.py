@@ -24,8 +24,8 @@ GAPS = {
         "train-speed-gdn_300m": 1,          # fla's chunk_local_cumsum at batch 64 (the file has 16: the acceptance's)
         "train-speed-gdn_300m_hybrid": 5,
         "train-speed-kda_300m": 17,
-        "train-speed-mamba2_300m": 10,
-        "train-speed-mamba2_300m_hybrid": 14,
+        "train-speed-mamba2_300m": 9,
+        "train-speed-mamba2_300m_hybrid": 13,
         "train-speed-gdn_1b": 22,
     },
 }

@@ -778,10 +778,14 @@ def main(argv=None) -> Dict[str, Any]:
     if args.only:
         plan = [step for step in plan if step[0] == args.only]
     done = resumable_runs(report, out) if args.resume else {}
-    flag = STOP.install()  # the signals recorded, asked after each step
-    run_plan(plan, args, report, done, config, peer_config, data_dir, device, val, out, flag)
-    if flag.signal_name:
-        raise SystemExit(f"stopped: {flag.signal_name}; {out / 'loss_parity.json'} has the runs so far (the cut "
+    flag = STOP.install()  # the signals recorded, asked after each step; given back when the plan ends
+    try:
+        run_plan(plan, args, report, done, config, peer_config, data_dir, device, val, out, flag)
+    finally:
+        stopped_by = flag.signal_name
+        flag.uninstall()
+    if stopped_by:
+        raise SystemExit(f"stopped: {stopped_by}; {out / 'loss_parity.json'} has the runs so far (the cut "
                          "one with cut_at); rerun with --resume to run the missing ones")
     report["finished"] = datetime.now(timezone.utc).isoformat()
     write(report, out)
