@@ -117,26 +117,51 @@ def finished_record(out: Path, batch: int) -> Optional[Dict[str, Any]]:
     return rec if isinstance(rec, dict) and rec.get("sha256") == sha256_of(shard) else None
 
 
-def teacher_digest(teacher: str) -> str:
-    """sha256 over the teacher's weight files (a ``.gguf`` file, or a directory's ``*.safetensors`` / ``*.bin``
-    in name order): another checkpoint under the same path is another teacher."""
+def teacher_files(teacher: str) -> List[Path]:
+    """The teacher's weight files: a ``.gguf`` file, or a directory's ``*.safetensors`` / ``*.bin`` in name order."""
     p = resolve_teacher(teacher)
     files = [p] if p.is_file() else sorted(f for f in p.iterdir() if f.suffix in (".safetensors", ".bin"))
     if not files:
         raise ConfigError(f"teacher {teacher!r}: no weight files in {p}")
+    return files
+
+
+def file_stamps(files: List[Path]) -> List[List[Any]]:
+    """Name, size and modification time (ns) of each file: what tells, without reading them, that they are the
+    files an earlier run hashed."""
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def teacher_digest(teacher: str, known: Optional[Dict[str, Any]] = None) -> str:
+    """sha256 over the teacher's weight files: another checkpoint under the same path is another teacher. ``known``
+    (a manifest's ``teacher`` entry) spares reading gigabytes again when its path and file stamps are the same."""
+    files = teacher_files(teacher)
+    if known and known.get("path") == str(resolve_teacher(teacher)) and known.get("files") == file_stamps(files):
+        return str(known.get("sha256"))
     h = hashlib.sha256()
     for f in files:
         h.update(f"{f.name}:{sha256_of(f)}\n".encode())
     return h.hexdigest()
 
 
-def _identity(cfg: SampleConfig, teacher: str, prompts_meta: Dict[str, Any]) -> Dict[str, Any]:
+def _identity(cfg: SampleConfig, teacher: str, prompts_meta: Dict[str, Any],
+              known: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     return {"format": "hybridlm-teacher-samples", "version": 1,
             "teacher": {"spec": str(teacher), "path": str(resolve_teacher(teacher)),
-                        "sha256": teacher_digest(teacher)},
+                        "sha256": teacher_digest(teacher, known),
+                        "files": file_stamps(teacher_files(teacher))},
             "prompts": {"path": str(Path(cfg.prompts).expanduser().resolve()), "digest": prompts_meta.get("digest"),
                         "split": "train"},
             "settings": cfg.identity()}
+
+
+def _manifest_teacher(out: Path) -> Optional[Dict[str, Any]]:
+    """The ``teacher`` entry of ``out``'s manifest, when there is a readable one."""
+    try:
+        entry = json.loads((out / MANIFEST).read_text(encoding="utf-8")).get("teacher")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return entry if isinstance(entry, dict) else None
 
 
 def _check_or_write_identity(out: Path, ident: Dict[str, Any], rank: int) -> None:
@@ -202,7 +227,7 @@ def sample(cfg: SampleConfig, teacher: str, progress: bool = True) -> Dict[str, 
                           f"by `python -m pretrain.prepare` or a route's ild.data)")
     meta = read_meta(prompts_dir)
     dist = init_distributed()
-    ident = _identity(cfg, teacher, meta)
+    ident = _identity(cfg, teacher, meta, known=_manifest_teacher(out))
     _check_or_write_identity(out, ident, dist.rank)
     barrier()
     tokenizer = load_teacher_tokenizer(teacher)
@@ -210,11 +235,13 @@ def sample(cfg: SampleConfig, teacher: str, progress: bool = True) -> Dict[str, 
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id != eos_id:
         raise ConfigError(f"sample.prompts: {prompts_dir} was tokenized with eos id {eos_id}, the teacher's tokenizer "
                           f"has {tokenizer.eos_token_id}; prepare the prompts with the teacher's tokenizer")
-    todo = [b for b in range(cfg.num_shards()) if b % dist.world_size == dist.rank and finished_record(out, b) is None]
+    # each finished shard's content is read once: here, or in summarize for the shards written since
+    finished = {b: finished_record(out, b) for b in range(cfg.num_shards())}
+    todo = [b for b, rec in finished.items() if b % dist.world_size == dist.rank and rec is None]
     if todo:
         _sample_shards(cfg, teacher, prompts_dir, out, todo, eos_id, tokenizer, dist, progress)
     barrier()
-    return summarize(cfg, out, ident, write=dist.rank == 0)
+    return summarize(cfg, out, ident, write=dist.rank == 0, finished=finished)
 
 
 def _sample_shards(cfg, teacher, prompts_dir, out, todo, eos_id, tokenizer, dist, progress) -> None:
@@ -247,9 +274,12 @@ def _sample_shards(cfg, teacher, prompts_dir, out, todo, eos_id, tokenizer, dist
     bar.close()
 
 
-def summarize(cfg: SampleConfig, out: Path, ident: Dict[str, Any], write: bool) -> Dict[str, Any]:
-    """The summary of a finished sample directory: tokens, rows, generation seconds and speed."""
-    records = [finished_record(out, b) for b in range(cfg.num_shards())]
+def summarize(cfg: SampleConfig, out: Path, ident: Dict[str, Any], write: bool,
+              finished: Optional[Dict[int, Optional[Dict[str, Any]]]] = None) -> Dict[str, Any]:
+    """The summary of a finished sample directory: tokens, rows, generation seconds and speed. ``finished``: the
+    records already verified by this process (the others are read and checked here)."""
+    finished = finished or {}
+    records = [finished.get(b) or finished_record(out, b) for b in range(cfg.num_shards())]
     missing = [shard_name(b) for b, r in enumerate(records) if r is None]
     if missing:
         raise ConfigError(f"sample.out: {out} lacks {len(missing)} finished shard(s) ({missing[0]} ...); run the "

@@ -115,6 +115,30 @@ def test_another_teacher_or_setting_is_refused(teacher, prompts, tmp_path):
         sample(_cfg(str(tmp_path / "nowhere"), tmp_path / "t"), teacher, progress=False)
 
 
+def test_a_rerun_reads_each_file_once_and_sees_a_teacher_replaced_in_place(teacher, prompts, tmp_path, monkeypatch):
+    """A finished rerun hashes each shard once and not the teacher's weights (their name, size and mtime are those
+    recorded); weights rewritten under the same path are hashed again and refused."""
+    import shutil
+    import distill.teacher_samples as ts
+    mine = tmp_path / "teacher"
+    shutil.copytree(teacher, mine)
+    out = tmp_path / "s"
+    sample(_cfg(prompts, out), str(mine), progress=False)
+    read = []
+    real = ts.sha256_of
+    monkeypatch.setattr(ts, "sha256_of", lambda path: read.append(os.path.basename(path)) or real(path))
+    again = sample(_cfg(prompts, out), str(mine), progress=False)
+    assert again["complete"] and sorted(read) == [shard_name(b) for b in range(3)]
+    weights = mine / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # the same size, other weights
+    weights.write_bytes(bytes(data))
+    read.clear()
+    with pytest.raises(ConfigError, match=r"^sample\.out: .* holds samples of teacher .*sha256"):
+        sample(_cfg(prompts, out), str(mine), progress=False)
+    assert "model.safetensors" in read
+
+
 @pytest.mark.slow  # ~50 s on 2 cores (a second prepare); the route's levers test mixes samples by weight too
 def test_samples_mix_into_a_prepared_dataset_by_weight(teacher, prompts, tmp_path):
     out = tmp_path / "s"
