@@ -224,7 +224,7 @@ def test_bf16_keeps_fp32_master_weights_and_trains():
 def test_clipping_scales_the_step_to_the_global_norm(precision):
     """bf16 ZeRO-1 clips in the engine (hybridlm/engine/clipping.py), the others in DeepSpeed: the same result.
     After one step from a fresh AdamW its first moment is (1 - beta1) x the clipped gradient."""
-    from hybridlm.engine.engine import clips_in_engine, deepspeed_config
+    from hybridlm.engine.deepspeed_adapter import clips_in_engine, deepspeed_config
 
     cfg = W.make_config(precision, grad_clip=W.CLIP_TEST)
     assert clips_in_engine(cfg) == (precision == "bf16")
