@@ -266,8 +266,8 @@ def test_one_rank_bf16_skips_the_all_reduce_and_trains_the_same():
 
 @pytest.mark.parametrize("accumulate", [False, True], ids=["one_micro_batch", "accumulated"])
 def test_bf16_norm_over_the_flat_gradients_is_deepspeeds_norm(accumulate):
-    """The bf16 optimizer's gradient norm over its flat fp32 buffers (hybridlm/engine/clipping.py
-    ``norm_over_flat_gradients``) is the norm DeepSpeed takes over each parameter's gradient: the same reported
+    """The bf16 optimizer's gradient norm over its flat fp32 buffers (hybridlm/engine/deepspeed_adapter.py
+    ``DeepSpeedAdapter.norm_over_flat_gradients``) is the norm DeepSpeed takes over each parameter's gradient: the same reported
     norms, losses and weights, up to the order of the fp32 sums."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
@@ -395,7 +395,7 @@ def test_nonfinite_loss_skips_step_bit_identically(precision):
 
 
 def test_step_on_device_skips_as_deepspeed_does():
-    """optim.step_on_device (hybridlm/engine/device_step.py): the skip is decided on the device (fused AdamW's
+    """optim.step_on_device (DeepSpeedAdapter.step_on_device): the skip is decided on the device (fused AdamW's
     found_inf) and read with the results, and leaves the same state untouched: weights, fp32 masters, AdamW's
     moments and step count, the LR and its schedule."""
     cfg = W.make_config("bf16", max_consecutive_nonfinite=3, step_on_device=True)
