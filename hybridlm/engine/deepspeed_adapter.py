@@ -145,6 +145,38 @@ def saved_by_bf16_optimizer(file_names: Iterable[str]) -> bool:
     return any(str(n).startswith(_BF16_SHARD_PREFIX) for n in file_names)
 
 
+def read_full_optimizer_state(tag_dir: str, saved_world_size: int,
+                              load: Loader) -> Tuple[Dict[str, Dict[str, torch.Tensor]], float]:
+    """Each parameter's full fp32 value and AdamW moments (``{name: {"fp32", "exp_avg", "exp_avg_sq"}}``) and the
+    optimizer's step count, from the ZeRO optimizer shards of a checkpoint saved on ``saved_world_size`` ranks.
+
+    Every saved shard records which slice of which parameter it holds (``param_slice_mappings``: name -> start and
+    length in that rank's flat partition); the shards of all ranks, read in rank order, give each parameter whole.
+    """
+    shards = {int(m.group(1)): os.path.join(tag_dir, f) for f in os.listdir(tag_dir)
+              if (m := _OPTIMIZER_SHARD.match(f))}
+    if sorted(shards) != list(range(saved_world_size)):
+        raise CheckpointError(f"checkpoint {tag_dir}: expected the optimizer shards of ranks "
+                              f"0..{saved_world_size - 1}, found {sorted(shards)}")
+    pieces: Dict[str, Dict[str, List[torch.Tensor]]] = {}
+    steps = set()
+    for r in range(saved_world_size):
+        sd = load(shards[r])["optimizer_state_dict"]
+        states = sd["base_optimizer_state"]["state"]
+        for g, mapping in enumerate(sd["param_slice_mappings"]):
+            flat, state = sd["single_partition_of_fp32_groups"][g], states[g]
+            steps.add(float(state["step"]))
+            for name, addr in mapping.items():
+                slot = pieces.setdefault(name, {"fp32": [], "exp_avg": [], "exp_avg_sq": []})
+                slot["fp32"].append(flat.narrow(0, addr.start, addr.numel))
+                for key in ("exp_avg", "exp_avg_sq"):
+                    slot[key].append(state[key].narrow(0, addr.start, addr.numel))
+    if len(steps) != 1:
+        raise CheckpointError(f"checkpoint {tag_dir}: the shards disagree on the optimizer step ({sorted(steps)})")
+    full = {name: {k: torch.cat(v) for k, v in slot.items()} for name, slot in pieces.items()}
+    return full, steps.pop()
+
+
 # ----------------------------------------------------------------------------------------------- the adapter
 
 
@@ -358,38 +390,14 @@ class DeepSpeedAdapter:
 
     def load_resharded_optimizer(self, tag_dir: str, saved_world_size: int, load: Loader) -> None:
         """The fp32 master weights and AdamW moments of a checkpoint saved on ``saved_world_size`` ranks, put into
-        this engine's ZeRO partition on the current number of ranks (shards read through ``load``).
+        this engine's ZeRO partition on the current number of ranks (shards read through ``load``,
+        :func:`read_full_optimizer_state`).
 
-        Every saved shard records which slice of which parameter it holds (``param_slice_mappings``: name ->
-        start and length in that rank's flat partition); the shards of all ranks, read in rank order, give each
-        parameter's full fp32 value and moments. Each current rank then copies the slice of every parameter that
-        its own partition holds (DeepSpeed's ``_hp_mapping`` of each parameter: where the slice starts in the
-        parameter and in the partition). Values are copied, not recomputed, so the state is exact; the step
-        count is the saved one.
+        Each current rank copies the slice of every parameter that its own partition holds (DeepSpeed's
+        ``_hp_mapping`` of each parameter: where the slice starts in the parameter and in the partition). Values
+        are copied, not recomputed, so the state is exact; the step count is the saved one.
         """
-        shards = {int(m.group(1)): os.path.join(tag_dir, f) for f in os.listdir(tag_dir)
-                  if (m := _OPTIMIZER_SHARD.match(f))}
-        if sorted(shards) != list(range(saved_world_size)):
-            raise CheckpointError(f"checkpoint {tag_dir}: expected the optimizer shards of ranks 0..{saved_world_size - 1}, "
-                                  f"found {sorted(shards)}")
-        pieces: Dict[str, Dict[str, List[torch.Tensor]]] = {}
-        steps = set()
-        for r in range(saved_world_size):
-            sd = load(shards[r])["optimizer_state_dict"]
-            states = sd["base_optimizer_state"]["state"]
-            for g, mapping in enumerate(sd["param_slice_mappings"]):
-                flat, state = sd["single_partition_of_fp32_groups"][g], states[g]
-                steps.add(float(state["step"]))
-                for name, addr in mapping.items():
-                    slot = pieces.setdefault(name, {"fp32": [], "exp_avg": [], "exp_avg_sq": []})
-                    slot["fp32"].append(flat.narrow(0, addr.start, addr.numel))
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        slot[key].append(state[key].narrow(0, addr.start, addr.numel))
-        if len(steps) != 1:
-            raise CheckpointError(f"checkpoint {tag_dir}: the shards disagree on the optimizer step ({sorted(steps)})")
-        full = {name: {k: torch.cat(v) for k, v in slot.items()} for name, slot in pieces.items()}
-        step = steps.pop()
-
+        full, step = read_full_optimizer_state(tag_dir, saved_world_size, load)
         base = self.engine.optimizer.optimizer  # the torch AdamW stepping the flat fp32 partitions
         for group in base.param_groups:  # AdamW creates its state at the first step: create it now
             flat = group["params"][0]

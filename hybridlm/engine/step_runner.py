@@ -24,9 +24,9 @@ that DeepSpeed really skipped (``skipped_steps`` advanced) and raises otherwise.
 
 With ``optim.step_on_device`` (bf16 ZeRO-1) DeepSpeed's step is replaced by one that skips on the device too
 (hybridlm/engine/deepspeed_adapter.py ``DeepSpeedAdapter.step_on_device``: fused AdamW's ``found_inf``), so that
-no step waits for its backward on the host. The same state is left untouched; the engine learns of the skip when it reads the step's results, and it
-reads them, at the latest, before the next step's optimizer, when it counts the skip and advances the LR
-schedule only for an applied step, as above.
+no step waits for its backward on the host. The same state is left untouched; the engine learns of the skip when
+it reads the step's results, and it reads them, at the latest, before the next step's optimizer, when it counts the
+skip and advances the LR schedule only for an applied step, as above.
 """
 from __future__ import annotations
 
