@@ -224,7 +224,7 @@ def test_bf16_keeps_fp32_master_weights_and_trains():
 def test_clipping_scales_the_step_to_the_global_norm(precision):
     """bf16 ZeRO-1 clips in the engine (hybridlm/engine/clipping.py), the others in DeepSpeed: the same result.
     After one step from a fresh AdamW its first moment is (1 - beta1) x the clipped gradient."""
-    from hybridlm.engine.engine import clips_in_engine, deepspeed_config
+    from hybridlm.engine.deepspeed_adapter import clips_in_engine, deepspeed_config
 
     cfg = W.make_config(precision, grad_clip=W.CLIP_TEST)
     assert clips_in_engine(cfg) == (precision == "bf16")
@@ -266,8 +266,8 @@ def test_one_rank_bf16_skips_the_all_reduce_and_trains_the_same():
 
 @pytest.mark.parametrize("accumulate", [False, True], ids=["one_micro_batch", "accumulated"])
 def test_bf16_norm_over_the_flat_gradients_is_deepspeeds_norm(accumulate):
-    """The bf16 optimizer's gradient norm over its flat fp32 buffers (hybridlm/engine/clipping.py
-    ``norm_over_flat_gradients``) is the norm DeepSpeed takes over each parameter's gradient: the same reported
+    """The bf16 optimizer's gradient norm over its flat fp32 buffers (hybridlm/engine/deepspeed_adapter.py
+    ``DeepSpeedAdapter.norm_over_flat_gradients``) is the norm DeepSpeed takes over each parameter's gradient: the same reported
     norms, losses and weights, up to the order of the fp32 sums."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
@@ -395,7 +395,7 @@ def test_nonfinite_loss_skips_step_bit_identically(precision):
 
 
 def test_step_on_device_skips_as_deepspeed_does():
-    """optim.step_on_device (hybridlm/engine/device_step.py): the skip is decided on the device (fused AdamW's
+    """optim.step_on_device (DeepSpeedAdapter.step_on_device): the skip is decided on the device (fused AdamW's
     found_inf) and read with the results, and leaves the same state untouched: weights, fp32 masters, AdamW's
     moments and step count, the LR and its schedule."""
     cfg = W.make_config("bf16", max_consecutive_nonfinite=3, step_on_device=True)

@@ -8,6 +8,10 @@ class ConfigError(ValueError):
     """Raised for any invalid configuration value; the message names the field and what was expected."""
 
 
+class CheckpointError(ConfigError):
+    """A checkpoint path that is missing, incomplete or unreadable (one line naming the path)."""
+
+
 def last_line(text) -> str:
     """The last non-empty line of an error message or a tool's output (what a one-line error quotes)."""
     lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]

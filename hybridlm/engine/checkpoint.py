@@ -1,4 +1,4 @@
-"""Filesystem and RNG functions for atomic, resumable checkpoints.
+"""Filesystem and RNG functions for atomic, resumable checkpoints, and the step counters a checkpoint keeps.
 
 Layout of a save directory::
 
@@ -26,12 +26,14 @@ import pickle
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from hybridlm.config.errors import ConfigError
+from hybridlm.config.errors import CheckpointError
+from hybridlm.engine.deepspeed_adapter import checkpoint_records
 from hybridlm.utils.atomic import TMP_PREFIX, write_json
 from hybridlm.utils.digest import sha256_of
 
@@ -41,8 +43,13 @@ TRASH_PREFIX = ".trash_"
 _STEP_RE = re.compile(r"^step_(\d+)(?:\.(\d+))?$")
 
 
-class CheckpointError(ConfigError):
-    """A checkpoint path that is missing, incomplete or unreadable (one line naming the path)."""
+@dataclass
+class StepCounters:
+    """What a checkpoint keeps of the engine's step accounting (hybridlm/engine/step_runner.py)."""
+
+    global_step: int = 0  # optimizer steps attempted (applied + skipped)
+    skipped_steps: int = 0
+    consecutive_nonfinite: int = 0
 
 
 def step_tag(step: int) -> str:
@@ -198,26 +205,16 @@ def remove_stale_temporaries(save_dir: str) -> None:
 
 # ---------------------------------------------------------------------------------- safe loading
 
-# What DeepSpeed 0.19's checkpoints hold besides tensors and plain data: small records of its own (a loss
-# scaler's settings, the ZeRO stage, where a bf16 fragment sits in its flat buffer). Unpickling them builds the object and sets
-# its fields; nothing else in a checkpoint may name a class or function.
-def _deepspeed_safe_globals() -> list:
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")  # torch names the refused class / function this way
 
 
 def safe_load(path: str, map_location: Any = "cpu") -> Any:
-    """``torch.load(path, weights_only=True)`` with DeepSpeed's records allowed: a file that names any other
+    """``torch.load(path, weights_only=True)`` with DeepSpeed's records allowed
+    (hybridlm/engine/deepspeed_adapter.py ``checkpoint_records``): a file that names any other
     class or function (a pickle that could run code) is a CheckpointError naming the file and the name."""
 
     try:
-        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+        with torch.serialization.safe_globals(checkpoint_records()):
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         found = _GLOBAL_RE.search(str(e))

@@ -1,10 +1,7 @@
-"""The engine's checkpoints: save, resolve and load, ZeRO-1 resharding, the precision check and the settings
-changed on resume. The files, their manifest and the RNG states are hybridlm/engine/checkpoint.py's.
-
-This module alone reads or writes DeepSpeed's private attributes (tests/test_engine_structure.py): the
-resharded load needs them, and so do the step's gradient norm and the linking of the optimizer's state to the
-parameters (:func:`deepspeed_grad_norm`, :func:`set_deepspeed_grad_norm`, :func:`link_optimizer_state`). A
-DeepSpeed upgrade that renames them changes this module only.
+"""The engine's checkpoints: save, resolve and load, the precision and parameter-group checks, the settings
+changed on resume. The files, their manifest, the RNG states and the step counters are
+hybridlm/engine/checkpoint.py's; DeepSpeed's own files and the ZeRO-1 resharding of its optimizer state are
+hybridlm/engine/deepspeed_adapter.py's, which this store calls as one state among those a checkpoint keeps.
 """
 from __future__ import annotations
 
@@ -13,76 +10,22 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.engine import checkpoint as ckpt
-from hybridlm.engine.checkpoint import CheckpointError
+from hybridlm.engine.checkpoint import CheckpointError, StepCounters
 from hybridlm.engine.config import OptimConfig
+from hybridlm.engine.deepspeed_adapter import MODEL_STATES_FILE, DeepSpeedAdapter, saved_by_bf16_optimizer
 from hybridlm.engine.distributed import DistInfo, barrier
 from hybridlm.engine.schedule import lr_lambda_from_config
-from hybridlm.engine.step_runner import StepCounters
 from hybridlm.utils.atomic import TMP_PREFIX, atomic_write_text, disk_full_error, fsync_dir, fsync_tree
 from hybridlm.utils.faults import disk_full_in, kill_in
 
 ENGINE_STATE_KEY = "hybridlm_engine"
 CLIENT_STATE_KEY = "client_state"
-
-# ----------------------------------------------------------------------- DeepSpeed's private attributes
-
-
-def deepspeed_grad_norm(optimizer) -> Any:
-    """The gradient norm DeepSpeed's ZeRO / bf16 optimizer took in its current step (before clipping)."""
-    return optimizer._global_grad_norm
-
-
-def set_deepspeed_grad_norm(optimizer, norm: Any) -> None:
-    """Where ``DeepSpeedEngine`` reads a step's gradient norm from (``get_global_grad_norm``)."""
-    optimizer._global_grad_norm = norm
-
-
-def link_optimizer_state(optimizer) -> None:
-    """DeepSpeed's per-parameter views of the AdamW state, made once after the first step."""
-    optimizer._lazy_init_hp_params_optimizer_state()
-
-
-def _partition_slice(param) -> Any:
-    """Where this rank's partition holds a slice of ``param`` (DeepSpeed's ``_hp_mapping``); None: no slice."""
-    return getattr(param, "_hp_mapping", None)
-
-
-def _relink_parameters(optimizer) -> None:
-    """DeepSpeed's per-parameter views of the fp32 partitions and their AdamW state, made again."""
-    optimizer._link_all_hp_params()
-
-
-def _set_last_lr(scheduler, lrs: Sequence[float]) -> None:
-    """The learning rates the scheduler reports (``get_last_lr``) and saves."""
-    scheduler._last_lr = list(lrs)
-
-
-# --------------------------------------------------------------------------------- loading safely
-
-
-def safe_checkpoint_engine(base):
-    """DeepSpeed's torch checkpoint engine with ``load`` through :func:`hybridlm.engine.checkpoint.safe_load`
-    (saving unchanged). Every DeepSpeed read of a checkpoint (model states, ZeRO optimizer shards) goes
-    through its checkpoint engine's ``load``."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    if type(base) is not TorchCheckpointEngine:
-        raise ConfigError(f"Engine: DeepSpeed chose the checkpoint engine {type(base).__name__}; only the torch "
-                          "checkpoint engine is supported (its loads are made safe)")
-
-    class SafeTorchCheckpointEngine(TorchCheckpointEngine):
-        def load(self, path: str, map_location=None):
-            return ckpt.safe_load(path, map_location=map_location)
-
-    safe = SafeTorchCheckpointEngine.__new__(SafeTorchCheckpointEngine)
-    safe.__dict__.update(base.__dict__)  # the same settings (serialization format, name)
-    return safe
 
 
 _SIZE_MISMATCH = re.compile(r"size mismatch for ([\w.]+): copying a param with shape torch\.Size\((\[[^\]]*\])\) "
@@ -119,17 +62,17 @@ class CheckpointStore:
     """Atomic, reshardable checkpoints of one DeepSpeed engine (its model, optimizer and schedule), with the
     RNG states and the step counters. Every method is collective: every rank calls it."""
 
-    def __init__(self, ds_engine, lr_scheduler, config: OptimConfig, dist_info: DistInfo,
+    def __init__(self, deepspeed: DeepSpeedAdapter, config: OptimConfig, dist_info: DistInfo,
                  group_decay: Sequence[float], group_lr: Optional[Sequence[float]] = None,
                  group_layout: Optional[Sequence[Tuple[str, int]]] = None) -> None:
-        self.ds_engine, self.lr_scheduler = ds_engine, lr_scheduler
+        self.deepspeed = deepspeed
         self.config, self.dist = config, dist_info
         self.group_decay = list(group_decay)  # each param group's weight decay
         self.group_lr = list(group_lr) if group_lr is not None else [config.lr] * len(self.group_decay)
         # each param group's name and size: the optimizer state of a checkpoint fits only the same layout
         self.group_layout = [[str(n), int(c)] for n, c in (group_layout or [])]
         # DeepSpeed's own loader unpickles with weights_only=False: ours reads tensors and plain data only
-        ds_engine.checkpoint_engine = safe_checkpoint_engine(ds_engine.checkpoint_engine)
+        deepspeed.load_files_with(ckpt.safe_load)
 
     def save(self, save_dir: str, step: int, client_state: Optional[Mapping[str, Any]], counters: StepCounters,
              keep_last: Optional[int] = None) -> str:
@@ -157,7 +100,7 @@ class CheckpointStore:
             CLIENT_STATE_KEY: dict(client_state) if client_state is not None else {},
         }
         try:
-            self.ds_engine.save_checkpoint(save_dir, tag=tmp_tag, client_state=state, save_latest=False)
+            self.deepspeed.save(save_dir, tmp_tag, state)
             rng_path = os.path.join(tmp_dir, ckpt.rng_file(rank))
             torch.save(ckpt.get_rng_state(), rng_path)
             disk_full_in("save", step)
@@ -206,7 +149,7 @@ class CheckpointStore:
         if not os.path.isdir(path):
             raise CheckpointError(f"checkpoint {path}: is not a directory")
         if os.path.isfile(os.path.join(path, ckpt.MANIFEST)) or os.path.isfile(
-            os.path.join(path, "mp_rank_00_model_states.pt")
+            os.path.join(path, MODEL_STATES_FILE)
         ):
             parent, tag = os.path.split(path)
             return parent, tag
@@ -247,12 +190,10 @@ class CheckpointStore:
         rng_path = os.path.join(tag_dir, ckpt.rng_file(rng_rank))
         try:
             # another number of ranks: DeepSpeed loads the model and the schedule, the optimizer state is
-            # re-partitioned from every saved shard below (the docstring of load_resharded_optimizer)
-            load_path, state = self.ds_engine.load_checkpoint(
-                save_dir, tag=tag, load_optimizer_states=not resharded, load_lr_scheduler_states=True
-            )
+            # re-partitioned from every saved shard below (DeepSpeedAdapter.load_resharded_optimizer)
+            load_path, state = self.deepspeed.load(save_dir, tag, with_optimizer=not resharded)
             if resharded and load_path is not None:
-                self.load_resharded_optimizer(tag_dir, saved_ws)
+                self.deepspeed.load_resharded_optimizer(tag_dir, saved_ws, ckpt.safe_load)
             rng = ckpt.safe_load(rng_path)
         except CheckpointError:
             raise
@@ -273,65 +214,6 @@ class CheckpointStore:
         barrier()
         return Restored(state.get(CLIENT_STATE_KEY, {}), counters, note)
 
-    def load_resharded_optimizer(self, tag_dir: str, saved_world_size: int) -> None:
-        """The fp32 master weights and AdamW moments of a checkpoint saved on ``saved_world_size`` ranks, put into
-        this engine's ZeRO partition on the current number of ranks.
-
-        Every saved shard records which slice of which parameter it holds (``param_slice_mappings``: name ->
-        start and length in that rank's flat partition); the shards of all ranks, read in rank order, give each
-        parameter's full fp32 value and moments. Each current rank then copies the slice of every parameter that
-        its own partition holds (DeepSpeed's ``_hp_mapping`` of each parameter: where the slice starts in the
-        parameter and in the partition). Values are copied, not recomputed, so the state is exact; the step
-        count is the saved one.
-        """
-        pattern = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
-        shards = {int(m.group(1)): os.path.join(tag_dir, f) for f in os.listdir(tag_dir) if (m := pattern.match(f))}
-        if sorted(shards) != list(range(saved_world_size)):
-            raise CheckpointError(f"checkpoint {tag_dir}: expected the optimizer shards of ranks 0..{saved_world_size - 1}, "
-                                  f"found {sorted(shards)}")
-        pieces: Dict[str, Dict[str, List[torch.Tensor]]] = {}
-        steps = set()
-        for r in range(saved_world_size):
-            sd = ckpt.safe_load(shards[r])["optimizer_state_dict"]
-            states = sd["base_optimizer_state"]["state"]
-            for g, mapping in enumerate(sd["param_slice_mappings"]):
-                flat, state = sd["single_partition_of_fp32_groups"][g], states[g]
-                steps.add(float(state["step"]))
-                for name, addr in mapping.items():
-                    slot = pieces.setdefault(name, {"fp32": [], "exp_avg": [], "exp_avg_sq": []})
-                    slot["fp32"].append(flat.narrow(0, addr.start, addr.numel))
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        slot[key].append(state[key].narrow(0, addr.start, addr.numel))
-        if len(steps) != 1:
-            raise CheckpointError(f"checkpoint {tag_dir}: the shards disagree on the optimizer step ({sorted(steps)})")
-        full = {name: {k: torch.cat(v) for k, v in slot.items()} for name, slot in pieces.items()}
-        step = steps.pop()
-
-        base = self.ds_engine.optimizer.optimizer  # the torch AdamW stepping the flat fp32 partitions
-        for group in base.param_groups:  # AdamW creates its state at the first step: create it now
-            flat = group["params"][0]
-            on_device = group.get("fused") or group.get("capturable")
-            base.state[flat] = {"step": torch.tensor(step, dtype=torch.float32,
-                                                     device=flat.device if on_device else "cpu"),
-                                "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
-        for name, param in self.ds_engine.module.named_parameters():
-            mapping = _partition_slice(param)
-            if mapping is None:  # no slice of it in this rank's partition
-                continue
-            if name not in full or full[name]["fp32"].numel() != param.numel():
-                raise CheckpointError(f"checkpoint {tag_dir}: optimizer state of {name} missing or of another size")
-            lo, n = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
-            at = mapping.hp_fragment_address.start
-            group = base.param_groups[mapping.param_group_index]
-            flat = group["params"][0]
-            flat.data.narrow(0, at, n).copy_(full[name]["fp32"][lo:lo + n])
-            for key in ("exp_avg", "exp_avg_sq"):
-                base.state[flat][key].narrow(0, at, n).copy_(full[name][key][lo:lo + n])
-        # the learning rate lives in the optimizer's groups, which a full optimizer load would restore
-        for group, lr in zip(base.param_groups, self.ds_engine.lr_scheduler.get_last_lr()):
-            group["lr"] = lr
-        _relink_parameters(self.ds_engine.optimizer)  # the per-parameter views of the new state
-
     def check_precision(self, tag_dir: str, manifest: Mapping[str, Any]) -> None:
         """Refuse, naming the setting, a checkpoint saved with another ``optim.precision`` (its optimizer files
         are another kind: bf16 runs save ``bf16_zero_pp_rank_*``)."""
@@ -339,7 +221,7 @@ class CheckpointStore:
         now = self.config.precision
         if saved is None:  # an older manifest: the kind of its optimizer files tells bf16 from the others
             names = manifest.get("files") or {}
-            bf16_files = any(str(n).startswith("bf16_zero_pp_rank_") for n in names)
+            bf16_files = saved_by_bf16_optimizer(names)
             if bf16_files == (now == "bf16"):
                 return
             saved = "bf16" if bf16_files else "fp32 or bf16-mixed"
@@ -368,18 +250,10 @@ class CheckpointStore:
         settings and the new ones are never blended: a changed setting applies from the resume step on, and
         the returned line says which changed (None when none did). ``global_step``: the steps loaded."""
         cfg = self.config
-        sched = self.lr_scheduler
-        groups = self.ds_engine.basic_optimizer.param_groups  # the AdamW that ZeRO steps (lr is read there)
-        applied = int(sched.last_epoch)
+        applied = self.deepspeed.applied_updates
         factor = lr_lambda_from_config(cfg)
-        sched.base_lrs = list(self.group_lr)
         lrs = [base * factor(applied) for base in self.group_lr]
-        for group, lr, decay in zip(groups, lrs, self.group_decay):
-            group["lr"] = lr
-            group["weight_decay"] = decay
-            group["betas"] = tuple(cfg.betas)
-            group["eps"] = cfg.eps
-        _set_last_lr(sched, lrs)
+        self.deepspeed.set_optimizer_settings(self.group_lr, lrs, self.group_decay, cfg.betas, cfg.eps)
         changed = []
         for key in ("lr", "group_lr", "min_lr", "warmup_steps", "max_steps", "schedule", "decay_fraction",
                     "weight_decay", "betas", "eps", "grad_clip"):

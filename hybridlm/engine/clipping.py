@@ -17,7 +17,9 @@ DeepSpeed still computes its own norm first: it is the step's reported gradient 
 the step before the wrapped optimizer (and so this hook) runs (hybridlm/engine/step_runner.py, module docstring). The
 engine hands the hook that norm rather than taking it twice. DeepSpeed takes one norm per parameter's gradient
 (~110 small kernels a GDN-300M step, and as many launches);
-:func:`norm_over_flat_gradients` hands it the flat buffers those gradients live in instead.
+:meth:`~hybridlm.engine.deepspeed_adapter.DeepSpeedAdapter.norm_over_flat_gradients` hands it the flat buffers
+those gradients live in instead. Every reach into DeepSpeed's optimizer is hybridlm/engine/deepspeed_adapter.py's;
+this module is plain torch.
 """
 from __future__ import annotations
 
@@ -79,18 +81,3 @@ def clip_before_step(optimizer: torch.optim.Optimizer, max_norm: float, group: O
             scale_to_max_norm(grads, norm(), max_norm)
 
     return optimizer.register_step_pre_hook(hook)
-
-
-def norm_over_flat_gradients(bf16_optimizer) -> None:
-    """Make DeepSpeed's ``BF16_Optimizer`` take its gradient norm over its flat fp32 gradient buffers (one norm per
-    parameter group) instead of over each parameter's view of them. Same value: every parameter's gradient is a
-    view of its group's buffer, which holds zeros where a parameter got no gradient (DeepSpeed zeroes it after
-    each step) and is cut before its alignment padding. Under ZeRO-1 every rank holds the whole reduced
-    gradient, so the norm needs no communication, as DeepSpeed's own. Not for pipeline, tensor or expert
-    parallelism, whose parameters DeepSpeed filters or groups apart (the engine uses none)."""
-    flat = list(bf16_optimizer.fp32_groups_actual_gradients_flat)
-
-    def grads_for_norm(for_clipping: bool = False):
-        return list(flat) if for_clipping else (list(flat), {})
-
-    bf16_optimizer.get_grads_for_norm = grads_for_norm

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hybridlm.config.errors import ConfigError
+from hybridlm.engine.deepspeed_adapter import destroy_process_groups, init_process_group
 from hybridlm.utils.ranks import MPI_RANK_VARS as _MPI_RANK_VARS
 
 # NVLink multicast off (NCCL's NVLS algorithms, torch's symmetric memory, NVSHMEM): hosts shared with other jobs
@@ -172,12 +173,10 @@ def init_distributed(timeout_minutes: int = 30) -> DistInfo:
     if not (dist.is_available() and dist.is_initialized()):
         _import_group_default_modules()  # before the default group exists (see there)
 
-    import deepspeed
-
     if not (dist.is_available() and dist.is_initialized()):
-        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     else:  # someone else created the group: let DeepSpeed's comm layer adopt it
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
+        init_process_group(dist.get_backend())
         backend = str(dist.get_backend())
 
     _INFO = DistInfo(
@@ -232,10 +231,7 @@ def _destroy_groups() -> None:
       but uncollected ZeRO-1 engine takes two passes (measured: the first frees the engine, the second its
       parameters and with them the clone), so collect until a pass finds nothing.
     """
-    ds_comm = sys.modules.get("deepspeed.comm")
-    if ds_comm is not None and ds_comm.is_initialized():
-        ds_comm.destroy_process_group()
-    elif dist.is_available() and dist.is_initialized():
+    if not destroy_process_groups() and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _release_pinned_groups()
     for _ in range(5):

@@ -5,14 +5,15 @@ model it trains and a ``loss_fn(model, batch) -> (loss, metrics)``.  A KD stage'
 closes over a frozen teacher, DPO's over a frozen reference model; only the parameters of the
 model handed to the engine (optionally only ``trainable``) are optimised.
 
-The engine is a facade over three components, one job each:
+The engine is a facade over three components, one job each, side by side on one
+:class:`~hybridlm.engine.deepspeed_adapter.DeepSpeedAdapter` (the one module that touches DeepSpeed):
 
-* hybridlm/engine/deepspeed_build.py: the DeepSpeed engine (param groups, AdamW, config dict,
-  ``deepspeed.initialize``, how the optimizer clips and steps);
+* hybridlm/engine/build.py: what trains and how the optimizer steps (param groups, AdamW, the schedule,
+  clipping or the step on the device), handed to ``deepspeed.initialize``;
 * hybridlm/engine/step_runner.py: the step, evaluation, and the skip accounting (its module docstring says
   how a step with a non-finite loss is skipped);
-* hybridlm/engine/checkpoint_store.py: save / resolve / load, ZeRO-1 resharding, the precision check and the
-  settings changed on resume; the one module that touches DeepSpeed's private attributes.
+* hybridlm/engine/checkpoint_store.py: save / resolve / load, the precision check and the settings changed on
+  resume (the ZeRO-1 resharding is the adapter's).
 """
 from __future__ import annotations
 
@@ -20,26 +21,14 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence
 
 from torch import nn
 
+from hybridlm.engine.build import build_deepspeed_engine
 from hybridlm.engine.checkpoint_store import CheckpointStore
 from hybridlm.engine.config import OptimConfig
-from hybridlm.engine.deepspeed_build import (build_deepspeed_engine, build_param_groups, clips_in_engine,
-                                             deepspeed_config, no_weight_decay)
 from hybridlm.engine.distributed import DistInfo, init_distributed
 from hybridlm.engine.step_runner import (EvalResult, LossFn, NonFiniteLossError, PendingStep, StepResult,
                                          StepRunner)
 
-__all__ = [
-    "Engine",
-    "EvalResult",
-    "LossFn",
-    "NonFiniteLossError",
-    "PendingStep",
-    "StepResult",
-    "build_param_groups",
-    "clips_in_engine",
-    "deepspeed_config",
-    "no_weight_decay",
-]
+__all__ = ["Engine", "EvalResult", "LossFn", "NonFiniteLossError", "PendingStep", "StepResult"]
 
 
 def _counter(name: str, doc: str) -> property:
@@ -90,12 +79,14 @@ class Engine:
         self.gradient_accumulation_steps = config.gradient_accumulation_steps(self.dist.world_size)
         built = build_deepspeed_engine(model, config, self.dist, trainable=trainable, named_groups=named_groups,
                                        ds_overrides=ds_overrides)
-        self.ds_engine, self.optimizer, self.lr_scheduler = built.ds_engine, built.optimizer, built.lr_scheduler
-        self._steps = StepRunner(self.ds_engine, self.optimizer, self.lr_scheduler, config, self.dist,
-                                 first_group_lr=built.group_lr[0])
-        self._checkpoints = CheckpointStore(self.ds_engine, self.lr_scheduler, config, self.dist, built.group_decay,
+        self.deepspeed = built.deepspeed
+        # DeepSpeed's engine, its ZeRO / bf16 optimizer and the schedule, for callers that inspect them
+        self.ds_engine, self.optimizer = self.deepspeed.engine, self.deepspeed.optimizer
+        self.lr_scheduler = self.deepspeed.lr_scheduler
+        self._steps = StepRunner(self.deepspeed, config, self.dist, first_group_lr=built.group_lr[0])
+        self._checkpoints = CheckpointStore(self.deepspeed, config, self.dist, built.group_decay,
                                             built.group_lr, built.group_layout)
-        self.module: nn.Module = self.ds_engine.module
+        self.module: nn.Module = self.deepspeed.module
         self.device = self.dist.device
         self.resume_note: Optional[str] = None  # set by load_checkpoint when a setting changed since the save
 
@@ -104,7 +95,7 @@ class Engine:
     @property
     def model(self) -> nn.Module:
         """The DeepSpeed engine: what ``loss_fn`` receives."""
-        return self.ds_engine
+        return self.deepspeed.model
 
     @property
     def lr(self) -> float:
@@ -168,7 +159,7 @@ class Engine:
 
         ``path`` is a save directory (the checkpoint named by its ``latest`` file is loaded) or one
         ``step_<N>`` directory. It may have been saved on another number of ranks
-        (:meth:`CheckpointStore.load_resharded_optimizer`).  Returns None when ``path`` is a directory holding no
+        (:meth:`DeepSpeedAdapter.load_resharded_optimizer`).  Returns None when ``path`` is a directory holding no
         checkpoint yet (unless ``required``).  A missing path, a dangling ``latest``, an incomplete or unreadable
         checkpoint raise :class:`CheckpointError` (a ``ConfigError``) naming the path.  Collective.
         """

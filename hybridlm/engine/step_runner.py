@@ -23,10 +23,10 @@ everywhere.  This decision stays on the device (no host sync); after the step th
 that DeepSpeed really skipped (``skipped_steps`` advanced) and raises otherwise.
 
 With ``optim.step_on_device`` (bf16 ZeRO-1) DeepSpeed's step is replaced by one that skips on the device too
-(hybridlm/engine/device_step.py: fused AdamW's ``found_inf``), so that no step waits for its backward on the
-host. The same state is left untouched; the engine learns of the skip when it reads the step's results, and it
-reads them, at the latest, before the next step's optimizer, when it counts the skip and advances the LR
-schedule only for an applied step, as above.
+(hybridlm/engine/deepspeed_adapter.py ``DeepSpeedAdapter.step_on_device``: fused AdamW's ``found_inf``), so that
+no step waits for its backward on the host. The same state is left untouched; the engine learns of the skip when
+it reads the step's results, and it reads them, at the latest, before the next step's optimizer, when it counts the
+skip and advances the LR schedule only for an applied step, as above.
 """
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridlm.engine.checkpoint import StepCounters
 from hybridlm.engine.config import OptimConfig
+from hybridlm.engine.deepspeed_adapter import DeepSpeedAdapter
 from hybridlm.engine.distributed import DistInfo
 from hybridlm.utils.readback import Readback, Stamp
 from hybridlm.utils.tensors import map_tensors
@@ -72,15 +74,6 @@ class EvalResult:
     tokens: int
     metrics: Dict[str, float] = field(default_factory=dict)
     weight: Optional[float] = None  # the loss's own "eval_weight" (e.g. DPO's pairs); None: weigh by tokens
-
-
-@dataclass
-class StepCounters:
-    """What a checkpoint keeps of the step accounting."""
-
-    global_step: int = 0  # optimizer steps attempted (applied + skipped)
-    skipped_steps: int = 0
-    consecutive_nonfinite: int = 0
 
 
 class PendingStep:
@@ -148,9 +141,9 @@ class StepRunner:
     """Runs optimizer steps and evaluation batches on a DeepSpeed engine, and counts steps attempted, skipped
     and skipped in a row (:class:`StepCounters`)."""
 
-    def __init__(self, ds_engine, optimizer, lr_scheduler, config: OptimConfig, dist_info: DistInfo,
+    def __init__(self, deepspeed: DeepSpeedAdapter, config: OptimConfig, dist_info: DistInfo,
                  first_group_lr: Optional[float] = None) -> None:
-        self.ds_engine, self.optimizer, self.lr_scheduler = ds_engine, optimizer, lr_scheduler
+        self.deepspeed = deepspeed
         self.config = config
         self.dist = dist_info
         self.device = dist_info.device
@@ -165,7 +158,7 @@ class StepRunner:
     @property
     def lr(self) -> float:
         """Learning rate the next step will use at ``optim.lr`` (a named group's rate is this scaled to its own)."""
-        return float(self.ds_engine.basic_optimizer.param_groups[0]["lr"]) * self.lr_scale
+        return self.deepspeed.lr * self.lr_scale
 
     def counters(self) -> StepCounters:
         return StepCounters(self.global_step, self.skipped_steps, self.consecutive_nonfinite)
@@ -194,14 +187,11 @@ class StepRunner:
                 f"train_step: got {n} micro-batches, expected gradient_accumulation_steps="
                 f"{self.gradient_accumulation_steps} (global_batch_size / (micro_batch_size x world size))"
             )
-        engine = self.ds_engine
-        # train() walks every module, host time the GPU waits for: only on a change of the inner module's mode
-        # (DeepSpeedEngine.eval() leaves its own flag set)
-        if not engine.module.training:
-            engine.train()
+        deepspeed = self.deepspeed
+        deepspeed.ensure_training()
         dev = self.device
         start = Stamp(dev)
-        skipped_before = engine.skipped_steps
+        skipped_before = deepspeed.skipped_steps
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         bad = torch.zeros((), dtype=torch.float64, device=dev)
@@ -212,7 +202,7 @@ class StepRunner:
 
         for i, mb in enumerate(micro_batches):
             mb = _to_device(mb, dev)
-            loss, metrics = loss_fn(engine, mb)
+            loss, metrics = loss_fn(deepspeed.model, mb)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError("loss_fn must return (scalar loss tensor, metrics dict)")
             if not loss.requires_grad:
@@ -237,23 +227,23 @@ class StepRunner:
                 stats = self._reduce(torch.stack([loss_sum, bad, tokens] + [metric_sums[k] for k in keys]))
                 poison = torch.where(stats[1] > 0, float("nan"), 1.0).to(dtype=loss.dtype)
                 loss = loss * poison
-            engine.backward(loss)
+            deepspeed.backward(loss)
             if i == n - 1:
                 if before_optimizer_step is not None:
                     before_optimizer_step()
                 self.settle()  # the last step's skip decides the schedule this step runs with
                 lr = self.lr
-            engine.step()
+            deepspeed.step()
 
         assert stats is not None and keys is not None
-        norm = engine.get_global_grad_norm()
+        norm = deepspeed.grad_norm()
         tail = [_scalar(norm if norm is not None else float("nan"), dev).reshape(1)]
         if self.config.step_on_device:  # whether the step was skipped is known on the device only
-            tail.append(self.optimizer.found_inf.to(torch.float64).reshape(1))
+            tail.append(deepspeed.found_inf().to(torch.float64).reshape(1))
         self.global_step += 1
         end = Stamp(dev)  # before the Readback, so that reading it means the stamp's work is done
         pending = PendingStep(step=self.global_step, lr=lr,
-                              skipped=None if self.config.step_on_device else engine.skipped_steps > skipped_before,
+                              skipped=None if self.config.step_on_device else deepspeed.skipped_steps > skipped_before,
                               keys=keys, denom=n * self.dist.world_size,
                               values=Readback(torch.cat([stats] + tail)), is_main=self.dist.is_main,
                               account=self.account, span=(start, end))
@@ -274,7 +264,7 @@ class StepRunner:
         else:
             self.consecutive_nonfinite = 0
             if self.config.step_on_device:
-                self.lr_scheduler.advance()
+                self.deepspeed.advance_schedule()
         pending.streak, pending.skipped_total = self.consecutive_nonfinite, self.skipped_steps
         if pending.skipped and self.consecutive_nonfinite >= self.config.max_consecutive_nonfinite:
             result = pending.result()
@@ -287,14 +277,9 @@ class StepRunner:
     @torch.no_grad()
     def evaluate(self, loss_fn: LossFn, batch: Mapping[str, Any]) -> EvalResult:
         """Loss and metrics of one batch on this rank, in eval mode, without gradients."""
-        engine = self.ds_engine
-        was_training = engine.training
-        engine.eval()
-        try:
+        with self.deepspeed.evaluating() as model:
             batch = _to_device(batch, self.device)
-            loss, metrics = loss_fn(engine, batch)
-        finally:
-            engine.train(was_training)
+            loss, metrics = loss_fn(model, batch)
         metrics = dict(metrics or {})
         n_tok = metrics.pop("tokens", None)
         weight = metrics.pop("eval_weight", None)

@@ -1,5 +1,5 @@
-"""``optim.step_on_device`` (hybridlm/engine/device_step.py) with the engine on a GPU (needs CUDA): the CPU tests of
-tests/test_engine.py again, now through CUDA's fused AdamW, whose ``found_inf`` must skip a non-finite step
+"""``optim.step_on_device`` (``DeepSpeedAdapter.step_on_device``) with the engine on a GPU (needs CUDA): the CPU
+tests of tests/test_engine.py again, now through CUDA's fused AdamW, whose ``found_inf`` must skip a non-finite step
 (weights, fp32 masters, moments and step count bit-identical) and whose steps must train as DeepSpeed's own bf16
 step does. The engine takes the GPU wherever there is one."""
 import pytest

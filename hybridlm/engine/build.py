@@ -1,6 +1,6 @@
-"""Building the DeepSpeed engine: the trainable parameters, AdamW and its groups, the DeepSpeed config dict,
-``deepspeed.initialize``, and how the built optimizer clips and steps (hybridlm/engine/clipping.py,
-hybridlm/engine/device_step.py)."""
+"""What the engine trains and how its optimizer steps: the trainable parameters, AdamW and its groups, the
+schedule, and the clipping or the step on the device that DeepSpeed's optimizer runs with (every DeepSpeed call
+through hybridlm/engine/deepspeed_adapter.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,10 +11,9 @@ from torch import nn
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.engine.checkpoint import seed_everything
-from hybridlm.engine.checkpoint_store import deepspeed_grad_norm
-from hybridlm.engine.clipping import clip_before_step, norm_over_flat_gradients
+from hybridlm.engine.clipping import clip_before_step, global_norm, scale_to_max_norm
 from hybridlm.engine.config import OptimConfig
-from hybridlm.engine.device_step import ScheduleAdvancedByEngine, step_on_device
+from hybridlm.engine.deepspeed_adapter import DeepSpeedAdapter, clips_in_engine, deepspeed_config
 from hybridlm.engine.distributed import DistInfo
 from hybridlm.engine.schedule import lr_lambda_from_config
 
@@ -73,47 +72,11 @@ def named_param_groups(named: Mapping[str, Iterable[nn.Parameter]], config: Opti
     return groups
 
 
-def clips_in_engine(cfg: OptimConfig) -> bool:
-    """Whether the engine clips the gradients itself: where DeepSpeed runs its ``BF16_Optimizer`` (bf16 weights,
-    fp32 gradient accumulation, ZeRO-1), whose clipping loop the GPU waits for (hybridlm/engine/clipping.py)."""
-    return cfg.precision == "bf16" and cfg.zero_stage == 1 and cfg.grad_clip > 0
-
-
-def deepspeed_config(cfg: OptimConfig, world_size: int) -> Dict[str, Any]:
-    """The DeepSpeed config dict the engine runs with (no optimizer/scheduler: both are passed in)."""
-    gas = cfg.gradient_accumulation_steps(world_size)
-    bf16 = cfg.precision == "bf16"
-    ds: Dict[str, Any] = {
-        "train_batch_size": cfg.global_batch_size,
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": gas,
-        # bf16 + ZeRO-1 clips in the engine (hybridlm/engine/clipping.py): DeepSpeed's loop there stalls the GPU
-        "gradient_clipping": 0.0 if clips_in_engine(cfg) else float(cfg.grad_clip),
-        "zero_optimization": {"stage": cfg.zero_stage},
-        # check_grad_overflow: a non-finite gradient norm skips the update (hybridlm/engine/step_runner.py).
-        "bf16": {"enabled": bf16, "check_grad_overflow": True, "immediate_grad_update": cfg.immediate_grad_update},
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-        # DeepSpeed's throughput timer (on by default) synchronizes the device when each forward starts and each
-        # step ends: the GPU then waits for the host to launch the next step (the loop measures tokens/s itself)
-        "timers": {"throughput": {"enabled": False}},
-    }
-    if bf16:
-        # bf16 weights/activations, fp32 master weights, fp32 gradient accumulation.
-        ds["data_types"] = {"grad_accum_dtype": "fp32"}
-    if cfg.precision == "bf16-mixed":
-        # fp32 weights; DeepSpeed runs the forward under torch.autocast(bf16) (engine(...) and eval alike)
-        ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
-    return ds
-
-
 @dataclass
 class BuiltEngine:
     """What :func:`build_deepspeed_engine` returns."""
 
-    ds_engine: Any  # deepspeed.DeepSpeedEngine
-    optimizer: Any  # DeepSpeed's ZeRO or bf16 optimizer, wrapping the torch AdamW
-    lr_scheduler: Any  # LambdaLR, or ScheduleAdvancedByEngine with optim.step_on_device
+    deepspeed: DeepSpeedAdapter  # the DeepSpeed engine, its optimizer and the schedule
     group_decay: List[float]  # each AdamW param group's weight decay
     group_lr: List[float]  # each AdamW param group's peak learning rate
     group_layout: List[Tuple[str, int]]  # each AdamW param group's name ("" unnamed) and parameter count
@@ -185,33 +148,22 @@ def build_deepspeed_engine(model: nn.Module, config: OptimConfig, dist_info: Dis
     if ds_overrides:
         ds_config.update(dict(ds_overrides))
 
-    import deepspeed
-
-    ds_engine, zero_optimizer, _, lr_scheduler = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=lambda opt: (ScheduleAdvancedByEngine(opt, factor) if config.step_on_device
-                                  else torch.optim.lr_scheduler.LambdaLR(opt, factor)),
-        config=ds_config,
-        dist_init_required=False,
-    )
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    bf16_optimizer = isinstance(zero_optimizer, BF16_Optimizer)
+    deepspeed = DeepSpeedAdapter.initialize(model, optimizer, factor, ds_config,
+                                            schedule_advanced_by_engine=config.step_on_device)
+    bf16_optimizer = deepspeed.bf16_optimizer
     if (clips_in_engine(config) or config.step_on_device) and not bf16_optimizer:
         raise RuntimeError(f"Engine: expected DeepSpeed's BF16_Optimizer for bf16 ZeRO-1, got "
-                           f"{type(zero_optimizer).__name__}; the engine's clipping and step assume it")
-    if config.step_on_device:  # it clips too (hybridlm/engine/device_step.py)
-        step_on_device(zero_optimizer, config.grad_clip)
+                           f"{deepspeed.optimizer_name}; the engine's clipping and step assume it")
+    if config.step_on_device:  # it clips too
+        max_norm = config.grad_clip
+        deepspeed.step_on_device(
+            norm_of=lambda grads: global_norm(grads, reference=grads[0]),  # this rank's partitions, summed over ranks
+            clip=(lambda grads, norm: scale_to_max_norm(grads, norm, max_norm)) if max_norm > 0 else None)
     elif clips_in_engine(config) and ds_config.get("gradient_clipping") == 0.0:  # not overridden
         # DeepSpeed's norm, taken just before it steps the optimizer (hybridlm/engine/clipping.py)
-        clip_before_step(ds_engine.basic_optimizer, config.grad_clip,
-                         norm=lambda: deepspeed_grad_norm(zero_optimizer))
+        clip_before_step(deepspeed.torch_optimizer, config.grad_clip, norm=deepspeed.step_grad_norm)
     if bf16_optimizer and not config.step_on_device:  # (the device step takes its own norm over the same buffers)
-        norm_over_flat_gradients(zero_optimizer)
+        deepspeed.norm_over_flat_gradients()
     if bf16_optimizer and dist_info.world_size == 1:
-        # One rank: DeepSpeed's all-reduce of the fp32 gradient sums is a flatten into its bf16 communication
-        # dtype, a reduce over one rank and a copy back (passes over every gradient each step); it would also round
-        # sums accumulated over micro-batches to bf16. Several ranks communicate in bf16 (DeepSpeed's
-        # communication_data_type).
-        ds_engine.enable_backward_allreduce = False
-    return BuiltEngine(ds_engine, zero_optimizer, lr_scheduler, [g["weight_decay"] for g in groups], peak_lr, layout)
+        deepspeed.skip_backward_allreduce()
+    return BuiltEngine(deepspeed, [g["weight_decay"] for g in groups], peak_lr, layout)
