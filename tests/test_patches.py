@@ -9,6 +9,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -105,6 +106,18 @@ def test_the_kernel_choice_only_answers():
     modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not names & {"patches", "apply_shipped_tuning", "tuning"}, names
     assert not modules & {"hybridlm", "hybridlm.ops.tuning", "hybridlm.patches"}, modules
+
+
+def test_the_design_doc_lists_the_patches():
+    """docs/design.md's table of patches: one row per declared patch, in order, scoped ones marked, with the
+    modules that apply it."""
+    text = (REPO / "docs/design.md").read_text()
+    section = text.split("## Patches of other libraries' code", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| `")]
+    listed = [(r[0].split("`")[1], r[0].endswith("(scoped)"), set(re.findall(r"`([\w.]+)`", r[2]))) for r in rows]
+    assert listed == [(n, p.scoped, set(p.applied_by)) for n, p in P.PATCHES.items()]
+    assert "**A patch**" in text.split("## Where to add", 1)[1]
 
 
 # ------------------------------------------------------------------------------------------------ version guard
