@@ -19,6 +19,7 @@ from typing import List
 import pytest
 
 from hybridlm import patches as P
+from tests.support.history import source_at
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLKIT = ("hybridlm", "pretrain", "distill", "smart_select", "upcycle")
@@ -466,13 +467,6 @@ SCATTERED = {
 
 def test_the_check_flags_the_patches_where_they_were():
     for path, expected in SCATTERED.items():
-        try:
-            old = subprocess.run(["git", "show", f"{SCATTERED_COMMIT}:{path}"], cwd=REPO, capture_output=True,
-                                 text=True, timeout=60)
-        except (OSError, subprocess.TimeoutExpired):
-            pytest.skip("git is not available")
-        if old.returncode != 0:
-            pytest.skip(f"commit {SCATTERED_COMMIT[:12]} is not in this checkout")
-        hits = foreign_patches(old.stdout)
+        hits = foreign_patches(source_at(SCATTERED_COMMIT, path))
         for what in expected:
             assert any(what in h for h in hits), (path, what, hits)
