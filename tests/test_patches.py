@@ -52,13 +52,13 @@ def test_the_patch_list():
 
 
 def test_the_versions_here_are_the_ones_written_for():
-    """The guard of each patch admits the packages installed here (an absent optional package, vLLM in the training
-    environment, is not checked)."""
+    """The guard of each patch admits the packages installed here (an absent package is not checked: vLLM in the
+    training environment, DeepSpeed in the serving one)."""
     checked = []
     for patch in P.PATCHES.values():
         assert not P.outside_versions(patch), (patch.name, P.outside_versions(patch))
         checked += [p for p in patch.versions if P.installed_version(p) is not None]
-    assert {"python", "torch", "triton", "deepspeed", "transformers"} <= set(checked), checked
+    assert {"python", "torch", "transformers"} <= set(checked), checked
 
 
 # ------------------------------------------------------------------------------------------------ where applied
@@ -212,10 +212,10 @@ def test_autotuner_shipped_results(monkeypatch):
 
 
 def test_deepspeed_shm_comm_off():
-    import deepspeed.ops
+    deepspeed_ops = pytest.importorskip("deepspeed.ops")
     P.apply("deepspeed-shm-comm-off")
     P.apply("deepspeed-shm-comm-off")
-    assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is False
+    assert deepspeed_ops.__compatible_ops__["deepspeed_shm_comm"] is False
 
 
 GROUP_DEFAULTS = """
