@@ -253,7 +253,7 @@ def count_graphed_generate(monkeypatch) -> list:
 @pytest.fixture(scope="session", autouse=True)
 def shipped_kernel_tuning():
     """On a CUDA host the shipped kernel tuning is in place for every test (hybridlm/ops/tuning.py), as a model's
-    Triton path puts it in place on first use: kernels a test calls directly are then served from the shipped
+    build puts it in place: kernels a test calls directly are then served from the shipped
     file, and recorded under HYBRIDLM_RECORD_TUNING, like a model's. (Not in the kernel modules themselves: a line
     added above a kernel changes Triton's hash of it, which covers its starting line, and voids its entries.)"""
     if torch.cuda.is_available():

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from triton.runtime.autotuner import Autotuner
 
+from hybridlm import patches
 from hybridlm.ops import tuning as T
 
 GPU = "NVIDIA H200"
@@ -180,17 +181,27 @@ def test_every_shipped_file_is_valid():
         print(status.line)
 
 
-def test_the_process_hook_says_one_line_once(tmp_path, monkeypatch, capsys):
-    """apply_shipped_tuning as the Triton path calls it on a CUDA device (CUDA's presence and the device's name stood
-    in for): the matching shipped file loaded once, one line on stderr; no file for the GPU, one line."""
+def _as_on_a_cuda_host(monkeypatch, tmp_path, gpu=GPU):
+    """CUDA's presence and the device's name stood in for, a shipped file (no entries) for ``GPU`` in ``tmp_path``,
+    the process's status cleared; Triton's autotuner put back as it is after the test."""
     monkeypatch.setattr(T, "SHIPPED_DIR", tmp_path)
-    monkeypatch.setattr(T, "_HOOKED", True)  # the class-wide hook itself is the tests above
+    monkeypatch.setattr(Autotuner, "check_disk_cache", Autotuner.check_disk_cache)  # restored after the test
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("HYBRIDLM_SHIPPED_TUNING", raising=False)
+    monkeypatch.delenv("HYBRIDLM_RECORD_TUNING", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
+    monkeypatch.setattr(T, "_STATUS", None)
     data = {"format": T.FORMAT, "gpu": GPU, "triton": triton.__version__, "fla": None, "entries": [],
             "sha256": T.entries_digest([])}
     T.shipped_file(GPU, triton.__version__).write_text(json.dumps(data))
+
+
+def test_the_process_hook_says_one_line_once(tmp_path, monkeypatch, capsys):
+    """apply_shipped_tuning on a CUDA host (CUDA's presence and the device's name stood in for): the matching shipped
+    file loaded once, the autotuner hooked once, one line on stderr; no file for the GPU, one line."""
+    _as_on_a_cuda_host(monkeypatch, tmp_path)
+    original = Autotuner.check_disk_cache
     for gpu, expect in ((GPU, f"kernel tuning: 0 shipped autotune results for {GPU} / Triton {triton.__version__}"),
                         ("NVIDIA B200", f"kernel tuning: none shipped for NVIDIA B200 / Triton {triton.__version__} "
                                         f"(shipped: nvidia-h200.triton-{triton.__version__})")):
@@ -199,6 +210,9 @@ def test_the_process_hook_says_one_line_once(tmp_path, monkeypatch, capsys):
         first, second = T.apply_shipped_tuning(), T.apply_shipped_tuning()
         err = capsys.readouterr().err
         assert first is second and err.count("\n") == 1 and err.startswith(expect), err
+        # hooked once, by the patch, around Triton's own check (the second GPU's status has no table to serve)
+        assert patches.installed_by(Autotuner.check_disk_cache) == "autotuner-shipped-results"
+        assert Autotuner.check_disk_cache is not original
     monkeypatch.setenv("HYBRIDLM_SHIPPED_TUNING", "0")
     monkeypatch.setattr(T, "_STATUS", None)
     assert T.apply_shipped_tuning().line == "kernel tuning: shipped results off (HYBRIDLM_SHIPPED_TUNING=0)"
@@ -232,3 +246,18 @@ def test_make_off_the_gpu_takes_the_gpu_the_records_name(tmp_path):
                           str(tmp_path / "b.jsonl")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "the records do not name one GPU and Triton version" in out.stderr, out.stderr
     assert not (tmp_path / "u.json").exists()
+
+
+def test_a_model_build_puts_the_tuning_in_place_quietly(tmp_path, monkeypatch, capsys):
+    """The explicit start: building a model on a CUDA host (stood in for) loads the shipped file and hooks the
+    autotuner before any kernel can launch, and says nothing (the first-step notice says the line); the kernel
+    choice itself (hybridlm/ops/backend.py) only answers."""
+    from hybridlm.model import HybridConfig, HybridForCausalLM
+    _as_on_a_cuda_host(monkeypatch, tmp_path)
+    assert T.status() is None
+    HybridForCausalLM(HybridConfig(vocab_size=64, hidden_size=32, intermediate_size=64, hybrid_override_pattern="*-",
+                                   mla={"num_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                                        "qk_rope_head_dim": 8}))
+    assert T.status() is not None and T.status().table == {}, T.status()
+    assert patches.installed_by(Autotuner.check_disk_cache) == "autotuner-shipped-results"
+    assert capsys.readouterr().err == ""

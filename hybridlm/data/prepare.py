@@ -29,11 +29,9 @@ interrupted run never leaves a directory with a ``meta.json`` that is not comple
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import json
-import multiprocessing.process
 import os
 import re
 import shutil
@@ -46,13 +44,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 from tokenizers import Tokenizer
-
-try:  # datasets' process pools come from multiprocess (a fork of multiprocessing) where it is installed
-    import multiprocess.process
-except ImportError:  # pragma: no cover
-    multiprocess = None
 from tqdm.auto import tqdm
 
+from hybridlm import patches
 from hybridlm.config.errors import ConfigError
 from hybridlm.data import assets
 from hybridlm.data.config import DEFAULT_SHARD_TOKENS, DataConfig, source_entries, source_weight
@@ -269,27 +263,11 @@ def _die_with_the_preparing_process() -> None:
 _DEATH_SIGNAL_SET = False
 
 
-@contextlib.contextmanager
 def _children_die_with_this_process():
     """Every process that ``multiprocess`` / ``multiprocessing`` starts from here (``datasets``' tokenizer pool
     and its manager process) first asks to be killed when this process dies
-    (:func:`_die_with_the_preparing_process`)."""
-    patched = []
-    modules = (multiprocessing.process,) if multiprocess is None else (multiprocessing.process, multiprocess.process)
-    for module in modules:
-        original = module.BaseProcess._bootstrap
-
-        def bootstrap(self, *args, _original=original, **kwargs):
-            _die_with_the_preparing_process()
-            return _original(self, *args, **kwargs)
-
-        module.BaseProcess._bootstrap = bootstrap
-        patched.append((module, original))
-    try:
-        yield
-    finally:
-        for module, original in patched:
-            module.BaseProcess._bootstrap = original
+    (:func:`_die_with_the_preparing_process`; hybridlm/patches.py ``children-run-first``)."""
+    return patches.scope("children-run-first", _die_with_the_preparing_process)
 
 
 def _remove_abandoned_temporaries(out: Path) -> None:

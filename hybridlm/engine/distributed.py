@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
-import importlib
 import os
 import socket
 import sys
@@ -30,6 +29,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from hybridlm import patches
 from hybridlm.config.errors import ConfigError
 from hybridlm.engine.deepspeed_adapter import destroy_process_groups, init_process_group
 from hybridlm.utils.ranks import MPI_RANK_VARS as _MPI_RANK_VARS
@@ -67,61 +67,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def _launched() -> bool:
     return "RANK" in os.environ or any(v in os.environ for v in _MPI_RANK_VARS)
-
-
-def _disable_shm_comm_build() -> None:
-    """Stop DeepSpeed from JIT-compiling its CPU shared-memory collective op (~200 s per process).
-
-    ``deepspeed.comm`` only uses that op when ``deepspeed.ops.__compatible_ops__`` says it is
-    buildable; training here goes through plain gloo/NCCL collectives and never needs it.
-    """
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
-# Modules of torch whose functions take ``group=group.WORLD`` as a default argument. The default is evaluated when the
-# module is imported: imported while a process group exists, it freezes that ProcessGroup into the functions'
-# ``__defaults__``, out of reach of ``destroy_process_group`` (torch/distributed/nn/functional.py: broadcast, gather,
-# scatter, reduce, reduce_scatter, all_gather, _all_gather_base, all_to_all, all_to_all_single, all_reduce).
-_GROUP_DEFAULT_MODULES = ("torch.distributed.nn.functional",)
-
-
-def _import_group_default_modules() -> None:
-    """Import :data:`_GROUP_DEFAULT_MODULES` while no process group exists, so their ``group`` defaults are ``None``.
-
-    Nobody here imports them on purpose, but the first ``torch.optim.Optimizer.add_param_group`` call (wrapped in
-    ``torch._disable_dynamo``) imports ``torch._dynamo``, which pulls in torch.distributed.nn.functional through
-    torch.distributed.fsdp -> _shard -> sharded_tensor.reshard. Without this, every ``Engine`` built after
-    :func:`init_distributed` pinned the default gloo group (and its ``gloo_tcp_loop`` and two ``pt_gloo_runloop``
-    threads) until interpreter teardown.
-    """
-    if not dist.is_available():
-        return
-    for name in _GROUP_DEFAULT_MODULES:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # pragma: no cover - a torch without it has nothing to pin the group
-            pass
-
-
-def _release_pinned_groups() -> None:
-    """Drop destroyed process groups that a module of :data:`_GROUP_DEFAULT_MODULES` froze into function defaults.
-
-    Only reachable when that module was imported while a group existed that we did not create (``init_distributed``
-    imports it before creating one). Once the world is destroyed such a default is a dead group that any call
-    would fail on; ``None``, what the default is when the module is imported before the group, means "the current
-    default group" to these functions.
-    """
-    for name in _GROUP_DEFAULT_MODULES:
-        module = sys.modules.get(name)
-        if module is None:
-            continue
-        for fn in list(vars(module).values()):
-            defaults = getattr(fn, "__defaults__", None)
-            if getattr(fn, "__module__", None) == name and defaults and \
-                    any(isinstance(d, dist.ProcessGroup) for d in defaults):
-                fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
 
 
 def multicast_setting(environ=os.environ) -> dict:
@@ -169,9 +114,9 @@ def init_distributed(timeout_minutes: int = 30) -> DistInfo:
         device = torch.device("cpu")
         backend = "gloo"
 
-    _disable_shm_comm_build()
+    patches.apply("deepspeed-shm-comm-off")
     if not (dist.is_available() and dist.is_initialized()):
-        _import_group_default_modules()  # before the default group exists (see there)
+        patches.apply("torch-group-defaults-unpinned")  # before the default group exists (hybridlm/patches.py)
 
     if not (dist.is_available() and dist.is_initialized()):
         init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
@@ -224,7 +169,8 @@ def _destroy_groups() -> None:
 
     * destroy through DeepSpeed's comm layer when it adopted the groups: it also releases the groups DeepSpeed keeps
       in ``deepspeed.utils.groups`` (its clone of the world group, ``_WORLD_GROUP``, is the ZeRO data-parallel group);
-    * drop a default group frozen into torch function defaults (:func:`_release_pinned_groups`);
+    * drop a default group frozen into torch function defaults (hybridlm/patches.py
+      ``torch-group-defaults-unpinned``);
     * collect garbage: DeepSpeed leaves the clone on each model parameter (``param._dp_group``,
       deepspeed/utils/mixed_precision_linkage.py ``_init_lp_to_hp_mapping``), and a released parameter is a
       reference cycle (its bound ``get_full_hp_param`` & co. methods) that only a collection frees. A released
@@ -233,7 +179,7 @@ def _destroy_groups() -> None:
     """
     if not destroy_process_groups() and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    _release_pinned_groups()
+    patches.apply("torch-group-defaults-unpinned")
     for _ in range(5):
         if not gc.collect():
             break

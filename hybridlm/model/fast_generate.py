@@ -23,12 +23,9 @@ step is the loop's, :data:`hybridlm.model.cache.FIXED_SHAPES`).
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
-import sys
 import threading
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -39,6 +36,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
+from hybridlm import patches
 from hybridlm.model.graphs import kept_decoder_busy
 
 logger = logging.getLogger(__name__)
@@ -97,12 +95,10 @@ class HeldBack:
     its ``warning_once`` / ``info_once`` calls (replayed as calls, so their once-only memory is the loop's) and
     its Python warnings (replayed with the location, registry and module they were raised with). :meth:`say`
     says them in order. Other threads and other libraries are not held. While a block is open anywhere,
-    ``logging.Logger.handle``, the two ``*_once`` methods and ``warnings.warn`` are wrapped."""
+    ``logging.Logger.handle``, the two ``*_once`` methods and ``warnings.warn`` are wrapped (hybridlm/patches.py
+    ``transformers-messages-held``)."""
 
-    _lock = threading.Lock()
-    _open = 0
     _local = threading.local()
-    _originals: Dict[str, Callable] = {}
 
     def __init__(self):
         self.held: List[Callable[[], None]] = []
@@ -112,74 +108,16 @@ class HeldBack:
         held = getattr(cls._local, "held", None)
         return held if held is not None and (name == "transformers" or name.startswith("transformers.")) else None
 
-    @classmethod
-    def _install(cls) -> None:
-        originals = cls._originals
-        originals.update(handle=logging.Logger.handle, warn=warnings.warn)
-        for name in ("warning_once", "info_once"):
-            if hasattr(logging.Logger, name):
-                originals[name] = getattr(logging.Logger, name)
-
-        def handle(logger, record):
-            held = cls._holding(logger.name)
-            if held is None:
-                return originals["handle"](logger, record)
-            held.append(functools.partial(originals["handle"], logger, record))
-
-        def once(name):
-            def call(logger, *args, **kwargs):
-                held = cls._holding(logger.name)
-                if held is None:
-                    return originals[name](logger, *args, **kwargs)
-                held.append(functools.partial(originals[name], logger, *args, **kwargs))
-            return call
-
-        def warn(message, category=None, stacklevel=1, source=None, **kwargs):
-            held = cls._holding(sys._getframe(1).f_globals.get("__name__", ""))  # by the module that warns
-            if held is None:
-                return originals["warn"](message, category, stacklevel + 1, source, **kwargs)
-            # the location warnings.warn gives a warning: the frame stacklevel up from its caller
-            try:
-                frame = sys._getframe(stacklevel)
-                scope, filename, lineno = frame.f_globals, frame.f_code.co_filename, frame.f_lineno
-            except ValueError:
-                scope, filename, lineno = sys.__dict__, "sys", 1
-            module = scope.get("__name__", "<string>")
-            if isinstance(message, Warning):
-                category = type(message)
-            held.append(functools.partial(warnings.warn_explicit, message, category or UserWarning, filename, lineno,
-                                          module, scope.setdefault("__warningregistry__", {}), scope, source))
-
-        logging.Logger.handle = handle
-        for name in ("warning_once", "info_once"):
-            if name in originals:
-                setattr(logging.Logger, name, once(name))
-        warnings.warn = warn
-
-    @classmethod
-    def _uninstall(cls) -> None:
-        originals = cls._originals
-        logging.Logger.handle = originals.pop("handle")
-        warnings.warn = originals.pop("warn")
-        for name in ("warning_once", "info_once"):
-            if name in originals:
-                setattr(logging.Logger, name, originals.pop(name))
-
     def __enter__(self) -> "HeldBack":
-        with HeldBack._lock:
-            if HeldBack._open == 0:
-                HeldBack._install()
-            HeldBack._open += 1
+        self._scope = patches.scope("transformers-messages-held", HeldBack._holding)
+        self._scope.__enter__()
         self._outer = getattr(HeldBack._local, "held", None)
         HeldBack._local.held = self.held
         return self
 
     def __exit__(self, *exc) -> None:
         HeldBack._local.held = self._outer
-        with HeldBack._lock:
-            HeldBack._open -= 1
-            if HeldBack._open == 0:
-                HeldBack._uninstall()
+        self._scope.__exit__(None, None, None)
 
     def say(self) -> None:
         held, self.held = self.held, []

@@ -4,6 +4,8 @@
 tensor is on CUDA and fla imports, else torch), ``triton`` (required: error if impossible) or ``torch`` (forced,
 e.g. to compare paths on GPU).
 fla is imported lazily: importing it loads every op up front (10-26 s on a CPU machine).
+The functions here only answer: the shipped kernel tuning is put in place when a model is built
+(hybridlm/ops/tuning.py ``apply_shipped_tuning``), before any kernel launches.
 """
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import functools
 import torch
 
 from hybridlm.ops.triton_launch import interpreting
-from hybridlm.ops.tuning import apply_shipped_tuning
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -40,8 +41,6 @@ def use_triton(backend: str, x: torch.Tensor) -> bool:
             raise RuntimeError("backend: 'triton' needs flash-linear-attention (pip install flash-linear-attention)")
     elif not (x.is_cuda and fla_available()):
         return False
-    if x.is_cuda:
-        apply_shipped_tuning(x.device)  # once per process: the shipped autotune results in Triton's cache
     return True
 
 

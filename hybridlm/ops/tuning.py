@@ -4,11 +4,12 @@ before they time anything.
 On a fresh GPU machine each Triton kernel (fla's and the project's) compiles and times every candidate
 configuration the first time it meets a shape: minutes before the first training step (BENCHMARKS.md, "Cold
 start"). This package ships the winners in ``hybridlm/ops/tuned/<gpu>.triton-<version>.json``, one file per GPU
-name and Triton version, as vLLM ships per-device kernel configurations. On the first use of the Triton path on a
-CUDA device, :func:`apply_shipped_tuning` loads the file that matches the GPU and the installed Triton and hooks
-Triton's autotuner (``Autotuner.check_disk_cache``, the step that looks for an earlier result before timing the
-candidates): a launch whose kernel, tuning key and candidates match a shipped entry takes its winner and times
-nothing; any other launch tunes as usual.
+name and Triton version, as vLLM ships per-device kernel configurations. When a model is built on a CUDA host
+(``HybridForCausalLM.__init__``, before any of its kernels can launch), :func:`apply_shipped_tuning` loads the file
+that matches the GPU and the installed Triton and hooks Triton's autotuner (``Autotuner.check_disk_cache``, the step
+that looks for an earlier result before timing the candidates; the patch ``autotuner-shipped-results`` of
+hybridlm/patches.py): a launch whose kernel, tuning key and candidates match a shipped entry takes its winner and
+times nothing; any other launch tunes as usual.
 
 An entry matches on the kernel's name and Triton's hash of its source (``JITFunction.cache_key``: the source, the
 functions it calls, the constant globals it reads and the line the kernel starts at in its file), the tuning key
@@ -35,6 +36,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
+from hybridlm import patches
 from hybridlm.ops.triton_launch import interpreting
 from hybridlm.utils.atomic import write_json
 from hybridlm.utils.ranks import is_rank_zero
@@ -147,7 +149,6 @@ def load_tuning(path: Path, gpu: str, triton_version: str) -> TuningStatus:
 
 
 _STATUS: Optional[TuningStatus] = None
-_HOOKED = False
 
 
 def status() -> Optional[TuningStatus]:
@@ -156,10 +157,11 @@ def status() -> Optional[TuningStatus]:
 
 
 def apply_shipped_tuning(device=None, quiet: bool = False) -> Optional[TuningStatus]:
-    """Once per process, on the first use of the Triton path on a CUDA ``device`` (default: the current one): load the
-    shipped file for its GPU and this Triton, hook the autotuner, and print the status line on stderr (rank 0 only,
-    unless ``quiet``). None where there is nothing to do (no CUDA, Triton's interpreter, or
-    ``HYBRIDLM_SHIPPED_TUNING=0`` without ``HYBRIDLM_RECORD_TUNING``)."""
+    """Once per process, on a CUDA host (``device``: the GPU whose name picks the file; default: the current one):
+    load the shipped file for its GPU and this Triton, hook the autotuner, and print the status line on stderr (rank 0
+    only, unless ``quiet``); later calls return the same status and print nothing. Called where kernels are about to
+    be wanted: a model's build (quiet), the training loop's first-step notice (quiet: the notice says the line).
+    None where there is nothing to do (no CUDA, Triton's interpreter)."""
     global _STATUS
     if _STATUS is not None:
         return _STATUS
@@ -200,14 +202,9 @@ def _jit_function(autotuner):
 
 
 def _hook_autotuner(gpu: str, triton_version: str, record: Optional[str]) -> None:
-    """Wrap ``Autotuner.check_disk_cache`` (triton/runtime/autotuner.py: called with the tuning key and the pruned
-    candidates when a launch's key has no winner yet, before timing them) by :func:`serving_check`."""
-    global _HOOKED
-    if _HOOKED:
-        return
-    from triton.runtime.autotuner import Autotuner
-    Autotuner.check_disk_cache = serving_check(Autotuner.check_disk_cache, gpu, triton_version, record)
-    _HOOKED = True
+    """Triton's ``Autotuner.check_disk_cache`` wrapped by :func:`serving_check` (hybridlm/patches.py
+    ``autotuner-shipped-results``: once a process)."""
+    patches.apply("autotuner-shipped-results", lambda original: serving_check(original, gpu, triton_version, record))
 
 
 def serving_check(original, gpu: str, triton_version: str, record: Optional[str]):

@@ -7,13 +7,11 @@ import torch
 from transformers import AutoConfig
 from vllm import ModelRegistry, envs
 from vllm.logger import init_logger
-from vllm.model_executor.models.config import MODELS_CONFIG_MAP, VerifyAndUpdateConfig
+from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.platforms import current_platform
-from vllm.transformers_utils.model_arch_config_convertor import (
-    MODEL_ARCH_CONFIG_CONVERTORS,
-    ModelArchConfigConvertorBase,
-)
+from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigConvertorBase
 
+from hybridlm import patches
 from hybridlm.config.errors import ConfigError
 from hybridlm.model import HybridForCausalLM
 from hybridlm.serve.config import ServedHybridConfig
@@ -73,7 +71,8 @@ def register() -> None:
     # vLLM reads config.json through AutoConfig: the served config (with the attention shape vLLM sizes its
     # cache pages from) for the "hybrid_lm" type, with no remote code
     AutoConfig.register(ServedHybridConfig.model_type, ServedHybridConfig, exist_ok=True)
-    MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, ServedHybridSettings)
-    MODEL_ARCH_CONFIG_CONVERTORS.setdefault(ServedHybridConfig.model_type, ServedHybridArchConvertor)
+    # the settings hook and the attention reader, in vLLM's maps (hybridlm/patches.py: they have no registration API)
+    patches.apply("vllm-hybrid-config", ARCHITECTURE, ServedHybridSettings, ServedHybridConfig.model_type,
+                  ServedHybridArchConvertor)
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, SERVED_CLASS)
