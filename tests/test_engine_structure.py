@@ -3,7 +3,8 @@ object at all, and how the engine's rooms stand.
 
 Read from the source (ast), over every module of the toolkit:
 
-* only the adapter imports DeepSpeed: a module ``deepspeed`` or ``deepspeed.*`` in an import statement, or named by
+* only the adapter (and hybridlm/patches.py, the one module that patches other libraries' code, DeepSpeed's op
+  registry among them; tests/test_patches.py holds it to its list) imports DeepSpeed: a module ``deepspeed`` or ``deepspeed.*`` in an import statement, or named by
   a string (``importlib.import_module``, ``sys.modules``). One exception, :data:`PATCHED_REGISTRIES`: a registry of
   DeepSpeed's that the toolkit patches at start-up, which holds no object of a run;
 * only the adapter names DeepSpeed's API: the attributes of its engine, optimizers, linked parameters and
@@ -32,6 +33,7 @@ TOOLKIT_SCRIPTS = ("pretrain.py",)
 ENGINE = "hybridlm/engine/"
 ADAPTER = "hybridlm/engine/deepspeed_adapter.py"
 FACADE = "hybridlm/engine/engine.py"
+PATCHES = "hybridlm/patches.py"
 FACADE_MAX_LINES = 350
 MAX_FLOORS = 4
 FACE_MAX_LINES = 40
@@ -140,7 +142,7 @@ def test_only_the_adapter_touches_deepspeed():
     bad = []
     for f in files:
         rel = f.relative_to(REPO).as_posix()
-        if rel == ADAPTER:
+        if rel in (ADAPTER, PATCHES):
             continue
         bad += [f"{rel}:{hit}" for hit in deepspeed_touches(f.read_text(), rel.startswith(ENGINE), rel == FACADE)]
     assert not bad, (f"DeepSpeed imported, its API named or its objects held outside {ADAPTER} (add a method "
