@@ -60,7 +60,8 @@ def hooked(tmp_path, monkeypatch):
     """The serving check around the stand-in, recording into a JSONL file; the module's status reset after."""
     record = tmp_path / "tuning.jsonl"
     monkeypatch.setattr(T, "_STATUS", None)
-    check = T.serving_check(_timing_stand_in, GPU, triton.__version__, str(record))
+    monkeypatch.setattr(T, "_RECORDING", (GPU, triton.__version__, str(record)))
+    check = T.serving_check(_timing_stand_in)
     return check, record
 
 
@@ -249,15 +250,23 @@ def test_make_off_the_gpu_takes_the_gpu_the_records_name(tmp_path):
 
 
 def test_a_model_build_puts_the_tuning_in_place_quietly(tmp_path, monkeypatch, capsys):
-    """The explicit start: building a model on a CUDA host (stood in for) loads the shipped file and hooks the
-    autotuner before any kernel can launch, and says nothing (the first-step notice says the line); the kernel
-    choice itself (hybridlm/ops/backend.py) only answers."""
+    """The explicit start: building a model on a CUDA host (stood in for) hooks the autotuner before any kernel can
+    launch, reading nothing and asking no device (no CUDA context made at a build); the first launch that would time
+    candidates loads the file for its GPU; nothing is said (the first-step notice says the line); the kernel choice
+    itself (hybridlm/ops/backend.py) only answers."""
     from hybridlm.model import HybridConfig, HybridForCausalLM
     _as_on_a_cuda_host(monkeypatch, tmp_path)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: asked.append(device) or GPU)
+    monkeypatch.setattr(Autotuner, "check_disk_cache", _timing_stand_in)  # Triton's own would need a driver
     assert T.status() is None
     HybridForCausalLM(HybridConfig(vocab_size=64, hidden_size=32, intermediate_size=64, hybrid_override_pattern="*-",
                                    mla={"num_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
                                         "qk_rope_head_dim": 8}))
-    assert T.status() is not None and T.status().table == {}, T.status()
     assert patches.installed_by(Autotuner.check_disk_cache) == "autotuner-shipped-results"
+    assert T.status() is None and not asked
+    calls = []
+    tuner, key = _autotuner(), (1000, "torch.float32")
+    Autotuner.check_disk_cache(tuner, key, CONFIGS, _bench_of(tuner, key, CONFIGS, calls))
+    assert calls and asked and T.status() is not None and T.status().table == {} and T.status().misses == 1
     assert capsys.readouterr().err == ""

@@ -30,7 +30,7 @@ from hybridlm.model.loss import IGNORE_INDEX, linear_cross_entropy
 from hybridlm.model.registry import mixers
 from hybridlm.model.runtime import RuntimeSettings, runtime_settings
 from hybridlm.ops.backend import residual_adds_in_norms_active, use_triton
-from hybridlm.ops.tuning import apply_shipped_tuning
+from hybridlm.ops.tuning import install_shipped_tuning
 from hybridlm.utils.quiet import no_transformers_bars
 
 # transformers renamed the output's cache field past_key_values -> cache (5.2x); fill the one this version has
@@ -206,8 +206,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
         # on a CUDA host, the shipped kernel tuning in place before any of this model's kernels can launch (once a
-        # process; the status line is the training loop's first-step notice's to say)
-        apply_shipped_tuning(quiet=True)
+        # process; no CUDA context made; the status line is the training loop's first-step notice's to say)
+        install_shipped_tuning()
 
     def get_input_embeddings(self):
         return self.model.embed_tokens

@@ -5,11 +5,11 @@ On a fresh GPU machine each Triton kernel (fla's and the project's) compiles and
 configuration the first time it meets a shape: minutes before the first training step (BENCHMARKS.md, "Cold
 start"). This package ships the winners in ``hybridlm/ops/tuned/<gpu>.triton-<version>.json``, one file per GPU
 name and Triton version, as vLLM ships per-device kernel configurations. When a model is built on a CUDA host
-(``HybridForCausalLM.__init__``, before any of its kernels can launch), :func:`apply_shipped_tuning` loads the file
-that matches the GPU and the installed Triton and hooks Triton's autotuner (``Autotuner.check_disk_cache``, the step
-that looks for an earlier result before timing the candidates; the patch ``autotuner-shipped-results`` of
-hybridlm/patches.py): a launch whose kernel, tuning key and candidates match a shipped entry takes its winner and
-times nothing; any other launch tunes as usual.
+(``HybridForCausalLM.__init__``, before any of its kernels can launch), :func:`install_shipped_tuning` hooks Triton's
+autotuner (``Autotuner.check_disk_cache``, the step that looks for an earlier result before timing the candidates;
+the patch ``autotuner-shipped-results`` of hybridlm/patches.py); the first launch that reaches it loads the file that
+matches its GPU and the installed Triton (:func:`apply_shipped_tuning`): a launch whose kernel, tuning key and
+candidates match a shipped entry takes its winner and times nothing; any other launch tunes as usual.
 
 An entry matches on the kernel's name and Triton's hash of its source (``JITFunction.cache_key``: the source, the
 functions it calls, the constant globals it reads and the line the kernel starts at in its file), the tuning key
@@ -156,13 +156,22 @@ def status() -> Optional[TuningStatus]:
     return _STATUS
 
 
+def install_shipped_tuning() -> None:
+    """The explicit start, where a model is built: on a CUDA host, Triton's autotuner consults the shipped results
+    (the patch ``autotuner-shipped-results``) before any kernel can launch. Nothing is read and no CUDA context is
+    made here: the file for the GPU is chosen by the first launch that would time candidates, on its device."""
+    if interpreting() or not torch.cuda.is_available():
+        return
+    _hook_autotuner()
+
+
 def apply_shipped_tuning(device=None, quiet: bool = False) -> Optional[TuningStatus]:
     """Once per process, on a CUDA host (``device``: the GPU whose name picks the file; default: the current one):
     load the shipped file for its GPU and this Triton, hook the autotuner, and print the status line on stderr (rank 0
-    only, unless ``quiet``); later calls return the same status and print nothing. Called where kernels are about to
-    be wanted: a model's build (quiet), the training loop's first-step notice (quiet: the notice says the line).
-    None where there is nothing to do (no CUDA, Triton's interpreter)."""
-    global _STATUS
+    only, unless ``quiet``); later calls return the same status and print nothing. Called by the hook at the first
+    launch that would time candidates, and by the training loop's first-step notice (quiet: the notice says the
+    line). None where there is nothing to do (no CUDA, Triton's interpreter)."""
+    global _STATUS, _RECORDING
     if _STATUS is not None:
         return _STATUS
     if interpreting():
@@ -185,12 +194,15 @@ def apply_shipped_tuning(device=None, quiet: bool = False) -> Optional[TuningSta
             _STATUS = TuningStatus(f"kernel tuning: none shipped for {gpu} / Triton {triton.__version__} (shipped: "
                                    f"{have}); kernels autotune on first use (`python -m "
                                    "hybridlm.training.kernel_cache --help` says how to make them)")
-    record = os.environ.get("HYBRIDLM_RECORD_TUNING")
-    if _STATUS.table is not None or record:
-        _hook_autotuner(gpu, triton.__version__, record)
+    _RECORDING = (gpu, triton.__version__, os.environ.get("HYBRIDLM_RECORD_TUNING"))
+    _hook_autotuner()
     if not quiet and is_rank_zero():
         print(_STATUS.line, file=sys.stderr, flush=True)
     return _STATUS
+
+
+# the GPU, Triton version and HYBRIDLM_RECORD_TUNING file the status was made for
+_RECORDING: Tuple[str, str, Optional[str]] = ("", "", None)
 
 
 def _jit_function(autotuner):
@@ -201,33 +213,36 @@ def _jit_function(autotuner):
     return fn
 
 
-def _hook_autotuner(gpu: str, triton_version: str, record: Optional[str]) -> None:
+def _hook_autotuner() -> None:
     """Triton's ``Autotuner.check_disk_cache`` wrapped by :func:`serving_check` (hybridlm/patches.py
     ``autotuner-shipped-results``: once a process)."""
-    patches.apply("autotuner-shipped-results", lambda original: serving_check(original, gpu, triton_version, record))
+    patches.apply("autotuner-shipped-results", serving_check)
 
 
-def serving_check(original, gpu: str, triton_version: str, record: Optional[str]):
-    """``original`` (Triton's ``check_disk_cache``) serving the winners of this process's shipped table first, and
-    with ``record`` appending each launch it had to time to that JSONL file."""
+def serving_check(original):
+    """``original`` (Triton's ``check_disk_cache``) serving the winners of this process's shipped table first (made
+    by :func:`apply_shipped_tuning` at the first launch that reaches it), and with ``HYBRIDLM_RECORD_TUNING`` set
+    appending each launch it had to time to that JSONL file."""
     from triton import Config
     fla = fla_version()
 
     def check_disk_cache(self, tuning_key, configs, bench_fn):
         if not tuning_key or any(c.pre_hook for c in configs):  # as Triton: such launches are always timed
             return original(self, tuning_key, configs, bench_fn)
+        status = _STATUS if _STATUS is not None else apply_shipped_tuning(quiet=True)
         fn = _jit_function(self)
         ident = entry_id(fn.__name__, fn.cache_key, str(tuning_key), candidates_digest(configs))
-        shipped = _STATUS.table.get(ident) if _STATUS is not None and _STATUS.table else None
+        shipped = status.table.get(ident) if status is not None and status.table else None
         if shipped is not None:
             config = Config(**shipped["config"])
             self.cache[tuning_key] = config
             self.configs_timings = {config: shipped["timing"]}
-            _STATUS.hits += 1
+            status.hits += 1
             return True
-        if _STATUS is not None:
-            _STATUS.misses += 1
+        if status is not None:
+            status.misses += 1
         used = original(self, tuning_key, configs, bench_fn)
+        gpu, triton_version, record = _RECORDING
         if record and tuning_key in self.cache:
             best = self.cache[tuning_key]
             timing = getattr(self, "configs_timings", {}).get(best)
