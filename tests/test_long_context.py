@@ -1,11 +1,10 @@
-"""The long-context stage: its plan row, ``upcycle kd`` alone on in-document windows, and the route running it
-between KD and DPO with the RULER-style tasks in its report."""
+"""The long-context stage: its plan row, its settings checked before the route starts, the shipped CPU stage config.
+The route running it between KD and DPO with RULER's tasks in its report, and ``upcycle kd`` alone on in-document
+windows, are checked with every other lever in tests/test_route.py."""
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO, assert_chart, demo_file, save_tiny_llama, subprocess_env
+from conftest import REPO
 from test_upcycle_plan import tiny_route, tiny_teacher_config
 from upcycle.plan import load_route, plan_route, plan_rows, teacher_config_for
 
@@ -68,65 +67,3 @@ def test_cpu_stage_config_builds_a_documents_kd_stage():
     from hybridlm.data.document_windows import DocumentDataConfig
     built = kd_configs(load_config(str(CPU_STAGE), [], sections=KD_SECTIONS))
     assert isinstance(built["data"], DocumentDataConfig) and built["data"].seq_len == 2048
-
-
-# 6 minutes on 2 cores shared with other jobs (tests/test_route.py's route: ~150 s on 2 idle cores): the whole route,
-# each stage one step, RULER's vt on six models, then `upcycle kd` alone
-@pytest.mark.slow
-def test_route_runs_long_context_between_kd_and_dpo_and_reports_ruler(tmp_path):
-    for name in ("dpo_en_demo.json", "alpaca_en_demo.json"):
-        demo_file(name)
-    teacher = save_tiny_llama(tmp_path / "teacher")
-    out = tmp_path / "route"
-    small = ["optim.micro_batch_size=2", "optim.global_batch_size=2", "optim.max_steps=1", "optim.warmup_steps=1",
-             "run.progress=false", "run.eval_interval=0", "run.save_interval=0", "data.val_max_batches=1"]
-    overrides = [f"output_dir={out}", f"teacher={teacher}", "init.kv_lora_rank=32", "init.qk_rope_head_dim=8",
-                 "init.calib_tokens=0", f"ild.data.path={tmp_path / 'data'}", "ild.data.sources=[asset:alpaca_en_demo]",
-                 "ild.data.seq_len=32", "smart.n_mla=2", "smart.batches=1", "smart.batch_size=2",
-                 "kd.data.path=asset:alpaca_en_demo", "kd.data.max_length=64",
-                 # KD again at 96 tokens, on windows inside one alpaca record of the ILD data
-                 "long_context.data.format=documents", f"long_context.data.path={tmp_path / 'data'}",
-                 "long_context.data.seq_len=96", "long_context.optim.lr=1e-4", "long_context.optim.precision=fp32",
-                 "dpo.data.path=asset:dpo_en_demo", "dpo.data.max_length=64", "dpo.data.max_prompt_length=32",
-                 "report.seq_len=32", "report.max_tokens=256", "report.generation_prompts=0",
-                 "report.ruler_lengths=[640]", "report.ruler_items=1", "report.ruler_tasks=[vt]"]
-    overrides += [f"{stage}.{o}" for stage in ("ild", "kd", "long_context", "dpo") for o in small]
-    cmd = [sys.executable, "-m", "upcycle.cli", "run", "--config", "configs/upcycle/smollm2_route_cpu.yaml", *overrides]
-    run = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=1200)
-    assert run.returncode == 0, run.stderr[-3000:]
-    stages = [l.split()[3] for l in run.stdout.splitlines() if l.startswith("route: stage ")]
-    assert stages == ["init", "ild_mla", "ild_mamba2", "smart", "compose", "kd", "long_context", "dpo", "report"]
-    long = json.loads((out / "long_context" / "final" / "stage.json").read_text())
-    assert long["steps"] == 1 and long["config"]["data"]["seq_len"] == 96
-    assert long["tokens"] == 2 * 95  # one step of two in-document windows, each window's last target dropped (KD)
-    assert json.loads((out / "dpo" / "final" / "stage.json").read_text())["reference"] == \
-        str(out / "long_context" / "final")  # DPO starts from the long-context hybrid
-    report = json.loads((out / "report.json").read_text())
-    rows = {r["model"]: r for r in report["perplexity"]}
-    assert list(rows) == ["teacher", "hybrid, init only", "hybrid after ILD", "after KD-SFT",
-                          "after long-context KD", "after DPO"]
-    assert all(0.0 <= r["ruler_640"] <= 1.0 for r in rows.values())
-    assert rows["after long-context KD"]["tokens_trained"] - rows["after KD-SFT"]["tokens_trained"] == 2 * 95
-    assert "Long-context KD" in [s["stage"] for s in report["stages"]]
-    ruler = json.loads((out / "ruler.json").read_text())
-    assert [m["label"] for m in ruler["models"]] == list(rows)
-    assert ruler["tasks"] == ["vt"] and ruler["lengths"] == [640]
-    for m in ruler["models"]:
-        assert m["average"]["640"] == pytest.approx(rows[m["label"]]["ruler_640"])
-        assert [s["task"] for s in m["samples"]] == ["vt"] and m["samples"][0]["tokens"] + 30 <= 640
-    assert "RULER @ 640, %" in (out / "report.md").read_text()
-    assert "| teacher @ 640 | hybrid, init only @ 640 |" in (out / "ruler.md").read_text()
-    assert_chart(out / "ruler.png")
-
-    # `upcycle kd` alone, with the shipped stage config pointed at the same student and data, trains the same step
-    alone = tmp_path / "long_context_alone"
-    kd = [sys.executable, "-m", "upcycle.cli", "kd", "--config", str(CPU_STAGE), f"teacher.path={teacher}",
-          f"student.path={out / 'kd' / 'final'}", f"data.path={tmp_path / 'data'}", "data.sources=[]",
-          "data.seq_len=96", "data.val_max_batches=1", "optim.micro_batch_size=2", "optim.global_batch_size=2",
-          "optim.max_steps=1", "optim.warmup_steps=1", "optim.lr=1e-4", "optim.min_lr=5e-6", "run.progress=false",
-          "run.eval_interval=0", "run.save_interval=0", f"run.output_dir={alone}"]
-    res = subprocess.run(kd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    losses = [[json.loads(l)["loss"] for l in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
-              for d in (out / "long_context", alone)]
-    assert len(losses[0]) == 1 and losses[0] == pytest.approx(losses[1], rel=1e-6)

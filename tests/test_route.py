@@ -93,12 +93,13 @@ def test_route_runs_every_stage_and_resumes(tmp_path):
     assert missing.returncode == 2 and "route_config.json: missing" in missing.stderr
 
 
-# ~2.5 min on 2 cores: with the slow CPU tests
+# ~3.5 min on 2 cores: with the slow CPU tests
 @pytest.mark.slow
 def test_route_with_every_lever_runs_to_its_report(tmp_path):
     """configs/upcycle/smollm2_levers_cpu.yaml on a tiny teacher: kl_restore chooses, the align stage runs between
     compose and KD and feeds KD, the sample stage writes the teacher's continuations that KD's packed mix names by
-    weight, KD trains its groups at their own rates on the wsd schedule and DPO leaves the inherited weights."""
+    weight, KD trains its groups at their own rates on the wsd schedule, long-context KD follows on in-document
+    windows, the report scores RULER's vt, and DPO leaves the inherited weights."""
     import torch
     from distill.param_groups import student_param_groups
     from hybridlm.model import HybridForCausalLM
@@ -115,8 +116,12 @@ def test_route_with_every_lever_runs_to_its_report(tmp_path):
                  "dpo.data.max_length=64", "dpo.data.max_prompt_length=32",
                  "dpo.optim.lr=1e-3", "report.seq_len=32", "report.max_tokens=256", "report.generation_prompts=0",
                  "sample={tokens: 48, prompt_len: 8, gen_len: 8, batch_size: 3, cache: dynamic}",
-                 "kd.optim.schedule=wsd", "kd.optim.decay_fraction=0.5"]
-    overrides += [f"{stage}.{o}" for stage in ("ild", "align", "kd", "dpo") for o in small]
+                 "kd.optim.schedule=wsd", "kd.optim.decay_fraction=0.5",
+                 # KD again at 96 tokens, on windows inside one alpaca record of the ILD data, then RULER's vt
+                 "long_context.data.format=documents", f"long_context.data.path={tmp_path / 'data'}",
+                 "long_context.data.seq_len=96", "long_context.optim.lr=1e-4", "long_context.optim.precision=fp32",
+                 "report.ruler_lengths=[640]", "report.ruler_items=1", "report.ruler_tasks=[vt]"]
+    overrides += [f"{stage}.{o}" for stage in ("ild", "align", "kd", "long_context", "dpo") for o in small]
     config = yaml.safe_load((REPO / "configs/upcycle/smollm2_levers_cpu.yaml").read_text())
     config["kd"]["data"] = {"format": "packed", "path": str(tmp_path / "kd_mix"), "seq_len": 32, "tokenizer": "teacher",
                             "sources": ["asset:alpaca_en_demo", {"source": str(out / "samples"), "weight": 2}]}
@@ -125,7 +130,8 @@ def test_route_with_every_lever_runs_to_its_report(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stages = [l.split()[3] for l in proc.stdout.splitlines() if l.startswith("route: stage ")]
-    assert stages == ["init", "ild_mla", "ild_mamba2", "smart", "compose", "align", "sample", "kd", "dpo", "report"]
+    assert stages == ["init", "ild_mla", "ild_mamba2", "smart", "compose", "align", "sample", "kd", "long_context",
+                      "dpo", "report"]
     samples = json.loads((out / "samples" / ".samples.json").read_text())
     assert samples["complete"] and samples["shards"] == 2 and samples["rows"] == 6
     mix = json.loads((tmp_path / "kd_mix" / "meta.json").read_text())
@@ -138,16 +144,52 @@ def test_route_with_every_lever_runs_to_its_report(tmp_path):
     assert json.loads((out / "kd" / "final" / "stage.json").read_text())["student"] == str(out / "align" / "final")
     kd = json.loads((out / "kd" / "final" / "stage.json").read_text())
     assert kd["config"]["optim"]["group_lr"] == {"inherited": 7e-6} and kd["config"]["optim"]["schedule"] == "wsd"
-    before, after = (HybridForCausalLM.from_pretrained(out / d / "final") for d in ("kd", "dpo"))
+    before, after = (HybridForCausalLM.from_pretrained(out / d / "final") for d in ("long_context", "dpo"))
     groups = {name: [id(p) for p in ps] for name, ps in student_param_groups(after, after.parameters()).items()}
     pairs = list(zip(before.parameters(), after.parameters()))
     for p, q in pairs:  # DPO's group_lr {inherited: 0}: the teacher's weights keep their bytes
         assert torch.equal(p, q) == (id(q) in groups["inherited"])
     report = json.loads((out / "report.json").read_text())
     assert [r["model"] for r in report["perplexity"]] == ["teacher", "hybrid, init only", "hybrid after ILD",
-                                                         "after alignment", "after KD-SFT", "after DPO"]
+                                                         "after alignment", "after KD-SFT", "after long-context KD",
+                                                         "after DPO"]
     assert [s["stage"] for s in report["stages"]][2] == "Alignment"
     assert report["teacher_samples"]["rows"] == 6 and "Teacher samples: 6 continuations" in (out / "report.md").read_text()
+    check_long_context_and_ruler(out, report, tmp_path / "data", teacher, tmp_path / "long_context_alone")
+
+
+def check_long_context_and_ruler(out, report, data, teacher, alone):
+    """The long-context stage between KD and DPO (docs/long_context.md), the report's RULER columns, and `upcycle kd`
+    alone with the shipped CPU stage config from KD's hybrid on the same data: the same first step."""
+    long = json.loads((out / "long_context" / "final" / "stage.json").read_text())
+    assert long["steps"] == 2 and long["config"]["data"]["seq_len"] == 96
+    assert long["tokens"] == 2 * 2 * 95  # two steps of two in-document windows, each window's last target dropped
+    assert json.loads((out / "dpo" / "final" / "stage.json").read_text())["reference"] == \
+        str(out / "long_context" / "final")  # DPO starts from the long-context hybrid
+    rows = {r["model"]: r for r in report["perplexity"]}
+    assert all(0.0 <= r["ruler_640"] <= 1.0 for r in rows.values())
+    assert rows["after long-context KD"]["tokens_trained"] - rows["after KD-SFT"]["tokens_trained"] == 2 * 2 * 95
+    assert "Long-context KD" in [s["stage"] for s in report["stages"]]
+    ruler = json.loads((out / "ruler.json").read_text())
+    assert [m["label"] for m in ruler["models"]] == list(rows)
+    assert ruler["tasks"] == ["vt"] and ruler["lengths"] == [640]
+    for m in ruler["models"]:
+        assert m["average"]["640"] == pytest.approx(rows[m["label"]]["ruler_640"])
+        assert [s["task"] for s in m["samples"]] == ["vt"] and m["samples"][0]["tokens"] + 30 <= 640
+    assert "RULER @ 640, %" in (out / "report.md").read_text()
+    assert "| teacher @ 640 | hybrid, init only @ 640 |" in (out / "ruler.md").read_text()
+    assert_chart(out / "ruler.png")
+    kd = [sys.executable, "-m", "upcycle.cli", "kd", "--config", "configs/upcycle/smollm2_long_context_cpu.yaml",
+          f"teacher.path={teacher}", f"student.path={out / 'kd' / 'final'}", f"data.path={data}",
+          "data.sources=[]", "data.seq_len=96", "data.val_max_batches=1", "optim.micro_batch_size=2",
+          "optim.global_batch_size=2", "optim.max_steps=1", "optim.warmup_steps=1", "optim.lr=1e-4",
+          "optim.min_lr=5e-6", "run.progress=false", "run.eval_interval=0", "run.save_interval=0",
+          f"run.output_dir={alone}"]
+    res = subprocess.run(kd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    losses = [[json.loads(l)["loss"] for l in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+              for d in (out / "long_context", alone)]
+    assert len(losses[0]) == 2 and len(losses[1]) == 1 and losses[0][0] == pytest.approx(losses[1][0], rel=1e-6)
 
 
 # ~3.5 min of a 2-core CI run (pytest -m slow runs it); the real teacher stays in the default run through its ILD
