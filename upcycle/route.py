@@ -7,7 +7,9 @@ is a ``sample:`` section, distill/teacher_samples.py; ``long_context``: a second
 usually on windows inside one document (``data.format: documents``), run when the config has a ``long_context:``
 section; DPO then starts from it).
 A route config names the teacher, one ``output_dir`` and a section per stage; each training section holds
-that stage's ``data`` / ``optim`` / ``run`` (and ``kd`` / ``dpo``) settings, as in the single-stage configs.
+that stage's ``data`` / ``optim`` / ``run`` (and ``kd`` / ``dpo``) settings, as in the single-stage configs. The
+training stages, their order and where each runs are their declarations' (upcycle/stages.py); init, SMART,
+compose, the teacher's samples and the report are the route's own steps.
 """
 from __future__ import annotations
 
