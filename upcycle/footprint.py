@@ -14,7 +14,6 @@ from hybridlm.kv_report import ATTENTION_KIND
 from hybridlm.model import HybridForCausalLM
 from hybridlm.model.layers.mixing_flops import causal_attention_flops
 from hybridlm.model.registry import costs_of, is_mixer
-from upcycle.init_students import InitConfig
 from upcycle.student import llama_shapes, student_config
 
 GIB = 1024 ** 3
@@ -43,7 +42,7 @@ def student_kinds(L: int, n_mla: int, linear: str) -> List[str]:
     return [ATTENTION_KIND if i in mla else linear for i in range(L)]
 
 
-def models(teacher_cfg, init: InitConfig, n_mla: int) -> Dict[str, Dict[str, Any]]:
+def models(teacher_cfg, init, n_mla: int) -> Dict[str, Dict[str, Any]]:
     """Parameter counts and config of the teacher, both ILD students and the composed hybrid."""
     from transformers import LlamaForCausalLM
 
@@ -147,7 +146,8 @@ class PlanInputs:
         return teacher_forward_flops(self.shapes, self.teacher_matmul, seq_len)
 
 
-def plan_inputs(teacher_cfg, init: InitConfig, n_mla: int) -> PlanInputs:
+def plan_inputs(teacher_cfg, init, n_mla: int) -> PlanInputs:
+    """The models of a route with ``init`` (its :class:`upcycle.init_students.InitConfig`) and ``n_mla`` MLA layers."""
     m = models(teacher_cfg, init, n_mla)
     shapes, T = m["teacher"]["shapes"], m["teacher"]["params"]["total"]
     lookup = 0 if shapes["tie"] else shapes["vocab"] * shapes["d"]
