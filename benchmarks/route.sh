@@ -59,11 +59,11 @@ from hybridlm.config.loader import load_config
 from hybridlm.config.structured import build_dataclass
 from hybridlm.data import DataConfig, ensure_prepared
 from hybridlm.teacher import resolve_teacher
-from upcycle.route import ROUTE_SECTIONS
+from upcycle.route import route_sections
 
 config, ngpu, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 try:
-    cfg = load_config(config, overrides, sections=ROUTE_SECTIONS)
+    cfg = load_config(config, overrides, sections=route_sections())
     teacher = resolve_teacher(cfg.get("teacher") or "asset:smollm2")
     print(f"teacher: {teacher}", file=sys.stderr)
     data = dict((cfg.get("ild") or {}).get("data") or {})

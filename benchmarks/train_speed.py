@@ -73,7 +73,7 @@ from hybridlm.ops.causal_conv import offer_pass1_x_once
 from hybridlm.training import train_loop
 from hybridlm.utils.atomic import save_figure
 from hybridlm.utils.readback import Readback
-from pretrain.train import build_engine, prepare_pretraining
+from pretrain.train import build_engine, prepare_pretraining, pretrain_config
 
 DEFAULT_CONFIGS = ["gdn_300m", "kda_300m", "mamba2_300m", "gdn_300m_hybrid", "mamba2_300m_hybrid", "gdn_1b"]
 DEFAULT_PEERS = ["fla_gdn", "fla_kda", "llama"]
@@ -203,7 +203,7 @@ def run_ours(name: str, mb: int, args, data_dir: Path, run_root: Path) -> Dict[s
     for section in ("optim", "runtime"):
         for item in [*getattr(args, f"{section}_override"), *own[section]]:
             sections = deep_merge(sections, parse_override(f"{section}.{item}"))
-    setup = prepare_pretraining(sections)
+    setup = prepare_pretraining(pretrain_config(sections))
     summary = model_summary(setup.config)
     n_mm = F.matmul_params(build_on_meta(setup.config))
     mixers = F.hybrid_mixers(setup.config, args.seq)

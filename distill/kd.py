@@ -12,7 +12,7 @@ ce 0.0, temperature 1, lr 8e-5 cosine with 1% warmup, bf16, seq 2048; every stud
 (end-to-end; embeddings and the tied LM head included).
 
 The loss itself (chunked: the ``[tokens, vocab]`` logits never exist whole) is ``distill/kd_loss.py``; this
-module is the stage: its ``kd:`` settings, its data and its runner. CLI (``distill/cli.py``)::
+module is the stage: its ``kd:`` settings, its data and its runner. CLI (its declaration in ``upcycle/stages.py``)::
 
     upcycle kd --config configs/upcycle/smollm2_kd_cpu.yaml student.path=... run.output_dir=...
 """

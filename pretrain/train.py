@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -42,6 +42,26 @@ def runtime_section(sections: Dict[str, Any]) -> RuntimeSettings:
     return build_dataclass(RuntimeSettings, sections.get("runtime") or {}, "runtime")
 
 
+@dataclass
+class PretrainConfig:
+    """A pre-training config, each section built into its dataclass once and handed down; ``model`` stays the
+    user's mapping (it is resolved against the prepared data's tokenizer, :func:`resolve_model_config`)."""
+    model: Dict[str, Any]
+    data: DataConfig
+    optim: OptimConfig
+    run: RunConfig
+    runtime: RuntimeSettings
+
+
+def pretrain_config(sections: Dict[str, Any]) -> PretrainConfig:
+    """The sections of :data:`PRETRAIN_SECTIONS` built (keys and values checked, one ``error:`` line naming the
+    field)."""
+    data = build_dataclass(DataConfig, sections["data"], "data")
+    optim = build_dataclass(OptimConfig, sections["optim"], "optim")
+    run = build_dataclass(RunConfig, sections["run"], "run")
+    return PretrainConfig(dict(sections["model"]), data, optim, run, runtime_section(sections))
+
+
 def lm_loss(model, batch):
     """Next-token cross-entropy (labels are already shifted by the packer)."""
     out = model(input_ids=batch["input_ids"], shift_labels=batch["labels"])
@@ -62,12 +82,10 @@ class PretrainingSetup:
     val_batches: List[Dict[str, torch.Tensor]]
 
 
-def prepare_pretraining(sections: Dict[str, Any]) -> PretrainingSetup:
-    """Validate the sections, join the process group, prepare the data if needed (rank 0), resolve the
-    model config against the tokenizer and open this rank's training / validation batches."""
-    data_cfg = build_dataclass(DataConfig, sections["data"], "data")
-    optim = build_dataclass(OptimConfig, sections["optim"], "optim")
-    run = build_dataclass(RunConfig, sections["run"], "run")
+def prepare_pretraining(cfg: PretrainConfig) -> PretrainingSetup:
+    """Join the process group, prepare the data if needed (rank 0), resolve the model config against the
+    tokenizer and open this rank's training / validation batches."""
+    data_cfg, optim, run = cfg.data, cfg.optim, cfg.run
     dist = init_distributed()
     optim.gradient_accumulation_steps(dist.world_size)  # fail early, with the field named
     if dist.rank == 0:
@@ -75,8 +93,8 @@ def prepare_pretraining(sections: Dict[str, Any]) -> PretrainingSetup:
     barrier()
     data_path = Path(data_cfg.path).expanduser()
     meta = read_meta(data_path)
-    config = resolve_model_config(sections["model"], meta, data_path)
-    config.runtime = runtime_section(sections)
+    config = resolve_model_config(cfg.model, meta, data_path)
+    config.runtime = cfg.runtime
     train_batches, val_batches = open_splits(data_path, data_cfg.seq_len, optim.micro_batch_size,
                                              data_cfg.val_max_batches, dist.rank, dist.world_size, data_cfg.seed)
     return PretrainingSetup(data_cfg, optim, run, dist, data_path, meta, config, train_batches, val_batches)
@@ -90,17 +108,14 @@ def build_engine(setup: PretrainingSetup) -> Engine:
                   with_nan_faults(lm_loss, setup.optim.gradient_accumulation_steps(setup.dist.world_size)))
 
 
-def check_sections(sections: Dict[str, Any]) -> Tuple[DataConfig, OptimConfig, RunConfig]:
-    """Every section of the command line and config checked, before anything else runs (an already complete
-    run included): keys and values of data / optim / run, the model settings (against the prepared data's
-    tokenizer when the data is there), the data's sources against those it was prepared from, and
-    ``run.output_dir``, which must be a directory or not exist."""
-    data_cfg = build_dataclass(DataConfig, sections["data"], "data")
-    optim = build_dataclass(OptimConfig, sections["optim"], "optim")
-    run = build_dataclass(RunConfig, sections["run"], "run")
-    data_cfg.validate("data")
-    runtime_section(sections)
-    out = Path(run.output_dir).expanduser()
+def check_sections(sections: Dict[str, Any]) -> PretrainConfig:
+    """Every section of the command line and config built (:func:`pretrain_config`) and checked, before anything
+    else runs (an already complete run included): keys and values of data / optim / run / runtime, the model
+    settings (against the prepared data's tokenizer when the data is there), the data's sources against those it
+    was prepared from, and ``run.output_dir``, which must be a directory or not exist."""
+    cfg = pretrain_config(sections)
+    data_cfg = cfg.data
+    out = Path(cfg.run.output_dir).expanduser()
     probe = out
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -108,7 +123,7 @@ def check_sections(sections: Dict[str, Any]) -> Tuple[DataConfig, OptimConfig, R
         raise ConfigError(f"run.output_dir: {probe} is a file, expected a directory (or a path that does not "
                           f"exist yet)" + (f" to hold {out}" if probe != out else ""))
     data_path = Path(data_cfg.path).expanduser()
-    model = dict(sections["model"])
+    model = dict(cfg.model)
     if (data_path / "meta.json").is_file():
         if is_rank_zero():
             ensure_prepared(data_cfg)  # prepared already: only checks its sources are those configured
@@ -117,18 +132,17 @@ def check_sections(sections: Dict[str, Any]) -> Tuple[DataConfig, OptimConfig, R
         if model.get("vocab_size", "auto") == "auto":
             model["vocab_size"] = 1 << 17
         HybridConfig.from_user_dict(model)
-    return data_cfg, optim, run
+    return cfg
 
 
-def completed_result(sections: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+def completed_result(cfg: PretrainConfig) -> Optional[Dict[str, Any]]:
     """The recorded ``result.json`` of a run that already reached ``optim.max_steps`` (and exported, when
     ``run.export``), or None: rerunning such a run must not resume at its last step, train nothing and
     overwrite its figures with empty ones. ``run.resume: false`` always trains from scratch. ``result.json`` is
     the last file a run writes, after ``final/`` is in place with its completeness marker, which must verify against
     the files it lists (:func:`hybridlm.utils.atomic.is_complete_directory`); a continued run deletes it before it
     trains."""
-    optim = build_dataclass(OptimConfig, sections["optim"], "optim")
-    run = build_dataclass(RunConfig, sections["run"], "run")
+    optim, run = cfg.optim, cfg.run
     out = Path(run.output_dir)
     if not run.resume or not (out / "result.json").is_file():
         return None
@@ -180,32 +194,32 @@ def run_pretraining(sections: Dict[str, Any], config_path: Optional[str] = None)
     """Check every section, then run in the run shell (hybridlm/training/shell.py): the run directory's lock, the
     pre-emption signals from start to exit, the export and result committed whole. A complete run is reported
     without taking the lock (it only reads: a read-only mount says so too)."""
-    _data_cfg, _optim, run_cfg = check_sections(sections)
-    done = _already_complete(sections)
+    cfg = check_sections(sections)
+    done = _already_complete(cfg)
     if done is not None:
         return done
-    with RunShell(run_cfg.output_dir) as shell:
-        return _pretrain(sections, run_cfg, shell, config_path)
+    with RunShell(cfg.run.output_dir) as shell:
+        return _pretrain(cfg, shell, config_path)
 
 
-def _already_complete(sections: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    done = completed_result(sections)
+def _already_complete(cfg: PretrainConfig) -> Optional[Dict[str, Any]]:
+    done = completed_result(cfg)
     if done is not None and is_rank_zero():
-        out = Path(sections["run"].get("output_dir", RunConfig.output_dir))
+        out = Path(cfg.run.output_dir)
         print(f"run already complete: {out} finished {done['steps']} steps; nothing to train, its result.json "
               f"is kept (a new run.output_dir or a larger optim.max_steps trains again)", flush=True)
         print(json_text(done), flush=True)
     return done
 
 
-def _pretrain(sections: Dict[str, Any], run_cfg: RunConfig, shell: RunShell, config_path: Optional[str]):
-    done = _already_complete(sections)  # (completed by another process since the check before the lock)
+def _pretrain(cfg: PretrainConfig, shell: RunShell, config_path: Optional[str]):
+    done = _already_complete(cfg)  # (completed by another process since the check before the lock)
     if done is not None:
         return done
     if is_rank_zero():  # the run goes on: its completeness marker no longer holds
         with contextlib.suppress(FileNotFoundError):
-            os.remove(Path(run_cfg.output_dir).expanduser() / "result.json")
-    setup = prepare_pretraining(sections)
+            os.remove(Path(cfg.run.output_dir).expanduser() / "result.json")
+    setup = prepare_pretraining(cfg)
     shell.check("with its data ready, before the model was built (nothing to save yet)")
     data_cfg, optim, run, dist, meta, config = (setup.data, setup.optim, setup.run, setup.dist, setup.meta,
                                                 setup.config)

@@ -221,10 +221,10 @@ def test_sft_batches_shard_pad_and_resume_identically():
 # --------------------------------------------------------------------------------------- stages
 DRIVER = """
 import argparse, json, sys
-from distill.cli import add_subcommands
+from upcycle.stages import add_stage_commands
 parser = argparse.ArgumentParser(prog="upcycle")
 sub = parser.add_subparsers(dest="command", required=True)
-add_subcommands(sub)
+add_stage_commands(sub)
 for argv in json.loads(sys.argv[1]):
     args = parser.parse_args(argv)
     print("RESULT", json.dumps(args.fn(args)), flush=True)

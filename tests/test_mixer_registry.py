@@ -195,11 +195,13 @@ def test_upcycle_plan_reads_its_costs(gated_average, tmp_path, capsys):
                           num_key_value_heads=2, head_dim=16, vocab_size=300, tie_word_embeddings=True)
     optim = {"micro_batch_size": 2, "global_batch_size": 16, "max_steps": 10, "lr": 1e-4}
     route = {"init": {"q_lora_rank": 48, "kv_lora_rank": 24, "qk_rope_head_dim": 8, "linear_mixer": "gatedavg"},
-             "ild": {"data": {"seq_len": 32}, "optim": dict(optim)}, "smart": {"n_mla": 2, "batches": 2, "batch_size": 2},
-             "kd": {"data": {"seq_len": 32}, "optim": dict(optim)}}
+             "ild": {"data": {"path": "ild_data", "seq_len": 32}, "optim": dict(optim)},
+             "smart": {"n_mla": 2, "batches": 2, "batch_size": 2},
+             "kd": {"data": {"format": "packed", "path": "ild_data", "seq_len": 32}, "optim": dict(optim)},
+             "dpo": {"data": {"path": "pairs.json", "max_length": 32, "max_prompt_length": 16}, "optim": dict(optim)}}
     plan = plan_route(route, teacher, 4)
     stages = {p.name: p for p in plan.stages}
-    assert list(stages) == ["init", "ild_mla", "ild_gatedavg", "smart", "kd"]
+    assert list(stages) == ["init", "ild_mla", "ild_gatedavg", "smart", "kd", "dpo"]
     assert plan.mixers[1] == MixerPlan("gatedavg", 2, 32, 4.0 * 64, 0, 64, 6 * 64)
     kinds = ["gatedavg"] * 4
     student = student_config(teacher, kinds, q_lora_rank=48, kv_lora_rank=24, qk_rope_head_dim=8)

@@ -63,3 +63,15 @@ def test_eta_leaves_out_the_first_steps_autotuning(tmp_path):
     assert "ETA ~40s for 40+20+10 training steps left" in p.line("ild_mamba2")  # 40 x 0.5 + 20 x 0.5 + 10 x 1.0
     p.finished("ild_mamba2", {"steps": 1, "seconds": 150.0, "seconds_per_step": None})  # one step: nothing steady
     assert "ETA ~1h40m" in p.line("kd")  # only then the mean stands: 20 x 150 + 10 x 300 s
+
+
+def test_steps_left_come_from_the_checkpoint_the_store_names_latest(tmp_path):
+    """The step of ``checkpoints/latest`` (a step saved again: ``step_N.k``); a damaged ``latest`` counts as none."""
+    p = make_progress(tmp_path, lambda: 0.0)
+    ckpt = tmp_path / "a" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    (ckpt / "latest").write_text("step_12.1\n")
+    assert "28+40+20+10 training steps left" in p.line("init")
+    (ckpt / "latest").unlink()
+    (ckpt / "latest").mkdir()  # not a file: the stage says so itself when it resumes
+    assert "40+40+20+10 training steps left" in p.line("init")

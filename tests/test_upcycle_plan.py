@@ -1,6 +1,7 @@
 """``upcycle plan``'s arithmetic against a direct computation on real (tiny) models, and the shipped Llama route
 configs: they pass the route's own schemas, and their comments state the KV ratios and token budgets they hold."""
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from smart_select.stage import SmartConfig
 from upcycle.init_students import InitConfig
 from upcycle.plan import (BF16, FP32, activation_bytes, activation_widths, forward_flops_per_token, load_route,
                           plan_route, student_kinds)
-from upcycle.route import ROUTE_SECTIONS, _stage_sections, check_route
+from upcycle.route import route_sections
+from upcycle.stages import check_route, route_stage_sections
 from upcycle.student import student_config
 
 LLAMA_ROUTES = sorted((REPO / "configs" / "upcycle").glob("llama*.yaml"))
@@ -34,10 +36,11 @@ def tiny_route(ckpt=False, linear="mamba2"):
              "activation_checkpointing": ckpt}
     return {"init": {"q_lora_rank": 48, "kv_lora_rank": 24, "qk_rope_head_dim": 8, "calib_tokens": 128,
                      "linear_mixer": linear},
-            "ild": {"data": {"seq_len": 32}, "optim": dict(optim)},
+            "ild": {"data": {"path": "ild_data", "seq_len": 32}, "optim": dict(optim)},
             "smart": {"n_mla": 2, "batches": 2, "batch_size": 2},
-            "kd": {"data": {"seq_len": 32}, "kd": {"chunk_tokens": 16}, "optim": dict(optim)},
-            "dpo": {"data": {"max_length": 24}, "optim": dict(optim)}}
+            "kd": {"data": {"format": "packed", "path": "ild_data", "seq_len": 32}, "kd": {"chunk_tokens": 16},
+                   "optim": dict(optim)},
+            "dpo": {"data": {"path": "pairs.json", "max_length": 24, "max_prompt_length": 12}, "optim": dict(optim)}}
 
 
 def direct(cfg, kinds):
@@ -82,8 +85,8 @@ def test_plan_bytes_match_a_direct_computation(tie, linear):
 def test_the_align_stage_is_planned_between_smart_and_kd_with_only_the_mixers_trained():
     cfg, ranks = tiny_teacher_config(True), 2
     route = tiny_route()
-    route["align"] = {"data": {"seq_len": 32}, "optim": {"micro_batch_size": 2, "global_batch_size": 8,
-                                                         "max_steps": 5, "lr": 1e-3}}
+    route["align"] = {"data": {"path": "ild_data", "seq_len": 32},
+                      "optim": {"micro_batch_size": 2, "global_batch_size": 8, "max_steps": 5, "lr": 1e-3}}
     plans = {p.name: p for p in plan_route(route, cfg, ranks).stages}
     assert list(plans) == ["init", "ild_mla", "ild_mamba2", "smart", "align", "kd", "dpo"]
     hybrid, total, _ = direct(cfg, student_kinds(4, 2, "mamba2"))
@@ -155,16 +158,11 @@ def test_plan_refuses_what_it_does_not_model():
 @pytest.mark.parametrize("path", LLAMA_ROUTES, ids=lambda p: p.stem)
 def test_llama_routes_pass_the_route_schema_and_state_their_numbers(path):
     assert len(LLAMA_ROUTES) == 4
-    cfg = load_config(str(path), [], sections=ROUTE_SECTIONS)
+    cfg = load_config(str(path), [], sections=route_sections())
     init = build_dataclass(InitConfig, cfg["init"], "init")
     smart = build_dataclass(SmartConfig, cfg["smart"], "smart")
     out = cfg["output_dir"]
-    built = check_route({
-        "ild": _stage_sections(cfg["ild"], "ild", teacher__path=cfg["teacher"],
-                               student__path=f"{out}/init/mla_student", run__output_dir=f"{out}/ild_mla"),
-        "kd": _stage_sections(cfg["kd"], "kd", teacher__path=cfg["teacher"], student__path=f"{out}/hybrid",
-                              run__output_dir=f"{out}/kd"),
-        "dpo": _stage_sections(cfg["dpo"], "dpo", student__path=f"{out}/kd/final", run__output_dir=f"{out}/dpo")})
+    built = check_route(route_stage_sections(cfg, Path(out), cfg["teacher"]))
     for stage in ("ild", "kd", "dpo"):
         built[stage]["optim"].gradient_accumulation_steps(8)
     text = path.read_text()

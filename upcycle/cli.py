@@ -21,7 +21,6 @@ import json
 from pathlib import Path
 from typing import List, Optional
 
-from distill.cli import add_subcommands as add_distill_stages
 from distill.teacher_samples import add_subcommand as add_sample
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.layers import parse_layers
@@ -38,8 +37,9 @@ from upcycle.compose import add_subcommand as add_compose
 from upcycle.init_linear import LINEAR_KINDS
 from upcycle.init_students import InitConfig, init_students  # flags default to the route's init section
 from upcycle.plan import add_subcommand as add_plan
-from upcycle.route import ROUTE_SECTIONS, run_route
+from upcycle.route import route_sections, run_route
 from upcycle.route_report import route_report
+from upcycle.stages import add_stage_commands
 from upcycle.student import ROPE_INITS, student_config
 
 
@@ -76,7 +76,7 @@ def cmd_init(args) -> dict:
 
 
 def cmd_run(args) -> dict:
-    return run_route(load_config(args.config, args.overrides, sections=ROUTE_SECTIONS))
+    return run_route(load_config(args.config, args.overrides, sections=route_sections()))
 
 
 def cmd_report(args) -> dict:
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     r.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. smart.n_mla=8")
     r.set_defaults(fn=cmd_run)
-    add_distill_stages(sub)
+    add_stage_commands(sub)
     add_sample(sub)
     add_smart(sub)
     add_compose(sub)

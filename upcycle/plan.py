@@ -41,93 +41,19 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-import torch
 import yaml
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.loader import deep_merge, parse_override
 from hybridlm.config.structured import build_dataclass
-from hybridlm.kv_report import ATTENTION_KIND, load_teacher_config
-from hybridlm.model import HybridForCausalLM
-from hybridlm.model.layers.mixing_flops import causal_attention_flops
-from hybridlm.model.registry import costs_of, is_mixer
+from hybridlm.kv_report import load_teacher_config
+from hybridlm.model.registry import costs_of
 from hybridlm.teacher import resolve_teacher
 from smart_select.stage import SmartConfig
+from upcycle.footprint import (BF16, FP32, GIB, StagePlan, activation_bytes, activation_widths,  # noqa: F401
+                               forward_flops_per_token, plan_inputs, student_kinds, trained_bytes)
 from upcycle.init_students import InitConfig
-from upcycle.student import llama_shapes, student_config
-
-GIB = 1024 ** 3
-BF16, FP32 = 2, 4
-
-
-# ------------------------------------------------------------------------------------------ parameters
-def _meta(build):
-    with torch.device("meta"):
-        return build()
-
-
-def param_counts(model) -> Dict[str, int]:
-    """``total``, ``layers`` (decoder blocks), ``outer`` (embeddings, final norm, LM head; a tied head once) and, of a
-    hybrid, ``mixers`` (its mixer sublayers' own weights: what the align stage trains by default)."""
-    total = sum(p.numel() for p in model.parameters())
-    layers = sum(p.numel() for p in model.model.layers.parameters())
-    mixers = sum(p.numel() for block in model.model.layers if is_mixer(getattr(block, "kind", ""))
-                 for p in block.mixer.parameters())
-    return {"total": total, "layers": layers, "outer": total - layers, "mixers": mixers}
-
-
-def student_kinds(L: int, n_mla: int, linear: str) -> List[str]:
-    """n_mla MLA layers spread over L (their places do not change any count), the rest ``linear``."""
-    mla = {round(i * (L - 1) / max(n_mla - 1, 1)) for i in range(n_mla)} if n_mla else set()
-    return [ATTENTION_KIND if i in mla else linear for i in range(L)]
-
-
-def models(teacher_cfg, init: InitConfig, n_mla: int) -> Dict[str, Dict[str, Any]]:
-    """Parameter counts and config of the teacher, both ILD students and the composed hybrid."""
-    from transformers import LlamaForCausalLM
-
-    s = llama_shapes(teacher_cfg)
-    L, linear = s["L"], init.linear_mixer
-    out = {"teacher": {"params": param_counts(_meta(lambda: LlamaForCausalLM(teacher_cfg))), "shapes": s}}
-    for name, layer_kinds in ((f"{ATTENTION_KIND}_student", [ATTENTION_KIND] * L), (f"{linear}_student", [linear] * L),
-                              ("hybrid", student_kinds(L, n_mla, linear))):
-        cfg = student_config(teacher_cfg, layer_kinds, q_lora_rank=init.q_lora_rank, kv_lora_rank=init.kv_lora_rank,
-                             qk_rope_head_dim=init.qk_rope_head_dim, rope_init=init.rope_init)
-        out[name] = {"params": param_counts(_meta(lambda: HybridForCausalLM(cfg))), "layer_kinds": layer_kinds,
-                     "config": cfg}
-    return out
-
-
-# ----------------------------------------------------------------------------------------- activations
-def activation_widths(cfg, kind: str) -> Dict[str, float]:
-    """Values per token the backward keeps of one decoder layer (pre-norm + mixer ``kind``, pre-norm + MLP),
-    bf16 values, with fp32 tensors counted as two. See the module docstring."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    widths = costs_of(kind).activations
-    if widths is None:
-        raise ConfigError(f"plan: mixer {kind!r} has no activation model (MixerCosts.activations in its registry "
-                          f"entry)")
-    return {"mixer": 2 * d + widths(cfg.mixer_args(kind)), "mlp": 2 * d + 3 * f}
-
-
-def activation_bytes(cfg, layer_kinds: Sequence[str], tokens: int, checkpointing: bool) -> int:
-    """Bytes the backward keeps for one micro-batch of ``tokens`` tokens (b x s) through the decoder layers."""
-    per_layer = [sum(activation_widths(cfg, k).values()) for k in layer_kinds]
-    if checkpointing:
-        return int(tokens * BF16 * (len(layer_kinds) * cfg.hidden_size + max(per_layer)))
-    return int(tokens * BF16 * sum(per_layer))
-
-
-# -------------------------------------------------------------------------------------------- FLOPs
-def forward_flops_per_token(cfg, layer_kinds: Sequence[str], params: int, seq_len: int) -> float:
-    """2 per parameter and each mixer's forward FLOPs beyond its weights (its registry entry)."""
-    return 2.0 * params + sum(costs_of(k).flops(cfg.mixer_args(k), seq_len) for k in layer_kinds)
-
-
-def teacher_forward_flops(shapes: Dict[str, Any], params: int, seq_len: int) -> float:
-    s = shapes
-    return 2.0 * params + s["L"] * causal_attention_flops(s["n_h"], s["d_h"], s["d_h"], seq_len)
-
+from upcycle.stages import check_route, hybrid_stages, kd_seq_len, pure_stages, route_stage_sections
 
 # ------------------------------------------------------------------------------------------- mixers
 @dataclasses.dataclass
@@ -158,46 +84,20 @@ def mixer_plans(cfg, layer_kinds: Sequence[str], seq_len: int) -> List[MixerPlan
 # ------------------------------------------------------------------------------------------- stages
 @dataclasses.dataclass
 class RoutePlan:
-    stages: List["StagePlan"]
-    mixers: List[MixerPlan]  # of the composed hybrid, at the KD sequence length (else ILD's)
+    stages: List[StagePlan]
+    mixers: List[MixerPlan]  # of the composed hybrid, at the KD sequence length
 
 
-@dataclasses.dataclass
-class StagePlan:
-    name: str
-    ranks: int
-    micro_batch: int
-    seq_len: int
-    tokens: int
-    bytes: Dict[str, int]
-    flops: float
-    note: str = ""
-
-    @property
-    def total(self) -> int:
-        return sum(self.bytes.values())
-
-
-def trained_bytes(all_params: int, trainable: int, ranks: int) -> Dict[str, int]:
-    """A trained model's bytes per rank under bf16 ZeRO-1 (see the module docstring)."""
-    return {"student weights (bf16)": BF16 * all_params,
-            "gradients (bf16 + fp32 accumulator)": (BF16 + FP32) * trainable,
-            "master + Adam (fp32, ZeRO-1)": -(-(FP32 + 2 * FP32) * trainable // ranks)}
-
-
-def _optim(section: Dict[str, Any], where: str) -> Dict[str, Any]:
-    optim = dict(section.get("optim") or {})
-    for key in ("micro_batch_size", "global_batch_size", "max_steps"):
-        if key not in optim:
-            raise ConfigError(f"{where}.optim.{key}: the plan needs it")
-    if optim.get("precision", "bf16") != "bf16" or int(optim.get("zero_stage", 1)) != 1:
+def check_modelled(optim, where: str) -> None:
+    if optim.precision != "bf16" or optim.zero_stage != 1:
         raise ConfigError(f"{where}.optim: the plan models precision bf16 with zero_stage 1, got "
-                          f"{optim.get('precision', 'bf16')} / {optim.get('zero_stage', 1)}")
-    return optim
+                          f"{optim.precision} / {optim.zero_stage}")
 
 
 def plan_route(cfg: Dict[str, Any], teacher_cfg, gpus: int) -> RoutePlan:
-    """One :class:`StagePlan` per stage of the route config ``cfg`` on ``gpus`` ranks, and the hybrid's mixers."""
+    """One :class:`StagePlan` per stage of the route config ``cfg`` on ``gpus`` ranks, and the hybrid's mixers.
+    The training stages' sections are built by the route's own schemas (:func:`upcycle.stages.check_route`)
+    and planned by their declarations' hooks (:class:`upcycle.stages.StageSpec` ``plan``)."""
     if gpus < 1:
         raise ConfigError(f"--gpus: expected at least 1, got {gpus}")
     init = build_dataclass(InitConfig, cfg.get("init") or {}, "init")
@@ -205,105 +105,39 @@ def plan_route(cfg: Dict[str, Any], teacher_cfg, gpus: int) -> RoutePlan:
     n_mla = len(smart.mla_layers) if smart.mla_layers else int(smart.n_mla or 0)
     if not n_mla:
         raise ConfigError("smart: the plan needs n_mla or mla_layers (how many layers the hybrid keeps as MLA)")
-    m = models(teacher_cfg, init, n_mla)
-    shapes, T = m["teacher"]["shapes"], m["teacher"]["params"]["total"]
-    V, d, L = shapes["vocab"], shapes["d"], shapes["L"]
-    lookup = 0 if shapes["tie"] else V * d  # an untied input embedding is a lookup, not a matmul
-    T_mm = T - lookup
-    linear = init.linear_mixer
+    p = plan_inputs(teacher_cfg, init, n_mla)
+    out = Path(str(cfg.get("output_dir") or "."))  # the route's paths: the plan reads no file
+    built = check_route(route_stage_sections(cfg, out, str(cfg.get("teacher") or "asset:smollm2")))
+    T, L, V = p.teacher_params, p.shapes["L"], p.shapes["vocab"]
     plans: List[StagePlan] = []
 
+    def stage(spec) -> None:
+        if spec.name in built:
+            check_modelled(built[spec.name]["optim"], spec.name)
+            plans.extend(spec.plan(spec.name, p, built[spec.name], gpus))
+
     # init: rank 0, fp32 teacher and one fp32 student at a time (the calibration runs both on its GPU)
-    biggest = max(m[f"{ATTENTION_KIND}_student"]["params"]["total"], m[f"{linear}_student"]["params"]["total"])
+    biggest = max(st.params["total"] for st in p.students.values())
     plans.append(StagePlan("init", 1, 1, init.calib_seq_len, init.calib_tokens,
                            {"teacher weights (fp32)": FP32 * T, "student weights (fp32)": FP32 * biggest},
                            2.0 * (T + biggest) * init.calib_tokens,
                            "rank 0 only; calibration forwards, no optimizer"))
+    for spec in pure_stages():
+        stage(spec)
 
-    ild = dict(cfg.get("ild") or {})
-    if ild:
-        optim = _optim(ild, "ild")
-        s = int((ild.get("data") or {}).get("seq_len", 1024))
-        b, ckpt = int(optim["micro_batch_size"]), bool(optim.get("activation_checkpointing", False))
-        tokens = int(optim["max_steps"]) * int(optim["global_batch_size"]) * s
-        for kind in (ATTENTION_KIND, linear):
-            st = m[f"{kind}_student"]
-            p = st["params"]
-            by = {"teacher weights (bf16)": BF16 * T, **trained_bytes(p["total"], p["layers"], gpus),
-                  "activations": activation_bytes(st["config"], st["layer_kinds"], b * s, ckpt),
-                  "teacher trace / logits": BF16 * 3 * L * b * s * d}
-            fl = (6.0 * p["layers"] + (2.0 if ckpt else 0.0) * p["layers"]
-                  + forward_flops_per_token(st["config"], st["layer_kinds"], 0, s) * 3
-                  + teacher_forward_flops(shapes, T_mm, s))
-            plans.append(StagePlan(f"ild_{kind}", gpus, b, s, tokens, by, fl * tokens,
-                                   "decoder layers train; embeddings and head frozen"))
-
-    s = int((ild.get("data") or {}).get("seq_len", 1024))
+    s = built["ild"]["data"].seq_len
     b = smart.batch_size
     tokens = smart.batches * b * s
-    mla_p, lin_p = m[f"{ATTENTION_KIND}_student"]["params"]["total"], m[f"{linear}_student"]["params"]["total"]
-    by = {"teacher weights (bf16)": BF16 * T, "student weights (bf16)": BF16 * (mla_p + lin_p),
+    lin_p = p.students[init.linear_mixer].params["total"]
+    by = {"teacher weights (bf16)": BF16 * T,
+          "student weights (bf16)": BF16 * sum(st.params["total"] for st in p.students.values()),
           "teacher trace / logits": 3 * FP32 * b * s * V}
-    plans.append(StagePlan("smart", 1, b, s, tokens, by, 2.0 * (T_mm + (L + 1) * (lin_p - lookup)) * tokens,
+    plans.append(StagePlan("smart", 1, b, s, tokens, by,
+                           2.0 * (p.teacher_matmul + (L + 1) * (lin_p - p.lookup)) * tokens,
                            f"rank 0 only; forward only: the teacher and {L + 1} hybrids"))
-
-    kd = dict(cfg.get("kd") or {})
-    hy = m["hybrid"]
-    hp = hy["params"]["total"]
-    hp_mm = hp - lookup
-    align = dict(cfg.get("align") or {})
-    if align:
-        optim = _optim(align, "align")
-        s = int((align.get("data") or {}).get("seq_len", 1024))
-        b, ckpt = int(optim["micro_batch_size"]), bool(optim.get("activation_checkpointing", False))
-        tokens = int(optim["max_steps"]) * int(optim["global_batch_size"]) * s
-        mixers = hy["params"]["mixers"]
-        by = {"teacher weights (bf16)": BF16 * T, **trained_bytes(hp, mixers, gpus),
-              "activations": activation_bytes(hy["config"], hy["layer_kinds"], b * s, ckpt),
-              "teacher trace / logits": BF16 * 3 * L * b * s * d}
-        # the backward passes through every layer (input gradients) but makes weight gradients for the mixers only
-        layers_mm = hy["params"]["layers"]
-        fl = (4.0 * layers_mm + 2.0 * mixers + (2.0 if ckpt else 0.0) * layers_mm
-              + 3 * forward_flops_per_token(hy["config"], hy["layer_kinds"], 0, s)
-              + teacher_forward_flops(shapes, T_mm, s))
-        plans.append(StagePlan("align", gpus, b, s, tokens, by, fl * tokens,
-                               "the mixers train; the stream runs end to end"))
-
-    # KD, and the long-context stage (KD again at its own, longer, sequence length)
-    for name, section, note in (("kd", kd, "every parameter trains"),
-                                ("long_context", dict(cfg.get("long_context") or {}),
-                                 "KD again at its longer sequence length")):
-        if not section:
-            continue
-        optim = _optim(section, name)
-        s = int((section.get("data") or {}).get("seq_len", 1024))
-        b, ckpt = int(optim["micro_batch_size"]), bool(optim.get("activation_checkpointing", False))
-        chunk = int((section.get("kd") or {}).get("chunk_tokens", 1024))
-        tokens = int(optim["max_steps"]) * int(optim["global_batch_size"]) * s
-        by = {"teacher weights (bf16)": BF16 * T, **trained_bytes(hp, hp, gpus),
-              "activations": activation_bytes(hy["config"], hy["layer_kinds"], b * s, ckpt) + BF16 * b * s * d,
-              "teacher trace / logits": 3 * FP32 * min(chunk, b * s) * V}
-        fl = (6.0 * hp_mm + (2.0 if ckpt else 0.0) * hp_mm
-              + 3 * forward_flops_per_token(hy["config"], hy["layer_kinds"], 0, s)
-              + teacher_forward_flops(shapes, T_mm, s))
-        plans.append(StagePlan(name, gpus, b, s, tokens, by, fl * tokens, note))
-
-    dpo = dict(cfg.get("dpo") or {})
-    if dpo:
-        optim = _optim(dpo, "dpo")
-        s = int((dpo.get("data") or {}).get("max_length", 1024))
-        b, ckpt = int(optim["micro_batch_size"]), bool(optim.get("activation_checkpointing", False))
-        seqs = 2 * b  # chosen and rejected
-        tokens = int(optim["max_steps"]) * int(optim["global_batch_size"]) * 2 * s
-        by = {"reference weights (bf16)": BF16 * hp, **trained_bytes(hp, hp, gpus),
-              "activations": activation_bytes(hy["config"], hy["layer_kinds"], seqs * s, ckpt),
-              "teacher trace / logits": (BF16 + FP32 + FP32) * seqs * s * V}
-        fl = (6.0 * hp_mm + (2.0 if ckpt else 0.0) * hp_mm
-              + 3 * forward_flops_per_token(hy["config"], hy["layer_kinds"], 0, s) + 2.0 * hp_mm)
-        plans.append(StagePlan("dpo", gpus, b, s, tokens, by, fl * tokens,
-                               "b pairs = 2b sequences padded to max_length"))
-    s = int((kd.get("data") or ild.get("data") or {}).get("seq_len", 1024))
-    return RoutePlan(plans, mixer_plans(hy["config"], hy["layer_kinds"], s))
+    for spec in hybrid_stages():
+        stage(spec)
+    return RoutePlan(plans, mixer_plans(p.hybrid.config, p.hybrid.layer_kinds, kd_seq_len(built["kd"])))
 
 
 # -------------------------------------------------------------------------------------------- output

@@ -7,19 +7,17 @@ is a ``sample:`` section, distill/teacher_samples.py; ``long_context``: a second
 usually on windows inside one document (``data.format: documents``), run when the config has a ``long_context:``
 section; DPO then starts from it).
 A route config names the teacher, one ``output_dir`` and a section per stage; each training section holds
-that stage's ``data`` / ``optim`` / ``run`` (and ``kd`` / ``dpo``) settings, as in the single-stage configs.
+that stage's ``data`` / ``optim`` / ``run`` (and ``kd`` / ``dpo``) settings, as in the single-stage configs. The
+training stages, their order and where each runs are their declarations' (upcycle/stages.py); init, SMART,
+compose, the teacher's samples and the report are the route's own steps.
 """
 from __future__ import annotations
 
 import copy
 import json
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
-from distill.align import align_configs, run_align
-from distill.dpo_stage import dpo_configs, run_dpo
-from distill.kd import kd_configs, run_kd
-from distill.stage import ild_configs, run_ild
 from distill.teacher_samples import SampleConfig, sample
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import build_dataclass, check_known_keys
@@ -35,38 +33,24 @@ from upcycle.init_students import InitConfig, init_students
 from upcycle.route_inputs import check_route_inputs
 from upcycle.route_progress import RouteProgress, training_plan
 from upcycle.route_report import route_report, ruler_options
-
-ROUTE_SECTIONS = ("output_dir", "teacher", "init", "ild", "smart", "align", "sample", "kd", "long_context", "dpo",
-                  "report")
+from upcycle.stages import check_route, hybrid_stages, pure_stages, route_stage_sections
 
 
-# each training stage's one schema (its module's *_configs), used here to check the route before it starts
-STAGE_CONFIGS = {"ild": ild_configs, "align": align_configs, "kd": kd_configs, "long_context": kd_configs,
-                 "dpo": dpo_configs}
+def route_sections() -> Tuple[str, ...]:
+    """The sections of a route config: its own, the fixed steps' and every registered training stage's, in the
+    route's order."""
+    hybrid = [s.name for s in hybrid_stages()]
+    first_reader = next((i for i, s in enumerate(hybrid_stages()) if s.reads_samples), len(hybrid))
+    return ("output_dir", "teacher", "init", *(s.name for s in pure_stages()), "smart", *hybrid[:first_reader],
+            "sample", *hybrid[first_reader:], "report")
 
 
-def _stage_sections(section: Dict[str, Any], where: str, **fixed) -> Dict[str, Any]:
-    if not isinstance(section, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(section).__name__}")
-    out = {k: dict(v or {}) for k, v in section.items()}
-    for key, value in fixed.items():
-        name, _, field = key.partition("__")
-        out.setdefault(name, {})[field] = value
-    return out
-
-
-def ild_sections(built: Dict[str, Any], student: Path, output_dir: Path) -> Dict[str, Any]:
-    """One of the route's two ILD runs: a copy of the checked ILD sections (a stage may fill in its data
-    section, e.g. the tokenizer) with that run's student and output directory."""
+def pure_run_sections(built: Dict[str, Any], student: Path, output_dir: Path) -> Dict[str, Any]:
+    """One of a pure stage's two runs (ILD of each student): a copy of the checked sections (a stage may fill in
+    its data section, e.g. the tokenizer) with that run's student and output directory."""
     configs = copy.deepcopy(built)
     configs["student"].path, configs["run"].output_dir = str(student), str(output_dir)
     return configs
-
-
-def check_route(stages: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    """Every training section of the route built through its stage's own schema, before the first stage starts:
-    a typo in ``dpo.optim`` must not surface after init, both ILD runs, SMART and KD have finished."""
-    return {name: STAGE_CONFIGS[name](sections, f"{name}.") for name, sections in stages.items()}
 
 
 def prepare_calibration_data(ild_data, teacher: str, calib_sources, rank: int) -> None:
@@ -95,25 +79,7 @@ def run_route(cfg: Dict[str, Any]) -> Dict[str, Any]:
     if report_opts.get("ruler_lengths"):  # checked now, not after the last stage
         ruler_options(report_opts["ruler_lengths"], report_opts.get("ruler_items", 5),
                       report_opts.get("ruler_tasks", ("all",)))
-    ild = cfg.get("ild") or {}
-    hybrid = out / "hybrid"
-    stages = {
-        "ild": _stage_sections(ild, "ild", teacher__path=teacher, student__path=str(out / "init" / "mla_student"),
-                               run__output_dir=str(out / "ild_mla")),
-    }
-    if cfg.get("align"):  # hidden-state alignment of the composed hybrid, before KD (an empty section: none)
-        stages["align"] = _stage_sections(cfg["align"], "align", teacher__path=teacher, student__path=str(hybrid),
-                                          run__output_dir=str(out / "align"))
-    kd_student = out / "align" / "final" if "align" in stages else hybrid
-    stages["kd"] = _stage_sections(cfg.get("kd") or {}, "kd", teacher__path=teacher, student__path=str(kd_student),
-                                   run__output_dir=str(out / "kd"))
-    if cfg.get("long_context"):  # KD again at a longer sequence length (an empty section: none)
-        stages["long_context"] = _stage_sections(cfg["long_context"], "long_context", teacher__path=teacher,
-                                                 student__path=str(out / "kd" / "final"),
-                                                 run__output_dir=str(out / "long_context"))
-    dpo_student = out / ("long_context" if "long_context" in stages else "kd") / "final"
-    stages["dpo"] = _stage_sections(cfg.get("dpo") or {}, "dpo", student__path=str(dpo_student),
-                                    run__output_dir=str(out / "dpo"))
+    stages = route_stage_sections(cfg, out, teacher)
     built = check_route(stages)
     samples = sample_section(cfg, out, built)
     calib = [init_cfg.calib_sources] if isinstance(init_cfg.calib_sources, str) else list(init_cfg.calib_sources)
@@ -143,17 +109,21 @@ def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, 
         configs["optim"].gradient_accumulation_steps(dist.world_size, f"{name}.optim")
     ild_data = built["ild"]["data"]
     init_dir = out / "init"
-    ild_runs = {kind: ild_sections(built["ild"], init_dir / f"{kind}_student", out / f"ild_{kind}")
-                for kind in ("mla", linear)}
-    ild_plans = {f"ild_{kind}": training_plan("ild", configs) for kind, configs in ild_runs.items()}
-    align_plan = {"align": training_plan("align", built["align"])} if "align" in built else {}
-    sample_plan = {"sample": None} if samples else {}
-    long_plan = ({"long_context": training_plan("long_context", built["long_context"])}
-                 if "long_context" in built else {})
-    progress = RouteProgress({"init": None, **ild_plans, "smart": None, "compose": None, **align_plan, **sample_plan,
-                              "kd": training_plan("kd", built["kd"]), **long_plan,
-                              "dpo": training_plan("dpo", built["dpo"]),
-                              "report": None}, enabled=dist.rank == 0)
+    # a pure stage (ILD) trains each of init's two students; the hybrid stages after compose, one after another
+    pure_runs = {f"{spec.name}_{kind}": (spec, pure_run_sections(built[spec.name], init_dir / f"{kind}_student",
+                                                                  out / f"{spec.name}_{kind}"))
+                 for spec in pure_stages() if spec.name in built for kind in ("mla", linear)}
+    hybrid_runs = [spec for spec in hybrid_stages() if spec.name in built]
+    first_reader = next((spec.name for spec in hybrid_runs if spec.reads_samples), None) if samples else None
+    steps: Dict[str, Any] = {"init": None}
+    steps.update({name: training_plan(spec.name, configs) for name, (spec, configs) in pure_runs.items()})
+    steps.update({"smart": None, "compose": None})
+    for spec in hybrid_runs:
+        if spec.name == first_reader:
+            steps["sample"] = None
+        steps[spec.name] = training_plan(spec.name, built[spec.name])
+    steps["report"] = None
+    progress = RouteProgress(steps, enabled=dist.rank == 0)
     summary: Dict[str, Any] = {"teacher": teacher}
 
     def start(stage: str) -> None:  # a safe point: a signal stops the route here, the stages before it complete
@@ -171,10 +141,10 @@ def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, 
     barrier()
     summary["init"] = json.loads((init_dir / "init_report.json").read_text())
 
-    for kind in ("mla", linear):
-        start(f"ild_{kind}")
-        summary[f"ild_{kind}"] = run_ild(ild_runs[kind])
-        progress.finished(f"ild_{kind}", summary[f"ild_{kind}"])
+    for name, (spec, configs) in pure_runs.items():
+        start(name)
+        summary[name] = spec.run(configs)
+        progress.finished(name, summary[name])
 
     smart_dir = out / "smart"
     start("smart")
@@ -193,15 +163,13 @@ def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, 
                           overwrite=True)
     barrier()
 
-    for name, run_stage in (("align", run_align), ("kd", run_kd), ("long_context", run_kd), ("dpo", run_dpo)):
-        if name not in built:
-            continue
-        if name == "kd" and samples is not None:  # the teacher's continuations, before the KD mix that names them
+    for spec in hybrid_runs:
+        if spec.name == first_reader:  # the teacher's continuations, before the first mix that names them
             start("sample")
             summary["sample"] = sample(samples, teacher)
-        start(name)
-        summary[name] = run_stage(built[name])
-        progress.finished(name, summary[name])
+        start(spec.name)
+        summary[spec.name] = spec.run(built[spec.name])
+        progress.finished(spec.name, summary[spec.name])
     start("report")
     if dist.rank == 0:
         summary["report"] = route_report(out, ild_data.path, device=dist.device, **report_opts)

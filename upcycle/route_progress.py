@@ -16,6 +16,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+from hybridlm.engine import CheckpointError
+from hybridlm.engine.checkpoint import latest_step
+from upcycle.stages import STAGES
 
 
 def minutes(seconds: float) -> str:
@@ -27,24 +30,19 @@ def minutes(seconds: float) -> str:
 
 
 def _steps_saved(output_dir: str) -> int:
-    """Steps a stage's resume checkpoint holds (``checkpoints/latest`` -> ``step_N``), 0 without one."""
+    """Steps a stage's resume checkpoint holds (the step ``checkpoints/latest`` names), 0 without one."""
     try:
-        tag = (Path(output_dir) / "checkpoints" / "latest").read_text().strip()
-        return int(tag.rsplit("_", 1)[-1].split(".")[0])  # step_N, or step_N.k for a step saved again
-    except (OSError, ValueError):
+        return latest_step(str(Path(output_dir) / "checkpoints")) or 0
+    except (CheckpointError, OSError):  # a damaged ``latest``: the stage itself says so when it resumes
         return 0
 
 
 def training_plan(kind: str, configs: Dict[str, Any]) -> Dict[str, Any]:
-    """What the estimate needs of one training stage (its sections built by the stage's schema, e.g.
-    :func:`distill.kd.kd_configs`): its kind, max_steps, the tokens of a step at most (ILD: global batch x
-    seq_len; KD: x max_length, or seq_len for packed text; DPO: chosen + rejected, 2 x max_length) and its output."""
-    optim, run, data = configs["optim"], configs["run"], configs["data"]
-    length = getattr(data, "max_length", None) or data.seq_len
-    if kind == "dpo":
-        length *= 2
-    return {"kind": kind, "max_steps": optim.max_steps, "tokens_per_step": optim.global_batch_size * length,
-            "output_dir": run.output_dir}
+    """What the estimate needs of one run of the training stage ``kind`` (:data:`upcycle.stages.STAGES`; its
+    sections built by the stage's schema): its kind, max_steps, the tokens of a step at most (the stage's
+    ``tokens_per_step``) and its output."""
+    return {"kind": kind, "max_steps": configs["optim"].max_steps,
+            "tokens_per_step": STAGES[kind].tokens_per_step(configs), "output_dir": configs["run"].output_dir}
 
 
 class RouteProgress:

@@ -30,7 +30,8 @@ from hybridlm.teacher import load_teacher
 from hybridlm.utils.atomic import write_json
 from upcycle.compose import compose_from_dirs
 from upcycle.init_students import InitConfig, init_students
-from upcycle.route import ROUTE_SECTIONS, _stage_sections, check_route, prepare_calibration_data
+from upcycle.route import prepare_calibration_data, route_sections
+from upcycle.stages import check_route, stage_sections
 from upcycle.route_report import score
 
 
@@ -43,11 +44,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=65536)
     p.add_argument("--out", default=None, help="JSON of the result (default: WORK/init_only.json)")
     args = p.parse_args(argv)
-    cfg = load_config(args.config, sections=ROUTE_SECTIONS)
+    cfg = load_config(args.config, sections=route_sections())
     teacher_spec = cfg.get("teacher") or "asset:smollm2"
     init_cfg = build_dataclass(InitConfig, cfg.get("init") or {}, "init")
-    built = check_route({"ild": _stage_sections(cfg.get("ild") or {}, "ild", teacher__path=teacher_spec,
-                                                student__path="unused", run__output_dir="unused")})
+    built = check_route({"ild": stage_sections(cfg.get("ild") or {}, "ild", teacher__path=teacher_spec,
+                                               student__path="unused", run__output_dir="unused")})
     data = built["ild"]["data"]
     prepare_calibration_data(data, teacher_spec, [data.path], 0)  # the route's own preparation of its ILD data
     work = Path(args.work)

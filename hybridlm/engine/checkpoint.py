@@ -163,6 +163,14 @@ def read_latest(save_dir: str) -> Optional[str]:
     return tag
 
 
+def latest_step(save_dir: str) -> Optional[int]:
+    """The step of the checkpoint ``<save_dir>/latest`` names (``step_<N>`` or ``step_<N>.<k>``: N), None without
+    one or when it names no step tag; CheckpointError (one line) when ``latest`` is not a readable tag."""
+    tag = read_latest(save_dir)
+    m = _STEP_RE.match(tag) if tag else None
+    return int(m.group(1)) if m else None
+
+
 def remove_superseded(save_dir: str, tag: str) -> List[str]:
     """Delete every other checkpoint of ``tag``'s step (an earlier save of it). Called once ``latest`` names
     ``tag``."""
