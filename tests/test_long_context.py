@@ -14,7 +14,7 @@ CPU_STAGE = REPO / "configs" / "upcycle" / "smollm2_long_context_cpu.yaml"
 
 def test_plan_has_a_long_context_row_costed_like_kd_at_its_length():
     route = tiny_route()
-    long = {"data": {"format": "documents", "seq_len": 256}, "kd": {"chunk_tokens": 16},
+    long = {"data": {"format": "documents", "seq_len": 256, "path": "data_cache/long"}, "kd": {"chunk_tokens": 16},
             "optim": {"micro_batch_size": 1, "global_batch_size": 4, "max_steps": 5, "lr": 1e-5}}
     plans = {p.name: p for p in plan_route({**route, "long_context": long}, tiny_teacher_config(True), 2).stages}
     assert list(plans) == ["init", "ild_mla", "ild_mamba2", "smart", "kd", "long_context", "dpo"]
