@@ -226,6 +226,27 @@ def save_tiny_llama(out, num_layers: int = 4):
     return out
 
 
+def tiny_route_overrides(tmp_path, stages=("ild", "kd", "dpo"), steps: int = 1) -> list:
+    """``upcycle run`` overrides of configs/upcycle/smollm2_route_cpu.yaml for a tiny random Llama teacher (made in
+    ``tmp_path/teacher``) on the alpaca / DPO demo records: ``steps`` steps a training stage of ``stages``, one
+    validation batch, a small calibration; the route writes into ``tmp_path/route``. Each stage runs and hands on a
+    loadable model."""
+    for name in ("dpo_en_demo.json", "alpaca_en_demo.json"):
+        demo_file(name)
+    teacher = save_tiny_llama(tmp_path / "teacher")
+    small = ["optim.micro_batch_size=2", "optim.global_batch_size=2", f"optim.max_steps={steps}",
+             "optim.warmup_steps=1", "run.progress=false", "run.eval_interval=0", "run.save_interval=0",
+             "data.val_max_batches=1"]
+    overrides = [f"output_dir={tmp_path / 'route'}", f"teacher={teacher}", "init.kv_lora_rank=32",
+                 "init.qk_rope_head_dim=8", "init.calib_tokens=512", "init.calib_seq_len=64",
+                 f"ild.data.path={tmp_path / 'data'}", "ild.data.sources=[asset:alpaca_en_demo]",
+                 "ild.data.seq_len=32", "smart.n_mla=2", "smart.batches=1", "smart.batch_size=2",
+                 "kd.data.path=asset:alpaca_en_demo", "kd.data.max_length=64",
+                 "dpo.data.path=asset:dpo_en_demo", "dpo.data.max_length=64",
+                 "dpo.data.max_prompt_length=32", "report.seq_len=32", "report.max_tokens=256"]
+    return overrides + [f"{stage}.{o}" for stage in stages for o in small]
+
+
 def assert_chart(path, min_side: int = 200) -> None:
     """``path`` is a decodable PNG of at least ``min_side`` pixels a side with something drawn on it (not a
     blank canvas): the check a report's picture gets beyond existing."""

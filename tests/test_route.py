@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, demo_file, save_tiny_llama, subprocess_env, assert_chart
+from conftest import REPO, demo_file, save_tiny_llama, subprocess_env, assert_chart, tiny_route_overrides
 from hybridlm.eval.perplexity import perplexity
 from hybridlm.data.packed import heldout_windows
 from hybridlm.teacher import load_teacher
@@ -18,21 +18,8 @@ from hybridlm.teacher import load_teacher
 # ~150 s on 2 cores: with the slow CPU tests (.ci/run runs them next), so the default run stays under 20 minutes
 @pytest.mark.slow
 def test_route_runs_every_stage_and_resumes(tmp_path):
-    for name in ("dpo_en_demo.json", "alpaca_en_demo.json"):
-        demo_file(name)
-    teacher = save_tiny_llama(tmp_path / "teacher")
-    out = tmp_path / "route"
-    # one step a stage, one validation batch, a small calibration: each stage runs and hands on a loadable model
-    small = ["optim.micro_batch_size=2", "optim.global_batch_size=2", "optim.max_steps=1", "optim.warmup_steps=1",
-             "run.progress=false", "run.eval_interval=0", "run.save_interval=0", "data.val_max_batches=1"]
-    overrides = [f"output_dir={out}", f"teacher={teacher}", "init.kv_lora_rank=32", "init.qk_rope_head_dim=8",
-                 "init.calib_tokens=512", "init.calib_seq_len=64",
-                 f"ild.data.path={tmp_path / 'data'}", "ild.data.sources=[asset:alpaca_en_demo]",
-                 "ild.data.seq_len=32", "smart.n_mla=2", "smart.batches=1", "smart.batch_size=2",
-                 "kd.data.path=asset:alpaca_en_demo", "kd.data.max_length=64",
-                 "dpo.data.path=asset:dpo_en_demo", "dpo.data.max_length=64",
-                 "dpo.data.max_prompt_length=32", "report.seq_len=32", "report.max_tokens=256"]
-    overrides += [f"{stage}.{o}" for stage in ("ild", "kd", "dpo") for o in small]
+    overrides = tiny_route_overrides(tmp_path)
+    teacher, out = tmp_path / "teacher", tmp_path / "route"
     env = subprocess_env()
     cmd = [sys.executable, "-m", "upcycle.cli", "run", "--config", "configs/upcycle/smollm2_route_cpu.yaml", *overrides]
     first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, demo_file, save_tiny_llama, subprocess_env
+from conftest import REPO, subprocess_env, tiny_route_overrides
 from distill.stage import packed_lm_batches, run_stage, stage_configs
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import Section, setting
@@ -125,22 +125,10 @@ raise SystemExit(main(sys.argv[1:]))
 # a whole CPU route (~150 s on 2 cores, as tests/test_route.py's) with the toy stage after DPO
 @pytest.mark.slow
 def test_the_route_runs_and_reports_a_toy_stage(tmp_path):
-    for name in ("dpo_en_demo.json", "alpaca_en_demo.json"):
-        demo_file(name)
-    teacher = save_tiny_llama(tmp_path / "teacher")
     out = tmp_path / "route"
-    small = ["optim.micro_batch_size=2", "optim.global_batch_size=2", "optim.max_steps=1", "optim.warmup_steps=1",
-             "run.progress=false", "run.eval_interval=0", "run.save_interval=0", "data.val_max_batches=1"]
-    overrides = [f"output_dir={out}", f"teacher={teacher}", "init.kv_lora_rank=32", "init.qk_rope_head_dim=8",
-                 "init.calib_tokens=512", "init.calib_seq_len=64",
-                 f"ild.data.path={tmp_path / 'data'}", "ild.data.sources=[asset:alpaca_en_demo]",
-                 "ild.data.seq_len=32", "smart.n_mla=2", "smart.batches=1", "smart.batch_size=2",
-                 "kd.data.path=asset:alpaca_en_demo", "kd.data.max_length=64",
-                 "dpo.data.path=asset:dpo_en_demo", "dpo.data.max_length=64",
-                 "dpo.data.max_prompt_length=32", "report.seq_len=32", "report.max_tokens=256",
-                 f"toy.data.path={tmp_path / 'data'}", "toy.data.seq_len=32", "toy.optim.precision=fp32",
-                 "toy.optim.lr=1e-3", "toy.toy.scale=0.5", "report.generation_prompts=0"]
-    overrides += [f"{stage}.{o}" for stage in ("ild", "kd", "dpo", "toy") for o in small]
+    overrides = tiny_route_overrides(tmp_path, stages=("ild", "kd", "dpo", "toy"))
+    overrides += [f"toy.data.path={tmp_path / 'data'}", "toy.data.seq_len=32", "toy.optim.precision=fp32",
+                  "toy.optim.lr=1e-3", "toy.toy.scale=0.5", "report.generation_prompts=0"]
     cmd = [sys.executable, "-c", DRIVER, "run", "--config", "configs/upcycle/smollm2_route_cpu.yaml", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
