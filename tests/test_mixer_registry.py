@@ -45,14 +45,13 @@ class GatedAverage(nn.Module):
     (``b``: ``decay_bias``, set by the registry's ``init``), output ``W_o (h_t * silu(W_g x_t))``; the cache holds
     ``h`` (a recurrent state of ``width`` floats)."""
 
-    def __init__(self, a: GatedAverageArgs, hidden_size: int, layer_idx: int = 0,
+    def __init__(self, args: GatedAverageArgs, hidden_size: int, layer_idx: int = 0,
                  runtime: Optional[RuntimeSettings] = None):
-        super().__init__()
-        self.layer_idx, self.width = layer_idx, a.width
-        d = hidden_size
-        self.in_proj = nn.Linear(d, 3 * a.width, bias=False)
-        self.decay_bias = nn.Parameter(torch.zeros(a.width))
-        self.out_proj = nn.Linear(a.width, d, bias=False)
+        super().__init__()  # element-wise work in fp32 only: nothing here reads the runtime settings
+        self.layer_idx, self.width = layer_idx, args.width
+        self.in_proj = nn.Linear(hidden_size, 3 * args.width, bias=False)
+        self.decay_bias = nn.Parameter(torch.zeros(args.width))
+        self.out_proj = nn.Linear(args.width, hidden_size, bias=False)
 
     def cache_shapes(self) -> dict:
         return {"state": (self.width,), "conv": {}}
@@ -183,6 +182,12 @@ def test_registration_is_checked(gated_average):
         register_mixer("other", symbol="Y", args=dict, module=GatedAverage, cache=None)
     with pytest.raises(TypeError, match="MixerCosts"):
         register_mixer("other", symbol="Y", args=GatedAverageArgs, module=GatedAverage, cache=None, costs={})
+    class BuiltFromTheConfig(nn.Module):  # the contract before layers took their own settings
+        def __init__(self, config, layer_idx: int = 0):
+            super().__init__()
+    with pytest.raises(TypeError, match=r"module of 'other' must be built as module\(args, hidden_size, layer_idx=0, "
+                                        r"runtime=None\) .*; BuiltFromTheConfig takes \(config, layer_idx: int = 0\)"):
+        register_mixer("other", symbol="Y", args=GatedAverageArgs, module=BuiltFromTheConfig, cache=None)
     with pytest.raises(TypeError, match="serve_layer of 'other' must be a 'package.module:name' string"):
         register_mixer("other", symbol="Y", args=GatedAverageArgs, module=GatedAverage, cache=None,
                        serve_layer=GatedAverage)
@@ -345,3 +350,28 @@ def test_unregistered_mixer_is_unknown(gated_average):
             HybridConfig.from_user_dict(dict(hybrid_override_pattern="*-G-", gatedavg={}))
     finally:  # the fixture unregisters it again
         register_mixer("gatedavg", symbol="X", args=GatedAverageArgs, module=GatedAverage, cache="recurrent")
+
+
+def test_the_recipe_in_design_md_names_the_contract_as_it_is():
+    """docs/design.md, "A mixer": the keywords it gives ``register_mixer`` are the function's, the constructor it
+    states is every built-in mixer's (and this file's), and every file it names exists."""
+    import inspect
+    import re
+
+    from conftest import REPO
+    from hybridlm.model.registry import mixers
+
+    text = (REPO / "docs/design.md").read_text(encoding="utf-8")
+    section = text[text.index("## A mixer: one file, one registry entry"):]
+    section = section[:section.index("\n## ", 1)]
+    call = re.search(r"`register_mixer\(kind, ([^`]*)\)`", section.replace("\n", " ")).group(1)
+    stated = set(re.findall(r"(\w+)=", call))
+    params = inspect.signature(register_mixer).parameters
+    assert stated == {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+    assert "`Module(args, hidden_size, layer_idx=0, runtime=None)`" in section
+    for module in [spec.module for spec in mixers()] + [GatedAverage]:
+        got = [(n, p.default) for n, p in inspect.signature(module.__init__).parameters.items()][1:]
+        assert got == [("args", inspect.Parameter.empty), ("hidden_size", inspect.Parameter.empty),
+                       ("layer_idx", 0), ("runtime", None)], module.__name__
+    named = set(re.findall(r"`((?:hybridlm|upcycle|tests|benchmarks)/[\w/]+\.py)`", section))
+    assert named and not [p for p in named if not (REPO / p).is_file() and "<name>" not in p]

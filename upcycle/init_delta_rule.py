@@ -84,4 +84,5 @@ def start_as_linear_attention(mixer, beta: float = GDN_INIT_BETA) -> None:
 
 GDN_FROM_ATTENTION = FromAttention(student_args=partial(delta_rule_args, biases=True),
                                    init=partial(init_delta_rule_from_attention, kind="gdn"))
-KDA_FROM_ATTENTION = FromAttention(student_args=delta_rule_args, init=partial(init_delta_rule_from_attention, kind="kda"))
+KDA_FROM_ATTENTION = FromAttention(student_args=delta_rule_args,
+                                   init=partial(init_delta_rule_from_attention, kind="kda"))

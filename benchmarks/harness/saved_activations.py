@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.harness.mixers import SHAPES_300M
 from hybridlm.model import HybridConfig
-from hybridlm.model.layers import build_sublayer
+from hybridlm.model.layers import SUBLAYERS, build_sublayer
 from hybridlm.utils.atomic import json_text
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

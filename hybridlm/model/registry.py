@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -166,6 +167,10 @@ def register_mixer(kind: str, *, symbol: str, args: type, module: Optional[type]
         raise TypeError(f"register_mixer: args of {kind!r} must be a dataclass with finalize(hidden_size, where)")
     if cache not in CACHES:
         raise ValueError(f"register_mixer: cache of {kind!r} must be one of {CACHES}, got {cache!r}")
+    if not _built_from_its_settings(module):
+        raise TypeError(f"register_mixer: module of {kind!r} must be built as module(args, hidden_size, layer_idx=0, "
+                        f"runtime=None) (its own settings, not the whole config); {module.__name__} takes "
+                        f"{inspect.signature(module)}")
     if costs is not None and not isinstance(costs, MixerCosts):
         raise TypeError(f"register_mixer: costs of {kind!r} must be a MixerCosts, got {type(costs).__name__}")
     for name, path in (("serve_layer", serve_layer), ("serve_weights", serve_weights)):
@@ -176,6 +181,17 @@ def register_mixer(kind: str, *, symbol: str, args: type, module: Optional[type]
                      serve_weights=serve_weights)
     _REGISTRY[kind] = spec
     return spec
+
+
+def _built_from_its_settings(module) -> bool:
+    """Whether ``module(args, hidden_size, layer_idx=..., runtime=...)`` binds to the class's constructor."""
+    try:
+        inspect.signature(module).bind(None, 0, layer_idx=0, runtime=None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): left to the first build
+        return True
+    return True
 
 
 def unregister_mixer(kind: str) -> MixerSpec:

@@ -43,5 +43,6 @@ class KimiDeltaAttention(DeltaRuleMixer):
 KDA_COSTS = delta_rule_costs(lambda a: delta_rule_activations(a, gate_per_key_channel=True,
                                                               gate_rank=a.gate_rank or a.head_v_dim))
 
-KDA = register_mixer("kda", symbol="K", args=DeltaRuleArgs, module=KimiDeltaAttention, cache=RECURRENT, save_unused=True,
-                     costs=KDA_COSTS, title="KDA", from_attention="upcycle.init_delta_rule:KDA_FROM_ATTENTION")
+KDA = register_mixer("kda", symbol="K", args=DeltaRuleArgs, module=KimiDeltaAttention, cache=RECURRENT,
+                     save_unused=True, costs=KDA_COSTS, title="KDA",
+                     from_attention="upcycle.init_delta_rule:KDA_FROM_ATTENTION")

@@ -72,11 +72,12 @@ class Mamba2Args:
 class Mamba2(nn.Module):
     chunk_size: int = 64  # torch path's chunk length (tests shrink it)
 
-    def __init__(self, a: Mamba2Args, hidden_size: int, layer_idx: int = 0, runtime: Optional[RuntimeSettings] = None):
-        """``a``: finalized settings (``a.finalize(hidden_size, "mamba2")``); ``runtime``: the model's settings,
+    def __init__(self, args: Mamba2Args, hidden_size: int, layer_idx: int = 0,
+                 runtime: Optional[RuntimeSettings] = None):
+        """``args``: finalized settings (``args.finalize(hidden_size, "mamba2")``); ``runtime``: the model's settings,
         read when it runs (None: the defaults)."""
         super().__init__()
-        d = hidden_size
+        a, d = args, hidden_size
         self.layer_idx = layer_idx
         self.runtime = RuntimeSettings() if runtime is None else runtime  # model.set_runtime replaces it
         self.d_inner = a.expand * d if a.d_inner is None else a.d_inner

@@ -83,11 +83,11 @@ class MLAArgs:
 
 
 class MultiHeadLatentAttention(nn.Module):
-    def __init__(self, a: MLAArgs, hidden_size: int, layer_idx: int = 0, runtime: Optional[RuntimeSettings] = None):
-        """``a``: finalized settings (``a.finalize(hidden_size, "mla")``); ``runtime``: the model's settings, read
+    def __init__(self, args: MLAArgs, hidden_size: int, layer_idx: int = 0, runtime: Optional[RuntimeSettings] = None):
+        """``args``: finalized settings (``args.finalize(hidden_size, "mla")``); ``runtime``: the model's settings, read
         when it runs (None: the defaults)."""
         super().__init__()
-        d = hidden_size
+        a, d = args, hidden_size
         runtime = RuntimeSettings() if runtime is None else runtime
         self.layer_idx = layer_idx
         self.runtime = runtime  # model.set_runtime replaces it
