@@ -188,6 +188,9 @@ def test_registration_is_checked(gated_average):
     with pytest.raises(TypeError, match=r"module of 'other' must be built as module\(args, hidden_size, layer_idx=0, "
                                         r"runtime=None\) .*; BuiltFromTheConfig takes \(config, layer_idx: int = 0\)"):
         register_mixer("other", symbol="Y", args=GatedAverageArgs, module=BuiltFromTheConfig, cache=None)
+    with pytest.raises(TypeError, match=r"from_attention of 'other' must have student_args\(shapes\) and init"):
+        register_mixer("other", symbol="Y", args=GatedAverageArgs, module=GatedAverage, cache=None,
+                       from_attention=gated_average_from_attention)
     with pytest.raises(TypeError, match="serve_layer of 'other' must be a 'package.module:name' string"):
         register_mixer("other", symbol="Y", args=GatedAverageArgs, module=GatedAverage, cache=None,
                        serve_layer=GatedAverage)

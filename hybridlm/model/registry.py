@@ -101,7 +101,7 @@ class MixerSpec:
     # the name messages and reports print (``MLA``, ``Mamba2``); the kind by default
     title: str = ""
     # ``upcycle init`` from a Llama attention: an object with ``student_args(teacher_shapes) -> settings dict`` and
-    # ``init(mixer, attn)`` (:class:`upcycle.init_copy.FromAttention`), or its ``"module:name"`` (loaded by the stage);
+    # ``init(mixer, attn)`` (:class:`upcycle.init_linear.FromAttention`), or its ``"module:name"`` (loaded by the stage);
     # None: the mixer is not built from attention
     from_attention: Union[str, Any, None] = None
     # vLLM serving (hybridlm/serve): ``"module:name"`` of the served layer, ``layer(config, vllm_config, prefix)``
@@ -173,6 +173,10 @@ def register_mixer(kind: str, *, symbol: str, args: type, module: Optional[type]
                         f"{inspect.signature(module)}")
     if costs is not None and not isinstance(costs, MixerCosts):
         raise TypeError(f"register_mixer: costs of {kind!r} must be a MixerCosts, got {type(costs).__name__}")
+    if not (from_attention is None or isinstance(from_attention, str)
+            or all(callable(getattr(from_attention, f, None)) for f in ("student_args", "init"))):
+        raise TypeError(f"register_mixer: from_attention of {kind!r} must have student_args(shapes) and "
+                        f"init(mixer, attn), or be the 'package.module:name' of such an object")
     for name, path in (("serve_layer", serve_layer), ("serve_weights", serve_weights)):
         if path is not None and (not isinstance(path, str) or ":" not in path):
             raise TypeError(f"register_mixer: {name} of {kind!r} must be a 'package.module:name' string, got {path!r}")
