@@ -304,6 +304,10 @@ def test_upcycle_init_builds_it_from_attention_and_vllm_refuses_it(gated_average
     v = mixer.in_proj.weight[64:128]
     assert torch.equal(v[:16], attn.v_proj.weight[:16]) and torch.equal(v[16:32], attn.v_proj.weight[:16])
     assert torch.equal(v[32:48], attn.v_proj.weight[16:]) and torch.equal(mixer.out_proj.weight, attn.o_proj.weight)
+    from upcycle.calibrate import fit_output_scale
+    with pytest.raises(ConfigError, match=r"init.calib_tokens: a GatedAverage mixer has no output norm .* "
+                                          r"set init.calib_tokens: 0"):
+        fit_output_scale(mixer, torch.randn(1, 4, 32), torch.randn(1, 4, 32))
     with pytest.raises(ConfigError, match=r"layer 2 is gatedavg \('X'\); serving with vLLM runs MLA \('\*'\), Mamba2 "
                                           r"\('S', or 'M' with mixer: mamba2\) and MLP \('-'\) layers only"):
         check_servable(cfg)
