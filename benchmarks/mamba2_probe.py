@@ -24,14 +24,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.harness.mixers import SHAPES_300M  # noqa: E402
 from benchmarks.harness.parity import relative_errors, run_path  # noqa: E402
 from hybridlm.model import HybridConfig  # noqa: E402
-from hybridlm.model.layers import SUBLAYERS  # noqa: E402
+from hybridlm.model.layers import build_sublayer  # noqa: E402
 from hybridlm.utils.atomic import json_text  # noqa: E402
 
 
 def tf32_answer(kind: str, T: int = 300) -> dict:
     cfg = HybridConfig(**SHAPES_300M)
     torch.manual_seed(0)
-    layer = SUBLAYERS[kind](cfg, 0).cuda().float()
+    layer = build_sublayer(cfg, kind).cuda().float()
 
     def make_input():
         return torch.randn(2, T, cfg.hidden_size, device="cuda")

@@ -48,7 +48,7 @@ def main() -> None:
     try:
         for name, init in CONV_INITS.items():
             torch.manual_seed(0)
-            layer = mamba2_module.Mamba2(cfg, 0)
+            layer = mamba2_module.Mamba2(cfg.mixer_args("mamba2"), cfg.hidden_size, runtime=cfg.runtime)
             torch.nn.init.normal_(layer.in_proj.weight, std=0.02)
             with torch.no_grad():
                 init(layer.conv1d)

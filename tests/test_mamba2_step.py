@@ -22,7 +22,7 @@ import torch
 
 from conftest import greedy_decode, interpreter_rounds_like_gpu, run_under_interpreter, tiny_config
 from hybridlm.model.cache import HybridCache, InferenceContext
-from hybridlm.model.layers.mamba2 import Mamba2
+from hybridlm.model.layers import build_sublayer
 from hybridlm.ops.mamba2_step import mamba2_decode_step_reference
 
 # Mamba2 shapes at hidden 64: (heads, norm groups, xb_repeat, B groups = programs per row)
@@ -38,7 +38,7 @@ LAYER_CONFIGS = {
 def _layer(args, dtype=torch.float32, seed=0):
     cfg = tiny_config("M-", mixer="mamba2", mamba2=args)
     torch.manual_seed(seed)
-    layer = Mamba2(cfg, 0)
+    layer = build_sublayer(cfg, "mamba2")
     with torch.no_grad():  # every parameter off its init (gates, norms, biases at no special value)
         for p in layer.parameters():
             p.add_(torch.randn_like(p) * (0.5 * p.std() if p.numel() > 1 and p.std() > 1e-3 else 0.3))

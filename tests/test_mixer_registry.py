@@ -1,7 +1,9 @@
-"""The mixer registry (hybridlm/model/registry.py): a mixer defined in this file alone, registered with
-``register_mixer``, goes through the pattern, the config, training, save / load, the generation cache, the
-KV report and ``upcycle plan`` (with the costs its entry gives) like a built-in one, and leaves nothing behind once
-unregistered."""
+"""The mixer registry (hybridlm/model/registry.py): a mixer defined in this file alone (its settings, module,
+costs, init, upcycling from attention and registry entry, as a built-in mixer's file under hybridlm/model/layers/
+holds them), registered with ``register_mixer``, goes through the pattern, the config, the model, training,
+save / load, the generation cache, the KV report, ``upcycle plan`` and ``upcycle init`` (through what its entry
+gives) like a built-in one, is refused by the vLLM checks (its entry names no served layer), and leaves nothing
+behind once unregistered. docs/design.md, "A mixer", is the recipe this file follows."""
 import json
 from dataclasses import dataclass
 from typing import Optional
@@ -20,6 +22,10 @@ from hybridlm.model.layers import SUBLAYERS
 from hybridlm.model.layers.conv import recurrent_context
 from hybridlm.model.registry import (MixerCosts, cache_of, costs_of, kind_of_symbol, linear_kinds, mixer_spec,
                                      register_mixer, symbol_of, unregister_mixer)
+from hybridlm.model.runtime import RuntimeSettings
+from upcycle.init_copy import copy_into, repeat_kv_rows
+from upcycle.init_linear import FromAttention
+from upcycle.teacher_attention import attention_shapes, attention_weights
 
 DECAY_BIAS = 2.0  # sigmoid(2) ~ 0.88: the recurrence starts out averaging over ~8 tokens
 
@@ -39,14 +45,13 @@ class GatedAverage(nn.Module):
     (``b``: ``decay_bias``, set by the registry's ``init``), output ``W_o (h_t * silu(W_g x_t))``; the cache holds
     ``h`` (a recurrent state of ``width`` floats)."""
 
-    def __init__(self, config, layer_idx: int = 0):
-        super().__init__()
-        a = config.mixer_args("gatedavg")
-        self.layer_idx, self.width = layer_idx, a.width
-        d = config.hidden_size
-        self.in_proj = nn.Linear(d, 3 * a.width, bias=False)
-        self.decay_bias = nn.Parameter(torch.zeros(a.width))
-        self.out_proj = nn.Linear(a.width, d, bias=False)
+    def __init__(self, args: GatedAverageArgs, hidden_size: int, layer_idx: int = 0,
+                 runtime: Optional[RuntimeSettings] = None):
+        super().__init__()  # element-wise work in fp32 only: nothing here reads the runtime settings
+        self.layer_idx, self.width = layer_idx, args.width
+        self.in_proj = nn.Linear(hidden_size, 3 * args.width, bias=False)
+        self.decay_bias = nn.Parameter(torch.zeros(args.width))
+        self.out_proj = nn.Linear(args.width, hidden_size, bias=False)
 
     def cache_shapes(self) -> dict:
         return {"state": (self.width,), "conv": {}}
@@ -78,6 +83,21 @@ def init_gated_average(module: GatedAverage, config) -> None:
         module.decay_bias.fill_(DECAY_BIAS)
 
 
+@torch.no_grad()
+def gated_average_from_attention(mixer: GatedAverage, attn) -> None:
+    """``upcycle init``: the attention's values (each kv head repeated for its query heads) as v, its output
+    projection as out_proj."""
+    s, w = attention_shapes(attn), attention_weights(attn)
+    _, v, _ = mixer.in_proj.weight.split(mixer.width, dim=0)
+    copy_into(v, repeat_kv_rows(w["v"], s["n_kv"], s["n_h"]))
+    copy_into(mixer.out_proj.weight, w["o"])
+
+
+# one value channel per query-head channel of the teacher
+GATED_AVERAGE_FROM_ATTENTION = FromAttention(student_args=lambda s: {"width": s["n_h"] * s["d_h"]},
+                                             init=gated_average_from_attention)
+
+
 # what the planners know of it: element-wise work only beyond its weights (a_t h, (1 - a_t) v, their sum, the gate
 # product), a state of ``width`` floats, and the backward keeps in_proj's output, the fp32 states and y
 GATED_AVERAGE_COSTS = MixerCosts(flops=lambda a, seq_len: 4.0 * a.width, state_per_sequence=lambda a: a.width,
@@ -87,7 +107,8 @@ GATED_AVERAGE_COSTS = MixerCosts(flops=lambda a, seq_len: 4.0 * a.width, state_p
 @pytest.fixture
 def gated_average():
     spec = register_mixer("gatedavg", symbol="X", args=GatedAverageArgs, module=GatedAverage, cache="recurrent",
-                          init=init_gated_average, costs=GATED_AVERAGE_COSTS)
+                          init=init_gated_average, costs=GATED_AVERAGE_COSTS,
+                          from_attention=GATED_AVERAGE_FROM_ATTENTION)
     try:
         yield spec
     finally:
@@ -111,6 +132,28 @@ def test_builtin_entries():
     assert list(SUBLAYERS) == ["mla", "gdn", "kda", "mamba2", "mlp"]
     assert [mixer_spec(k).name for k in ("mla", "gdn", "kda", "mamba2")] == ["MLA", "GDN", "KDA", "Mamba2"]
     assert all(costs_of(k).activations is not None for k in ("mla", "gdn", "kda", "mamba2"))
+
+
+def test_builtin_entries_name_their_upcycling_and_serving_twins():
+    """Each built-in entry names its ``upcycle init`` from attention and its vLLM layer and weight mapping; every
+    name resolves (the served layers by reading hybridlm/serve/model.py: vLLM is not installed here)."""
+    import ast
+
+    from conftest import REPO
+    from hybridlm.model.registry import load_object
+    from hybridlm.serve.mapping import served_kinds
+    from upcycle.init_linear import from_attention, upcycling_kinds
+
+    assert upcycling_kinds() == ["gdn", "kda", "mamba2"]
+    assert all(isinstance(from_attention(k), FromAttention) for k in upcycling_kinds())
+    assert from_attention("mla") is None  # the attention student: SVD-initialised by the route, not a linear mixer
+    assert served_kinds() == ["mla", "mamba2", "mlp"]
+    assert [mixer_spec(k).serve_layer for k in ("mla", "gdn", "kda", "mamba2")] == \
+        ["hybridlm.serve.model:served_mla", None, None, "hybridlm.serve.model:ServedMamba2"]
+    served = {node.name for node in ast.parse((REPO / "hybridlm/serve/model.py").read_text()).body
+              if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    assert {"served_mla", "ServedMamba2"} <= served
+    assert callable(load_object(mixer_spec("mamba2").serve_weights)) and mixer_spec("mla").serve_weights is None
 
 
 def test_the_old_cache_name_still_registers():
@@ -139,6 +182,18 @@ def test_registration_is_checked(gated_average):
         register_mixer("other", symbol="Y", args=dict, module=GatedAverage, cache=None)
     with pytest.raises(TypeError, match="MixerCosts"):
         register_mixer("other", symbol="Y", args=GatedAverageArgs, module=GatedAverage, cache=None, costs={})
+    class BuiltFromTheConfig(nn.Module):  # the contract before layers took their own settings
+        def __init__(self, config, layer_idx: int = 0):
+            super().__init__()
+    with pytest.raises(TypeError, match=r"module of 'other' must be built as module\(args, hidden_size, layer_idx=0, "
+                                        r"runtime=None\) .*; BuiltFromTheConfig takes \(config, layer_idx: int = 0\)"):
+        register_mixer("other", symbol="Y", args=GatedAverageArgs, module=BuiltFromTheConfig, cache=None)
+    with pytest.raises(TypeError, match=r"from_attention of 'other' must have student_args\(shapes\) and init"):
+        register_mixer("other", symbol="Y", args=GatedAverageArgs, module=GatedAverage, cache=None,
+                       from_attention=gated_average_from_attention)
+    with pytest.raises(TypeError, match="serve_layer of 'other' must be a 'package.module:name' string"):
+        register_mixer("other", symbol="Y", args=GatedAverageArgs, module=GatedAverage, cache=None,
+                       serve_layer=GatedAverage)
 
 
 def test_decorator_form():
@@ -225,6 +280,41 @@ def test_upcycle_plan_reads_its_costs(gated_average, tmp_path, capsys):
     assert result["mixers"][1]["kind"] == "gatedavg" and result["mixers"][1]["flops_per_token"] == 256.0
 
 
+def test_upcycle_init_builds_it_from_attention_and_vllm_refuses_it(gated_average):
+    """``upcycle init`` finds the mixer's student settings and weight copy through its entry (``from_attention``):
+    ``--linear-mixer gatedavg`` is offered, the student's config carries its settings, and each layer's v and
+    out_proj are the teacher attention's. Its entry names no served layer, so serving refuses the stack."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hybridlm.serve.mapping import check_servable
+    from upcycle.cli import build_parser
+    from upcycle.init_from_teacher import init_student_from_teacher
+    from upcycle.student import student_config
+
+    assert build_parser().parse_args(["init", "--teacher", "t", "--out", "o", "--linear-mixer", "gatedavg"]) \
+        .linear_mixer == "gatedavg"
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           vocab_size=64, tie_word_embeddings=True)).eval()
+    kinds = ["mla", "gatedavg"]
+    cfg = student_config(teacher.config, kinds, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8)
+    assert cfg.mixer_args("gatedavg").width == 4 * 16 and cfg.to_dict()["gatedavg"] == {"width": 64}
+    student = HybridForCausalLM(cfg)
+    init_student_from_teacher(student, teacher, kinds)
+    mixer, attn = student.model.layers[2].mixer, teacher.model.layers[1].self_attn
+    v = mixer.in_proj.weight[64:128]
+    assert torch.equal(v[:16], attn.v_proj.weight[:16]) and torch.equal(v[16:32], attn.v_proj.weight[:16])
+    assert torch.equal(v[32:48], attn.v_proj.weight[16:]) and torch.equal(mixer.out_proj.weight, attn.o_proj.weight)
+    from upcycle.calibrate import fit_output_scale
+    with pytest.raises(ConfigError, match=r"init.calib_tokens: a GatedAverage mixer has no output norm .* "
+                                          r"set init.calib_tokens: 0"):
+        fit_output_scale(mixer, torch.randn(1, 4, 32), torch.randn(1, 4, 32))
+    with pytest.raises(ConfigError, match=r"layer 2 is gatedavg \('X'\); serving with vLLM runs MLA \('\*'\), Mamba2 "
+                                          r"\('S', or 'M' with mixer: mamba2\) and MLP \('-'\) layers only"):
+        check_servable(cfg)
+
+
 def test_train_save_load_generate(gated_average, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -269,3 +359,28 @@ def test_unregistered_mixer_is_unknown(gated_average):
             HybridConfig.from_user_dict(dict(hybrid_override_pattern="*-G-", gatedavg={}))
     finally:  # the fixture unregisters it again
         register_mixer("gatedavg", symbol="X", args=GatedAverageArgs, module=GatedAverage, cache="recurrent")
+
+
+def test_the_recipe_in_design_md_names_the_contract_as_it_is():
+    """docs/design.md, "A mixer": the keywords it gives ``register_mixer`` are the function's, the constructor it
+    states is every built-in mixer's (and this file's), and every file it names exists."""
+    import inspect
+    import re
+
+    from conftest import REPO
+    from hybridlm.model.registry import mixers
+
+    text = (REPO / "docs/design.md").read_text(encoding="utf-8")
+    section = text[text.index("## A mixer: one file, one registry entry"):]
+    section = section[:section.index("\n## ", 1)]
+    call = re.search(r"`register_mixer\(kind, ([^`]*)\)`", section.replace("\n", " ")).group(1)
+    stated = set(re.findall(r"(\w+)=", call))
+    params = inspect.signature(register_mixer).parameters
+    assert stated == {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+    assert "`Module(args, hidden_size, layer_idx=0, runtime=None)`" in section
+    for module in [spec.module for spec in mixers()] + [GatedAverage]:
+        got = [(n, p.default) for n, p in inspect.signature(module.__init__).parameters.items()][1:]
+        assert got == [("args", inspect.Parameter.empty), ("hidden_size", inspect.Parameter.empty),
+                       ("layer_idx", 0), ("runtime", None)], module.__name__
+    named = set(re.findall(r"`((?:hybridlm|upcycle|tests|benchmarks)/[\w/]+\.py)`", section))
+    assert named and not [p for p in named if not (REPO / p).is_file() and "<name>" not in p]

@@ -184,7 +184,7 @@ def test_gdn_init_fits_smollm2_attention_on_real_text():
     layer 0 and 0.68 at layer 24, depending on the seed."""
     from distill.ild import teacher_trace
     from hybridlm.data.assets import corpus_path
-    from hybridlm.model.layers import GatedDeltaNet
+    from hybridlm.model.layers import build_sublayer
     from hybridlm.teacher import load_teacher, load_teacher_tokenizer
     from upcycle.calibrate import fit_output_scale
     from upcycle.init_linear import init_linear_mixer_from_attention
@@ -199,7 +199,7 @@ def test_gdn_init_fits_smollm2_attention_on_real_text():
     cfg.runtime = dict(backend="torch")
     for i in (0, 24):
         t_layer = teacher.model.layers[i]
-        mixer = GatedDeltaNet(cfg, layer_idx=i).eval()
+        mixer = build_sublayer(cfg, "gdn", i).eval()
         init_linear_mixer_from_attention(mixer, t_layer.self_attn, "gdn")
         x, a, _ = trace[i]
         with torch.no_grad():

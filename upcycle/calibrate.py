@@ -80,7 +80,12 @@ def calibration_batch(tokenizer, sources: Sequence[str], tokens: int, seq_len: i
 
 
 def _norm_weight(mixer) -> torch.nn.Parameter:
-    return mixer.norm_weight if hasattr(mixer, "norm_weight") else mixer.o_norm_weight
+    """The output norm's weight (Mamba2's ``norm_weight``, GDN / KDA's ``o_norm_weight``)."""
+    for name in ("norm_weight", "o_norm_weight"):
+        if hasattr(mixer, name):
+            return getattr(mixer, name)
+    raise ConfigError(f"init.calib_tokens: a {type(mixer).__name__} mixer has no output norm (norm_weight or "
+                      f"o_norm_weight) whose scale calibration fits; set init.calib_tokens: 0 to skip calibration")
 
 
 def _out_proj(mixer) -> torch.nn.Linear:

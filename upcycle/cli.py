@@ -34,7 +34,7 @@ from hybridlm.training.preempt import STOP
 from hybridlm.utils.flags import RenamedFlag
 from smart_select.stage import add_subcommand as add_smart
 from upcycle.compose import add_subcommand as add_compose
-from upcycle.init_linear import LINEAR_KINDS
+from upcycle.init_linear import upcycling_kinds
 from upcycle.init_students import InitConfig, init_students  # flags default to the route's init section
 from upcycle.plan import add_subcommand as add_plan
 from upcycle.route import route_sections, run_route
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--qk-rope-head-dim", type=int, default=InitConfig.qk_rope_head_dim,
                    help="decoupled RoPE dims per head")
     i.add_argument("--rope-init", choices=ROPE_INITS, default=InitConfig.rope_init)
-    i.add_argument("--linear-mixer", choices=LINEAR_KINDS, default=InitConfig.linear_mixer)
+    i.add_argument("--linear-mixer", choices=upcycling_kinds(), default=InitConfig.linear_mixer)
     i.add_argument("--seed", type=int, default=InitConfig.seed, help="seed of the default-initialised parameters (z, dt, conv)")
     i.add_argument("--calib-sources", nargs="+", default=InitConfig().calib_sources,
                    help="text (asset:<name>, .txt files or folders) whose teacher activations fit the linear "

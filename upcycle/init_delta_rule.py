@@ -1,6 +1,6 @@
 """Initialise a Gated DeltaNet or KDA mixer from a Llama attention (the MambaInLlama mapping, docs/upcycling_init.md).
 
-Shapes of :func:`upcycle.student.delta_rule_args`: n_h heads of d_h for q, k and v. q_proj <- W_q, k_proj /
+Shapes of :func:`delta_rule_args`: n_h heads of d_h for q, k and v. q_proj <- W_q, k_proj /
 v_proj <- W_k / W_v with each kv head repeated across its GQA group (kv head j serves query heads j*g .. j*g+g-1,
 Llama's ``repeat_kv``), o_proj <- W_o; A_log / dt_bias are re-drawn by the layer's initialisers and the
 output-norm weight starts at 1 (:mod:`upcycle.calibrate` then fits the output scale).
@@ -12,18 +12,32 @@ the constant :data:`GDN_INIT_BETA` with b_proj's weights zero (a small beta make
 small: close to additive linear attention) and the decay a constant per head (a_proj's weights zero, A_log and
 dt_bias as drawn). Measured on SmolLM2 in docs/upcycling_init.md. KDA keeps the default init of everything but
 q / k / v / o.
+
+:data:`GDN_FROM_ATTENTION` and :data:`KDA_FROM_ATTENTION` are what the ``gdn`` and ``kda`` registry entries name
+(hybridlm/model/layers/gated_deltanet.py, kda.py).
 """
 from __future__ import annotations
 
 import math
+from functools import partial
+from typing import Any, Dict
 
 import torch
 
 from upcycle.init_copy import copy_into, expect, repeat_kv_rows
+from upcycle.init_linear import FromAttention
 from upcycle.init_mamba2 import SILU_INVERSE_OF_ONE, set_conv_identity
 from upcycle.teacher_attention import attention_shapes, attention_weights
 
 GDN_INIT_BETA = 0.05  # sigmoid(b_bias) at init
+
+
+def delta_rule_args(s: Dict[str, Any], biases: bool = False) -> Dict[str, Any]:
+    """GDN / KDA with the attention's heads: q, k and v all get n_h heads of d_h (the teacher's k and v
+    rows repeated across each GQA group); ``biases``: an output-gate and a beta bias, so that the gate and beta
+    can start constant (GDN: :func:`start_as_linear_attention`)."""
+    return dict(num_heads=s["n_h"], head_dim=s["d_h"], num_v_heads=s["n_h"], head_v_dim=s["d_h"], norm_eps=s["eps"],
+                gate_bias=biases, beta_bias=biases)
 
 
 @torch.no_grad()
@@ -66,3 +80,9 @@ def start_as_linear_attention(mixer, beta: float = GDN_INIT_BETA) -> None:
     mixer.g_bias.fill_(SILU_INVERSE_OF_ONE)
     mixer.b_proj.weight.zero_()
     mixer.b_bias.fill_(math.log(beta / (1.0 - beta)))
+
+
+GDN_FROM_ATTENTION = FromAttention(student_args=partial(delta_rule_args, biases=True),
+                                   init=partial(init_delta_rule_from_attention, kind="gdn"))
+KDA_FROM_ATTENTION = FromAttention(student_args=delta_rule_args,
+                                   init=partial(init_delta_rule_from_attention, kind="kda"))

@@ -2,8 +2,9 @@
 
 Every Llama decoder layer ``i`` becomes two sublayers of the hybrid: mixer ``2i`` (MLA, Mamba2, GDN, KDA or any
 registered mixer, pre-normed by the layer's ``input_layernorm``) and SwiGLU MLP ``2i + 1``
-(``post_attention_layernorm``). The built-in mixers get the shapes their init from attention needs; another
-registered mixer its default settings at the teacher's width.
+(``post_attention_layernorm``). MLA gets the shapes of its SVD init (:func:`mla_args`), every mixer upcycled from
+attention the shapes its own ``student_args`` gives (its registry entry's ``from_attention``,
+:mod:`upcycle.init_linear`); another registered mixer its default settings at the teacher's width.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from hybridlm.config.errors import ConfigError
 from hybridlm.model import HybridConfig
 from hybridlm.model.registry import is_mixer, mixers, symbol_of
+from upcycle.init_linear import from_attention, upcycling_kinds
 
 
 def teacher_rope(cfg) -> Dict[str, Any]:
@@ -100,21 +102,6 @@ def mla_args(s: Dict[str, Any], q_lora_rank: int, kv_lora_rank: int, qk_rope_hea
     return args
 
 
-def mamba2_args(s: Dict[str, Any]) -> Dict[str, Any]:
-    """MambaInLlama shapes: expand 1 (d_inner = n_h d_h), x / B at n_kv d_h repeated like GQA, d_state = d_h,
-    one group per head (C has the query's n_h d_h channels); a gate bias so that the gate can start constant."""
-    return dict(d_state=s["d_h"], head_dim=s["d_h"], n_groups=s["n_h"], expand=1, d_inner=s["n_h"] * s["d_h"],
-                d_xb=s["n_kv"] * s["d_h"], conv_size=4, conv_bias=True, norm_eps=s["eps"], gate_bias=True)
-
-
-def delta_rule_args(s: Dict[str, Any], biases: bool = False) -> Dict[str, Any]:
-    """GDN / KDA with the attention's heads: q, k and v all get n_h heads of d_h (the teacher's k and v
-    rows repeated across each GQA group); ``biases``: an output-gate and a beta bias, so that the gate and beta
-    can start constant (GDN: :func:`upcycle.init_delta_rule.start_as_linear_attention`)."""
-    return dict(num_heads=s["n_h"], head_dim=s["d_h"], num_v_heads=s["n_h"], head_v_dim=s["d_h"], norm_eps=s["eps"],
-                gate_bias=biases, beta_bias=biases)
-
-
 def student_config(llama_cfg, layer_kinds: Sequence[str], *, kv_lora_rank: int, qk_rope_head_dim: int,
                    q_lora_rank: Optional[int] = None, rope_init: str = "frequency_matched") -> HybridConfig:
     """A :class:`HybridConfig` whose layer ``i`` uses mixer ``layer_kinds[i]`` (a registered kind); the
@@ -126,11 +113,11 @@ def student_config(llama_cfg, layer_kinds: Sequence[str], *, kv_lora_rank: int, 
     if bad:
         raise ConfigError(f"layers: unknown mixer {bad[0]!r}; expected one of {', '.join(m.kind for m in mixers())}")
     q_lora_rank = q_lora_rank if q_lora_rank is not None else s["n_h"] * s["d_h"]
+    linear = {kind: from_attention(kind).student_args(s) for kind in upcycling_kinds()}
     return HybridConfig(
         vocab_size=s["vocab"], hidden_size=s["d"], intermediate_size=s["ffn"],
         hybrid_override_pattern=pattern_for(layer_kinds), mixer=next((k for k in layer_kinds if k != "mla"), "mamba2"),
-        mla=mla_args(s, q_lora_rank, kv_lora_rank, qk_rope_head_dim, rope_init), mamba2=mamba2_args(s),
-        gdn=delta_rule_args(s, biases=True), kda=delta_rule_args(s), rms_norm_eps=s["eps"],
+        mla=mla_args(s, q_lora_rank, kv_lora_rank, qk_rope_head_dim, rope_init), **linear, rms_norm_eps=s["eps"],
         tie_word_embeddings=s["tie"],
         bos_token_id=getattr(llama_cfg, "bos_token_id", None), eos_token_id=getattr(llama_cfg, "eos_token_id", None),
     )

@@ -25,7 +25,7 @@ import torch
 from distill.ild import teacher_trace
 from hybridlm.data.assets import corpus_path
 from hybridlm.eval.perplexity import token_windows
-from hybridlm.model.layers import GatedDeltaNet
+from hybridlm.model.layers import GatedDeltaNet, build_sublayer
 from hybridlm.teacher import load_teacher, load_teacher_tokenizer
 from hybridlm.utils.atomic import json_text, write_json
 from upcycle.calibrate import fit_output_scale
@@ -58,7 +58,7 @@ def build_layer(cfg, attn, i: int, pieces: dict, seed: int = 0) -> GatedDeltaNet
     """A GDN layer initialised from ``attn`` with only ``pieces`` of the GDN init; the others at fla's random
     init (normal(0, 0.02) weights, zero biases)."""
     torch.manual_seed(seed + i)
-    m = GatedDeltaNet(cfg, layer_idx=i).eval()
+    m = build_sublayer(cfg, "gdn", i).eval()
     init_linear_mixer_from_attention(m, attn, "gdn")
     g = torch.Generator().manual_seed(seed + 1000 + i)
     for conv in (m.q_conv1d, m.k_conv1d, m.v_conv1d):

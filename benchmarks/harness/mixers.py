@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.harness.parity import compare_paths, set_backend
 from hybridlm.model import HybridConfig
-from hybridlm.model.layers import SUBLAYERS
+from hybridlm.model.layers import build_sublayer
 from hybridlm.utils.atomic import write_json
 
 SHAPES_300M = dict(
@@ -92,7 +92,7 @@ def main(argv=None):
     for kind in args.kinds:
         for dtype in [d for d in (torch.bfloat16, torch.float32) if str(d).split(".")[-1] in args.dtypes]:
             torch.manual_seed(0)
-            layer = SUBLAYERS[kind](cfg, 0).to(dev, dtype)
+            layer = build_sublayer(cfg, kind).to(dev, dtype)
             t0 = time.perf_counter()
             errs = compare_paths(layer, lambda: torch.randn(2, args.parity_seq, cfg.hidden_size, device=dev, dtype=dtype),
                                  lambda m, x: m(x))
@@ -103,7 +103,7 @@ def main(argv=None):
         if args.skip_timing:
             continue
         torch.manual_seed(0)
-        layer = SUBLAYERS[kind](cfg, 0).to(dev)
+        layer = build_sublayer(cfg, kind).to(dev)
         set_backend(layer, "triton")
         x = torch.randn(args.batch, args.seq, cfg.hidden_size, device=dev, requires_grad=True)
         entry = {"ours": time_fwd_bwd(layer, x)}

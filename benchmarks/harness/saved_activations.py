@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.harness.mixers import SHAPES_300M
 from hybridlm.model import HybridConfig
-from hybridlm.model.layers import SUBLAYERS
+from hybridlm.model.layers import SUBLAYERS, build_sublayer
 from hybridlm.utils.atomic import json_text
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -46,7 +46,7 @@ def saved_bytes_per_token(kind: str, seq: int = 256, dtype: torch.dtype = torch.
     weights of a fused projection: hybridlm/model/layers/projections.py)."""
     torch.manual_seed(0)
     config = HybridConfig(**{**SHAPES_300M, "vocab_size": 512, "runtime": {"backend": "torch"}})
-    layer = SUBLAYERS[kind](config).to(dtype)
+    layer = build_sublayer(config, kind).to(dtype)
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     one, two = (_kept_bytes(layer, config, n, dtype, params) for n in (seq, 2 * seq))
     return {"sublayer": kind, "seq": seq, "dtype": str(dtype).split(".")[-1],

@@ -38,7 +38,7 @@ from typing import Callable, Dict, Optional
 import torch
 from transformers.cache_utils import Cache
 
-from hybridlm.model.layers import SUBLAYERS
+from hybridlm.model.layers import build_sublayer
 from hybridlm.model.layers.rope import rope_cos_sin
 from hybridlm.model.registry import LATENT, RECURRENT, cache_of
 from hybridlm.ops.backend import ScopedFlag
@@ -273,7 +273,7 @@ def static_shapes(config, kind: str) -> Optional[dict]:
         return None
 
     with torch.device("meta"):
-        return SUBLAYERS[kind](config).cache_shapes()
+        return build_sublayer(config, kind).cache_shapes()
 
 
 class HybridCache(Cache):

@@ -2,15 +2,14 @@
 
 Mixer settings live in nested dicts, one per registered mixer (``mla``, ``gdn``, ``kda``, ``mamba2`` and any
 mixer added with :func:`~hybridlm.model.registry.register_mixer`), so the saved ``config.json`` stays plain JSON;
-:meth:`HybridConfig.mixer_args` returns them as validated dataclasses. The built-in mixers are registered at the
-end of this module, next to their settings dataclasses.
+:meth:`HybridConfig.mixer_args` returns them as validated dataclasses. The built-in mixers, each with its settings
+dataclass, register themselves in their files under :mod:`hybridlm.model.layers` (imported here).
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -19,117 +18,11 @@ from transformers import PretrainedConfig
 from hybridlm.config.errors import ConfigError
 from hybridlm.config.structured import build_dataclass, check_known_keys
 from hybridlm.model import registry
-from hybridlm.model.layers import GatedDeltaNet, KimiDeltaAttention, Mamba2, MultiHeadLatentAttention
-from hybridlm.model.layers.gated_deltanet import GDN_COSTS
-from hybridlm.model.layers.init import init_residual_out_proj, init_short_conv_uniform
-from hybridlm.model.layers.kda import KDA_COSTS
-from hybridlm.model.layers.mamba2 import MAMBA2_COSTS
-from hybridlm.model.layers.mla import MLA_COSTS
+# the built-in mixers register themselves on import; their settings dataclasses are named here as before
+from hybridlm.model.layers import DeltaRuleArgs, Mamba2Args, MLAArgs
 from hybridlm.model.pattern import parse_pattern, pattern_from_ratio
-from hybridlm.model.registry import LATENT, RECURRENT, mixers, register_mixer
+from hybridlm.model.registry import mixers, register_mixer
 from hybridlm.model.runtime import RUNTIME_KEYS, RuntimeSettings, moved_key_error, runtime_settings
-
-
-def _positive(args, where: str, names) -> None:
-    """Each of ``names`` that is set must be a positive int (0 or a negative size would crash, or be replaced
-    by a default, deep inside a layer)."""
-    for name in names:
-        value = getattr(args, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ConfigError(f"{where}.{name}: must be a positive integer, got {value!r}")
-
-
-def _divides(where: str, what: str, n: int, total_name: str, total: int) -> None:
-    if n <= 0 or total % n:
-        raise ConfigError(f"{where}: {what} {n} does not divide {total_name} {total}")
-
-
-@dataclass
-class MLAArgs:
-    num_heads: int = 16
-    q_lora_rank: Optional[int] = 672   # 0 / null: a full-rank q projection
-    kv_lora_rank: int = 64
-    qk_nope_head_dim: int = 32
-    qk_rope_head_dim: int = 32
-    v_head_dim: Optional[int] = None  # default hidden_size / num_heads
-    rope_theta: float = 500000.0
-    # per-pair inverse frequencies (qk_rope_head_dim / 2 floats; pair i rotates by position * rope_inv_freq[i]);
-    # set, they replace the rope_theta progression (an upcycled layer keeps a scaled teacher's frequencies)
-    rope_inv_freq: Optional[List[float]] = None
-    latent_norm: bool = True           # RMSNorm on the q / kv latents (off for exact SVD upcycling)
-    norm_eps: float = 1e-6
-
-    def finalize(self, hidden: int, where: str) -> None:
-        if self.v_head_dim is None:
-            _divides(where, "num_heads", self.num_heads, "hidden_size", hidden)
-            self.v_head_dim = hidden // self.num_heads
-        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim < 0:
-            raise ConfigError(f"{where}.qk_rope_head_dim: {self.qk_rope_head_dim} must be even and >= 0 "
-                              "(RoPE rotates pairs; 0 means no position encoding)")
-        _positive(self, where, ("num_heads", "kv_lora_rank", "v_head_dim"))
-        if self.rope_inv_freq is not None:
-            f = self.rope_inv_freq
-            if (not isinstance(f, (list, tuple)) or len(f) != self.qk_rope_head_dim // 2
-                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
-                               for v in f)):
-                raise ConfigError(f"{where}.rope_inv_freq: expected {self.qk_rope_head_dim // 2} positive finite "
-                                  f"numbers (one per rotation pair), got {f!r}")
-            self.rope_inv_freq = [float(v) for v in f]
-
-
-@dataclass
-class DeltaRuleArgs:
-    num_heads: int = 4
-    head_dim: Optional[int] = None     # default hidden_size / num_heads
-    num_v_heads: Optional[int] = None  # default num_heads; a multiple of num_heads (grouped value heads)
-    head_v_dim: Optional[int] = None   # default head_dim
-    conv_size: int = 4
-    norm_eps: float = 1e-6
-    gate_rank: Optional[int] = None    # KDA only: low-rank gate bottleneck, default head_v_dim
-    # learned biases on the output gate's and on beta's input: let a layer upcycled from attention start with a
-    # constant gate and a small beta (docs/upcycling_init.md); off for models trained from scratch, as in fla
-    gate_bias: bool = False
-    beta_bias: bool = False
-
-    def finalize(self, hidden: int, where: str) -> None:
-        _positive(self, where, ("num_heads", "head_dim", "num_v_heads", "head_v_dim", "conv_size", "gate_rank"))
-        if self.head_dim is None:
-            _divides(f"{where}.num_heads", "num_heads", self.num_heads, "hidden_size", hidden)
-            self.head_dim = hidden // self.num_heads
-        self.num_v_heads = self.num_v_heads or self.num_heads
-        self.head_v_dim = self.head_v_dim or self.head_dim
-        if self.num_v_heads % self.num_heads:
-            raise ConfigError(f"{where}.num_v_heads: {self.num_v_heads} is not a multiple of num_heads {self.num_heads}")
-        if self.conv_size < 1:
-            raise ConfigError(f"{where}.conv_size: must be >= 1, got {self.conv_size}")
-
-
-@dataclass
-class Mamba2Args:
-    d_state: int = 64
-    head_dim: int = 64
-    n_groups: int = 8
-    expand: int = 2
-    d_inner: Optional[int] = None  # default expand * hidden_size
-    d_xb: Optional[int] = None     # MambaInLlama: x / B width before repeating across heads
-    conv_size: int = 4
-    conv_bias: bool = True
-    norm_eps: float = 1e-6
-    # a learned bias on the output gate's input z: lets an upcycled layer start with a constant gate
-    # (docs/upcycling_init.md); off for models trained from scratch, as in Mamba2
-    gate_bias: bool = False
-
-    def finalize(self, hidden: int, where: str) -> None:
-        _positive(self, where, ("d_state", "head_dim", "n_groups", "expand", "d_inner", "d_xb", "conv_size"))
-        self.d_inner = self.d_inner or self.expand * hidden
-        _divides(f"{where}.head_dim", "head_dim", self.head_dim, "d_inner", self.d_inner)
-        n_heads = self.d_inner // self.head_dim
-        _divides(f"{where}.n_groups", "n_groups", self.n_groups, "the number of heads", n_heads)
-        if self.d_xb is not None:
-            _divides(f"{where}.d_xb", "d_xb", self.d_xb, "d_inner", self.d_inner)
-            _divides(f"{where}.d_xb", "head_dim", self.head_dim, "d_xb", self.d_xb)
-            _divides(f"{where}.d_xb", "d_inner / d_xb", self.d_inner // self.d_xb,
-                     "n_groups * d_state", self.n_groups * self.d_state)
 
 
 # Remote code is opt-in. By default a saved model is plain data (config.json, weights, tokenizer): it loads after
@@ -310,25 +203,6 @@ class HybridConfig(PretrainedConfig):
 __all__ = ["HybridConfig", "write_remote_code", "MLAArgs", "DeltaRuleArgs", "Mamba2Args", "register_mixer"]
 registry.RESERVED_KINDS.update(set(inspect.signature(HybridConfig.__init__).parameters) - {"self", "kwargs"},
                                RUNTIME_KEYS, {"runtime"})
-
-
-def _init_mamba2(module: Mamba2, config: HybridConfig) -> None:
-    """Mamba2's out_proj depth-scaled as in fla's Mamba2 (every sublayer adds to the residual stream: fla's
-    num_hidden_layers for a pure Mamba2 stack, mamba_ssm's 2 x n_layer with MLPs) and its conv at PyTorch's
-    Conv1d default as in mamba_ssm, not fla's small normal."""
-    init_residual_out_proj(module.out_proj, len(config.layer_plan))
-    init_short_conv_uniform(module.conv1d)
-
-
-# the built-in mixers; every saved config.json holds the settings of all four (save_unused)
-register_mixer("mla", symbol="*", args=MLAArgs, module=MultiHeadLatentAttention, cache=LATENT, linear=False,
-               save_unused=True, costs=MLA_COSTS, title="MLA")
-register_mixer("gdn", symbol="G", args=DeltaRuleArgs, module=GatedDeltaNet, cache=RECURRENT, save_unused=True,
-               costs=GDN_COSTS, title="GDN")
-register_mixer("kda", symbol="K", args=DeltaRuleArgs, module=KimiDeltaAttention, cache=RECURRENT, save_unused=True,
-               costs=KDA_COSTS, title="KDA")
-register_mixer("mamba2", symbol="S", args=Mamba2Args, module=Mamba2, cache=RECURRENT, init=_init_mamba2,
-               save_unused=True, costs=MAMBA2_COSTS, title="Mamba2")
 
 
 def resolve_model_config(model_section: Dict[str, Any], meta: Dict[str, Any], data_path: Path) -> HybridConfig:

@@ -23,7 +23,7 @@ from hybridlm.model.cache import HybridCache, InferenceContext
 from hybridlm.model.configuration import HybridConfig, write_remote_code
 from hybridlm.model.fast_generate import fast_path_plan, say_why
 from hybridlm.model.graphs import graphed_generate, release_kept_decoder
-from hybridlm.model.layers import SUBLAYERS, RMSNorm
+from hybridlm.model.layers import RMSNorm, build_sublayer
 from hybridlm.model.layers.conv import ShortConv
 from hybridlm.model.layers.init import init_short_conv
 from hybridlm.model.loss import IGNORE_INDEX, linear_cross_entropy
@@ -54,7 +54,7 @@ class HybridBlock(nn.Module):
         super().__init__()
         self.kind = kind
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.runtime)
-        self.mixer = SUBLAYERS[kind](config, layer_idx)
+        self.mixer = build_sublayer(config, kind, layer_idx)
 
     def forward(self, x: torch.Tensor, ctx: Optional[InferenceContext] = None) -> torch.Tensor:
         return x + self.mixer(self.norm(x), ctx)

@@ -2,20 +2,24 @@
 
 An entry (:class:`MixerSpec`) holds a mixer's pattern symbol, its name (``kind``: the name in ``layer_plan``
 and the key of its settings in ``HybridConfig`` / ``config.json``), its settings dataclass (with
-``finalize(hidden_size, where)``), its module class (built as ``module(config, layer_idx)``, reading its
-settings with ``config.mixer_args(kind)``), what it caches while generating, and its costs
-(:class:`MixerCosts`: FLOPs, cache and state sizes, activation widths). The pattern parser, the config, the
-generation cache, the weight init, the KV report (:mod:`hybridlm.kv_report`), ``upcycle plan`` and the
-benchmarks' FLOP count all read it. The built-in mixers are registered in :mod:`hybridlm.model.configuration`;
-:func:`register_mixer` adds another (before any config that uses it is built or loaded),
-:func:`unregister_mixer` removes it.
+``finalize(hidden_size, where)``), its module class (built from its own settings:
+``module(args, hidden_size, layer_idx=..., runtime=...)``, :meth:`MixerSpec.build`), what it caches while
+generating, its costs (:class:`MixerCosts`: FLOPs, cache and state sizes, activation widths), and where its
+upcycling from a Llama attention and its vLLM twin live (names of objects in the stages above the library, loaded
+by whoever uses them). The pattern parser, the config, the model, the generation cache, the weight init, the KV
+report (:mod:`hybridlm.kv_report`), ``upcycle plan``, ``upcycle init``, the vLLM model and the benchmarks' FLOP
+count all read it. Each built-in mixer registers itself at the end of its own file in
+:mod:`hybridlm.model.layers` (settings, module, costs, init and entry together); :func:`register_mixer` adds
+another (before any config that uses it is built or loaded), :func:`unregister_mixer` removes it.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from hybridlm.config.errors import ConfigError
 
@@ -34,6 +38,30 @@ RESERVED_KINDS = {MLP_KIND}
 
 def _none(args) -> int:
     return 0
+
+
+def check_positive(args, where: str, names) -> None:
+    """Each of ``names`` that is set on settings ``args`` must be a positive int (0 or a negative size would crash,
+    or be replaced by a default, deep inside a layer)."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ConfigError(f"{where}.{name}: must be a positive integer, got {value!r}")
+
+
+def check_divides(where: str, what: str, n: int, total_name: str, total: int) -> None:
+    """ConfigError unless ``n`` (``what``) divides ``total`` (``total_name``)."""
+    if n <= 0 or total % n:
+        raise ConfigError(f"{where}: {what} {n} does not divide {total_name} {total}")
+
+
+def load_object(path: str) -> Any:
+    """The object a ``"package.module:name"`` string names (imported on use: an entry may name an object of a
+    layer above the library, as an entry point does)."""
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(f"{path!r}: expected 'package.module:name'")
+    return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True)
@@ -72,10 +100,26 @@ class MixerSpec:
     costs: Optional[MixerCosts] = None
     # the name messages and reports print (``MLA``, ``Mamba2``); the kind by default
     title: str = ""
+    # ``upcycle init`` from a Llama attention: an object with ``student_args(teacher_shapes) -> settings dict`` and
+    # ``init(mixer, attn)`` (:class:`upcycle.init_linear.FromAttention`), or its ``"module:name"`` (loaded by the stage);
+    # None: the mixer is not built from attention
+    from_attention: Union[str, Any, None] = None
+    # vLLM serving (hybridlm/serve): ``"module:name"`` of the served layer, ``layer(config, vllm_config, prefix)``
+    # (hybridlm/serve/model.py, imports vLLM), and of its weight mapping, ``weights(name, tensor, config) ->
+    # [(served name, tensor)]`` with ``name`` after ``mixer.`` (hybridlm/serve/mapping.py, no vLLM; None: the
+    # export's names and layout as they are); no ``serve_layer``: vLLM does not serve the mixer
+    serve_layer: Optional[str] = None
+    serve_weights: Optional[str] = None
 
     @property
     def name(self) -> str:
         return self.title or self.kind
+
+    def build(self, config, layer_idx: int = 0):
+        """The mixer of sublayer ``layer_idx`` of ``config`` (a ``HybridConfig``), from its own settings, the model
+        width and the model's runtime settings."""
+        return self.module(config.mixer_args(self.kind), config.hidden_size, layer_idx=layer_idx,
+                           runtime=config.runtime)
 
 
 _REGISTRY: Dict[str, MixerSpec] = {}
@@ -83,20 +127,25 @@ _REGISTRY: Dict[str, MixerSpec] = {}
 
 def register_mixer(kind: str, *, symbol: str, args: type, module: Optional[type] = None, cache: Optional[str],
                    linear: bool = True, init: Optional[Callable[[Any, Any], None]] = None,
-                   save_unused: bool = False, costs: Optional[MixerCosts] = None, title: str = ""):
+                   save_unused: bool = False, costs: Optional[MixerCosts] = None, title: str = "",
+                   from_attention: Union[str, Any, None] = None, serve_layer: Optional[str] = None,
+                   serve_weights: Optional[str] = None):
     """Register a mixer; returns its :class:`MixerSpec`. Without ``module``, a class decorator:
     ``@register_mixer("gla", symbol="L", args=GLAArgs, cache="recurrent", costs=GLA_COSTS)``.
 
     ``kind``: a lower-case identifier, its config key; ``symbol``: one character of the layer pattern;
     ``args``: a dataclass with defaults for every field and ``finalize(hidden_size, where)``; ``module``:
-    ``module(config, layer_idx)``, ``forward(hidden, ctx)`` (ctx an InferenceContext or None) and, where
-    ``cache`` is not None, ``cache_shapes()`` (what a static cache preallocates); ``cache``: ``"latent"``,
-    ``"recurrent"`` or None; ``costs``: a :class:`MixerCosts` (without it the planners refuse the mixer);
-    ``title``: its name in reports."""
+    ``module(args, hidden_size, layer_idx=0, runtime=None)`` (``args`` finalized; ``runtime`` the model's
+    :class:`~hybridlm.model.runtime.RuntimeSettings`, read when it runs), ``forward(hidden, ctx)`` (ctx an
+    InferenceContext or None) and, where ``cache`` is not None, ``cache_shapes()`` (what a static cache
+    preallocates); ``cache``: ``"latent"``, ``"recurrent"`` or None; ``costs``: a :class:`MixerCosts` (without it
+    the planners refuse the mixer); ``title``: its name in reports; ``from_attention``, ``serve_layer``,
+    ``serve_weights``: see :class:`MixerSpec`."""
     if module is None:
         def decorate(cls):
             register_mixer(kind, symbol=symbol, args=args, module=cls, cache=cache, linear=linear, init=init,
-                           save_unused=save_unused, costs=costs, title=title)
+                           save_unused=save_unused, costs=costs, title=title, from_attention=from_attention,
+                           serve_layer=serve_layer, serve_weights=serve_weights)
             return cls
         return decorate
     if cache in OLD_CACHE_NAMES:
@@ -118,11 +167,35 @@ def register_mixer(kind: str, *, symbol: str, args: type, module: Optional[type]
         raise TypeError(f"register_mixer: args of {kind!r} must be a dataclass with finalize(hidden_size, where)")
     if cache not in CACHES:
         raise ValueError(f"register_mixer: cache of {kind!r} must be one of {CACHES}, got {cache!r}")
+    if not _built_from_its_settings(module):
+        raise TypeError(f"register_mixer: module of {kind!r} must be built as module(args, hidden_size, layer_idx=0, "
+                        f"runtime=None) (its own settings, not the whole config); {module.__name__} takes "
+                        f"{inspect.signature(module)}")
     if costs is not None and not isinstance(costs, MixerCosts):
         raise TypeError(f"register_mixer: costs of {kind!r} must be a MixerCosts, got {type(costs).__name__}")
-    spec = MixerSpec(kind, symbol, args, module, cache, linear, init, save_unused, costs, title)
+    if not (from_attention is None or isinstance(from_attention, str)
+            or all(callable(getattr(from_attention, f, None)) for f in ("student_args", "init"))):
+        raise TypeError(f"register_mixer: from_attention of {kind!r} must have student_args(shapes) and "
+                        f"init(mixer, attn), or be the 'package.module:name' of such an object")
+    for name, path in (("serve_layer", serve_layer), ("serve_weights", serve_weights)):
+        if path is not None and (not isinstance(path, str) or ":" not in path):
+            raise TypeError(f"register_mixer: {name} of {kind!r} must be a 'package.module:name' string, got {path!r}")
+    spec = MixerSpec(kind, symbol, args, module, cache, linear=linear, init=init, save_unused=save_unused,
+                     costs=costs, title=title, from_attention=from_attention, serve_layer=serve_layer,
+                     serve_weights=serve_weights)
     _REGISTRY[kind] = spec
     return spec
+
+
+def _built_from_its_settings(module) -> bool:
+    """Whether ``module(args, hidden_size, layer_idx=..., runtime=...)`` binds to the class's constructor."""
+    try:
+        inspect.signature(module).bind(None, 0, layer_idx=0, runtime=None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): left to the first build
+        return True
+    return True
 
 
 def unregister_mixer(kind: str) -> MixerSpec:

@@ -3,6 +3,9 @@ renamed and re-laid out for vLLM's layers.
 
 No vLLM import here: the checks and the weight mapping are plain torch, so they are tested without vLLM.
 
+Which mixers vLLM serves, and how each one's weights map, the registry says (``serve_layer`` / ``serve_weights``
+of a mixer's entry, hybridlm/model/registry.py); the MLP, not a mixer, is mapped here.
+
 Mamba2 with ``d_xb`` (MambaInLlama: x and B projected to fewer channels and shared by consecutive heads, as
 grouped-query attention shares keys) becomes vLLM's plain Mamba2 layout by repeating those rows of ``in_proj``
 and those channels of the depthwise conv: the conv acts per channel, so a repeated channel convolved equals the
@@ -19,9 +22,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 
 from hybridlm.config.errors import ConfigError
-from hybridlm.model.registry import MLP_KIND, mixer_spec, symbol_of
+from hybridlm.model.registry import CONFIGURED_SYMBOL, MLP_KIND, MLP_SYMBOL, load_object, mixer_spec, mixers, symbol_of
 
-SERVED_KINDS = ("mla", "mamba2", MLP_KIND)
 # the head sizes vLLM's CPU attention kernel takes (CPUAttentionBackend.get_supported_head_sizes in vLLM 0.32;
 # the CUDA backends take all of them up to 256): MLA's query/key and value heads are zero-padded to the
 # smallest that fits, which changes no score (the pad adds 0 to every dot product) and no output (sliced off)
@@ -40,16 +42,30 @@ def _where(config) -> str:
     return f"{Path(source) / 'config.json'}: " if source else ""
 
 
+def served_kinds() -> list:
+    """The sublayer kinds vLLM runs: the registered mixers with a ``serve_layer``, and the MLP."""
+    return [spec.kind for spec in mixers() if spec.serve_layer is not None] + [MLP_KIND]
+
+
+def _served_names() -> str:
+    """``MLA ('*'), Mamba2 ('S', or 'M' with mixer: mamba2) and MLP ('-')`` for the built-in mixers."""
+    names = [f"{spec.name} ({spec.symbol!r}" + (f", or {CONFIGURED_SYMBOL!r} with mixer: {spec.kind})" if spec.linear
+                                                 else ")")
+             for spec in mixers() if spec.serve_layer is not None]
+    return f"{', '.join(names)} and MLP ({MLP_SYMBOL!r})"
+
+
 def check_servable(config) -> None:
     """ConfigError (one line naming config.json and the field) unless vLLM can run every layer of ``config`` and
     it has both MLA and Mamba2 layers."""
     where = _where(config)
+    served = served_kinds()
     for i, kind in enumerate(config.layer_plan):
-        if kind not in SERVED_KINDS:
+        if kind not in served:
             title = mixer_spec(kind).name
             raise ConfigError(
                 f"{where}hybrid_override_pattern: layer {i} is {title} ({symbol_of(kind)!r}); serving with vLLM "
-                f"runs MLA ('*'), Mamba2 ('S', or 'M' with mixer: mamba2) and MLP ('-') layers only")
+                f"runs {_served_names()} layers only")
     for kind, name in (("mla", "MLA ('*')"), ("mamba2", "Mamba2")):
         if kind not in config.layer_plan:
             # vLLM decides per architecture whether a model is hybrid (attention pages sized to the Mamba2 state)
@@ -158,8 +174,9 @@ class _Pending:
         return [tensor, first] if part == 0 else [first, tensor]
 
 
-def _mamba2_weight(name: str, tensor: torch.Tensor, config) -> List[Tuple[str, torch.Tensor]]:
-    """One Mamba2 weight as vLLM's MambaMixer2 names and lays it out (``name`` after ``mixer.``)."""
+def mamba2_weights(name: str, tensor: torch.Tensor, config) -> List[Tuple[str, torch.Tensor]]:
+    """One Mamba2 weight as vLLM's MambaMixer2 names and lays it out (``name`` after ``mixer.``): the ``mamba2``
+    entry's ``serve_weights``."""
     a = config.mixer_args("mamba2")
     if name == "in_proj.weight":
         out = [(name, expand_mamba2_channels(tensor, config, a.d_inner))]
@@ -184,9 +201,10 @@ def served_weights(config, weights: Iterable[Tuple[str, torch.Tensor]]) -> Itera
 
     Unchanged: embeddings, norms, MLA's projections and norms, lm_head (dropped when tied to the embeddings).
     Mamba2: x / B rows and conv channels repeated to vLLM's layout, ``A_log`` -> ``A``, ``norm_weight`` ->
-    ``norm.weight``, a gate bias as in_proj's bias. MLP: ``gate_proj`` and ``up_proj`` stacked as
-    ``gate_up_proj``."""
+    ``norm.weight``, a gate bias as in_proj's bias (each mixer's entry's ``serve_weights``). MLP: ``gate_proj`` and
+    ``up_proj`` stacked as ``gate_up_proj``."""
     pending = _Pending()
+    mappings = {}  # kind -> its serve_weights function, or None
     for name, tensor in weights:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -197,8 +215,11 @@ def served_weights(config, weights: Iterable[Tuple[str, torch.Tensor]]) -> Itera
         layer, rest = int(match.group(1)), match.group(2)
         prefix = f"model.layers.{layer}.mixer."
         kind = config.layer_plan[layer]
-        if kind == "mamba2":
-            for new, t in _mamba2_weight(rest, tensor, config):
+        if kind != MLP_KIND and kind not in mappings:
+            path = mixer_spec(kind).serve_weights
+            mappings[kind] = None if path is None else load_object(path)
+        if mappings.get(kind) is not None:
+            for new, t in mappings[kind](rest, tensor, config):
                 yield prefix + new, t
         elif kind == MLP_KIND and rest in ("gate_proj.weight", "up_proj.weight"):
             both = pending.pair(prefix, 0 if rest.startswith("gate") else 1, tensor)
@@ -211,5 +232,5 @@ def served_weights(config, weights: Iterable[Tuple[str, torch.Tensor]]) -> Itera
                           f"has gate_proj or up_proj without the other")
 
 
-__all__ = ["SERVED_KINDS", "ATTENTION_HEAD_SIZES", "check_servable", "attention_head_size", "mamba2_widths",
-           "expand_mamba2_channels", "served_weights"]
+__all__ = ["served_kinds", "ATTENTION_HEAD_SIZES", "check_servable", "attention_head_size", "mamba2_widths",
+           "expand_mamba2_channels", "mamba2_weights", "served_weights"]

@@ -11,6 +11,9 @@ Each block is ``x + sublayer(norm(x))`` as in :mod:`hybridlm.model.modeling`, wi
   fp16 / bf16 only: vLLM's CPU MLA kernel takes only DeepSeek's 512 + 64 latent).
 * MLP: SwiGLU on vLLM's merged gate/up projection.
 
+Each mixer's served layer is the one its registry entry names (``serve_layer``: :class:`ServedMamba2`,
+:func:`served_mla`); the MLP, not a mixer, is built here.
+
 One device: tensor and pipeline parallelism are refused (the MLA projections are not sharded).
 """
 from __future__ import annotations
@@ -41,7 +44,7 @@ from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE, get_kv_cache_torch_
 
 from hybridlm.config.errors import ConfigError
 from hybridlm.model.layers.rope import apply_rope, rope_cos_sin
-from hybridlm.model.registry import MLP_KIND
+from hybridlm.model.registry import MLP_KIND, load_object, mixer_spec
 from hybridlm.serve.mapping import attention_head_size, check_servable, mamba2_widths, served_weights
 
 
@@ -56,8 +59,9 @@ def state_dtypes(vllm_config: VllmConfig) -> Tuple[torch.dtype, torch.dtype]:
     return conv, ssm
 
 
-class _Mamba2(MambaMixer2):
-    """vLLM's Mamba2 mixer with the SSD state dtype of :func:`state_dtypes`."""
+class ServedMamba2(MambaMixer2):
+    """vLLM's Mamba2 mixer with the SSD state dtype of :func:`state_dtypes` (the ``mamba2`` entry's
+    ``serve_layer``)."""
 
     def __init__(self, config, vllm_config: VllmConfig, prefix: str):
         a, w = config.mixer_args("mamba2"), mamba2_widths(config)
@@ -180,7 +184,17 @@ class _MLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)[0]))[0]
 
 
-_SUBLAYERS = {"mla": _MLA, "mamba2": _Mamba2, MLP_KIND: _MLP}
+def served_mla(config, vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    """The ``mla`` entry's ``serve_layer``: MLA over its latent where vLLM reads the export as latent attention
+    (``HYBRIDLM_VLLM_MLA_CACHE=latent``), over per-head keys and values otherwise."""
+    layer = _LatentMLA if vllm_config.model_config.use_mla else _MLA
+    return layer(config, vllm_config, prefix)
+
+
+def _sublayer(kind: str):
+    """The served layer of ``kind``, ``layer(config, vllm_config, prefix)``: a mixer's registry ``serve_layer``, or
+    the MLP."""
+    return _MLP if kind == MLP_KIND else load_object(mixer_spec(kind).serve_layer)
 
 
 class _Block(nn.Module):
@@ -189,8 +203,7 @@ class _Block(nn.Module):
     def __init__(self, config, kind: str, vllm_config: VllmConfig, prefix: str):
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        sublayer = _LatentMLA if kind == "mla" and vllm_config.model_config.use_mla else _SUBLAYERS[kind]
-        self.mixer = sublayer(config, vllm_config, f"{prefix}.mixer")
+        self.mixer = _sublayer(kind)(config, vllm_config, f"{prefix}.mixer")
 
     def forward(self, positions, hidden, residual):
         if residual is None:

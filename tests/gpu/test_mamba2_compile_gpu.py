@@ -7,7 +7,7 @@ import torch
 
 from benchmarks.harness.mixers import SHAPES_300M
 from hybridlm.model import HybridConfig
-from hybridlm.model.layers.mamba2 import Mamba2
+from hybridlm.model.layers import build_sublayer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_compiled_inputs_train_like_the_eager_ones(dtype):
     cfg = HybridConfig(**{**SHAPES_300M, "vocab_size": 4096, "hybrid_override_pattern": "M-", "mixer": "mamba2"})
     torch.manual_seed(0)
-    layer = Mamba2(cfg).cuda().to(dtype)
+    layer = build_sublayer(cfg, "mamba2").cuda().to(dtype)
     x = torch.randn(2, 512, cfg.hidden_size, device="cuda", dtype=dtype)
     results = []
     for compiled in (False, True):

@@ -8,7 +8,7 @@ import torch
 
 from benchmarks.harness.parity import compare_paths, relative_errors, run_path
 from hybridlm.model import HybridConfig, HybridForCausalLM
-from hybridlm.model.layers import SUBLAYERS
+from hybridlm.model.layers import build_sublayer
 from benchmarks.harness.mixers import SHAPES_300M
 from conftest import tiny_config
 from tests.support.gpu_path import DEVICE, scaled
@@ -48,7 +48,7 @@ def test_sublayer_triton_matches_torch(kind, dtype, T):
     if kind == "gdn_biases":  # the upcycled GDN students' gate and beta biases, added to the projections' views
         cfg = _config(gdn={**cfg.gdn, "gate_bias": True, "beta_bias": True})
     torch.manual_seed(0)
-    layer = SUBLAYERS[kind.split("_")[0]](cfg, 0).to(DEVICE, dtype)
+    layer = build_sublayer(cfg, kind.split("_")[0]).to(DEVICE, dtype)
     if kind == "gdn_biases":
         with torch.no_grad():
             layer.g_bias.normal_(0.0, 1.0)

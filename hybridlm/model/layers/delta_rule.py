@@ -10,18 +10,26 @@ With an :class:`~hybridlm.model.cache.InferenceContext` (generation) the convs a
 from the layer's cached states: a prompt goes through the chunked form, one new token through the
 recurrent step. Padded positions get a zero input: the q/k/v projections and convs have no bias, so q, k, v
 are exactly 0 there and the state does not move (the decay multiplies a zero state under left padding).
+
+Their settings (:class:`DeltaRuleArgs`, the ``gdn`` and ``kda`` sections of a config) and costs live here; each
+mixer's file holds its module and its registry entry.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridlm.config.errors import ConfigError
 from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_conv, split_conv_applies
 from hybridlm.model.layers.init import init_A_log, init_dt_bias
 from hybridlm.model.layers.mixing_flops import CHUNK_SIZE, delta_rule_flops
 from hybridlm.model.layers.projections import project
-from hybridlm.model.registry import MixerCosts
+from hybridlm.model.registry import MixerCosts, check_divides, check_positive
+from hybridlm.model.runtime import RuntimeSettings
 from hybridlm.ops.backend import use_triton, use_triton_elementwise
 from hybridlm.ops.causal_conv import HeadNorm, can_split, causal_conv_split
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state, l2_normalize
@@ -29,16 +37,46 @@ from hybridlm.ops.elementwise import gated_rms_norm
 from hybridlm.ops.gradient_slots import gradient_slot
 
 
+@dataclass
+class DeltaRuleArgs:
+    num_heads: int = 4
+    head_dim: Optional[int] = None     # default hidden_size / num_heads
+    num_v_heads: Optional[int] = None  # default num_heads; a multiple of num_heads (grouped value heads)
+    head_v_dim: Optional[int] = None   # default head_dim
+    conv_size: int = 4
+    norm_eps: float = 1e-6
+    gate_rank: Optional[int] = None    # KDA only: low-rank gate bottleneck, default head_v_dim
+    # learned biases on the output gate's and on beta's input: let a layer upcycled from attention start with a
+    # constant gate and a small beta (docs/upcycling_init.md); off for models trained from scratch, as in fla
+    gate_bias: bool = False
+    beta_bias: bool = False
+
+    def finalize(self, hidden: int, where: str) -> None:
+        check_positive(self, where, ("num_heads", "head_dim", "num_v_heads", "head_v_dim", "conv_size", "gate_rank"))
+        if self.head_dim is None:
+            check_divides(f"{where}.num_heads", "num_heads", self.num_heads, "hidden_size", hidden)
+            self.head_dim = hidden // self.num_heads
+        self.num_v_heads = self.num_v_heads or self.num_heads
+        self.head_v_dim = self.head_v_dim or self.head_dim
+        if self.num_v_heads % self.num_heads:
+            raise ConfigError(f"{where}.num_v_heads: {self.num_v_heads} is not a multiple of num_heads {self.num_heads}")
+        if self.conv_size < 1:
+            raise ConfigError(f"{where}.conv_size: must be >= 1, got {self.conv_size}")
+
+
 class DeltaRuleMixer(nn.Module):
     gate_per_key_channel: bool = False  # KDA: True
     output_gate_activation: str = "swish"
     chunk_size: int = 64  # torch path's chunk length (tests shrink it)
 
-    def __init__(self, config, args, layer_idx: int = 0):
+    def __init__(self, args: DeltaRuleArgs, hidden_size: int, layer_idx: int = 0,
+                 runtime: Optional[RuntimeSettings] = None):
+        """``args``: finalized settings (``args.finalize(hidden_size, kind)``); ``runtime``: the model's settings,
+        read when it runs (None: the defaults)."""
         super().__init__()
-        d = config.hidden_size
+        d = hidden_size
         self.layer_idx = layer_idx
-        self.runtime = config.runtime  # read when it runs: model.set_runtime changes it
+        self.runtime = RuntimeSettings() if runtime is None else runtime  # model.set_runtime replaces it
         self.num_heads, self.head_k_dim = args.num_heads, args.head_dim
         self.num_v_heads, self.head_v_dim = args.num_v_heads, args.head_v_dim
         self.key_dim = self.num_heads * self.head_k_dim

@@ -1,15 +1,17 @@
-"""Gated DeltaNet mixer: one scalar forget gate per value head, delta-rule state update, swish output gate."""
+"""Gated DeltaNet mixer: one scalar forget gate per value head, delta-rule state update, swish output gate.
+
+Settings :class:`~hybridlm.model.layers.delta_rule.DeltaRuleArgs` (the ``gdn`` section of a config); the module,
+its costs and its registry entry here; its upcycling from attention in ``upcycle/init_delta_rule.py``.
+"""
 from torch import nn
 
-from hybridlm.model.layers.delta_rule import DeltaRuleMixer, delta_rule_activations, delta_rule_costs
+from hybridlm.model.layers.delta_rule import DeltaRuleArgs, DeltaRuleMixer, delta_rule_activations, delta_rule_costs
+from hybridlm.model.registry import RECURRENT, register_mixer
 
 
 class GatedDeltaNet(DeltaRuleMixer):
     gate_per_key_channel = False
     output_gate_activation = "swish"
-
-    def __init__(self, config, layer_idx: int = 0):
-        super().__init__(config, config.mixer_args("gdn"), layer_idx)
 
     def build_gate_projections(self, d, args):
         self.a_proj = nn.Linear(d, self.num_v_heads, bias=False)
@@ -34,3 +36,6 @@ class GatedDeltaNet(DeltaRuleMixer):
 
 
 GDN_COSTS = delta_rule_costs(lambda a: delta_rule_activations(a, gate_per_key_channel=False))
+
+GDN = register_mixer("gdn", symbol="G", args=DeltaRuleArgs, module=GatedDeltaNet, cache=RECURRENT, save_unused=True,
+                     costs=GDN_COSTS, title="GDN", from_attention="upcycle.init_delta_rule:GDN_FROM_ATTENTION")

@@ -1,15 +1,17 @@
-"""Kimi Delta Attention mixer: a forget gate per key channel from a low-rank projection, sigmoid output gate."""
+"""Kimi Delta Attention mixer: a forget gate per key channel from a low-rank projection, sigmoid output gate.
+
+Settings :class:`~hybridlm.model.layers.delta_rule.DeltaRuleArgs` (the ``kda`` section of a config); the module,
+its costs and its registry entry here; its upcycling from attention in ``upcycle/init_delta_rule.py``.
+"""
 from torch import nn
 
-from hybridlm.model.layers.delta_rule import DeltaRuleMixer, delta_rule_activations, delta_rule_costs
+from hybridlm.model.layers.delta_rule import DeltaRuleArgs, DeltaRuleMixer, delta_rule_activations, delta_rule_costs
+from hybridlm.model.registry import RECURRENT, register_mixer
 
 
 class KimiDeltaAttention(DeltaRuleMixer):
     gate_per_key_channel = True
     output_gate_activation = "sigmoid"
-
-    def __init__(self, config, layer_idx: int = 0):
-        super().__init__(config, config.mixer_args("kda"), layer_idx)
 
     def build_gate_projections(self, d, args):
         rank = args.gate_rank or self.head_v_dim  # fla uses head_v_dim as the bottleneck
@@ -40,3 +42,7 @@ class KimiDeltaAttention(DeltaRuleMixer):
 # the gate's bottleneck defaults to head_v_dim, as build_gate_projections sets it
 KDA_COSTS = delta_rule_costs(lambda a: delta_rule_activations(a, gate_per_key_channel=True,
                                                               gate_rank=a.gate_rank or a.head_v_dim))
+
+KDA = register_mixer("kda", symbol="K", args=DeltaRuleArgs, module=KimiDeltaAttention, cache=RECURRENT,
+                     save_unused=True, costs=KDA_COSTS, title="KDA",
+                     from_attention="upcycle.init_delta_rule:KDA_FROM_ATTENTION")

@@ -14,16 +14,24 @@ With an :class:`~hybridlm.model.cache.InferenceContext` (generation) the conv an
 layer's cached states (chunked form for a prompt, recurrent step for one token). Padding is zeroed at the
 input (in_proj has no bias, so the conv sees zeros) and again after the conv, whose bias would otherwise
 put non-zero B and x into the state.
+
+This file is the whole mixer: its settings (:class:`Mamba2Args`, the ``mamba2`` section of a config), the
+module, its costs, its init and its registry entry; the entry names its upcycling from attention
+(``upcycle/init_mamba2.py``) and its vLLM twin (``hybridlm/serve``).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
 
 from hybridlm.model.layers.conv import ShortConv, recurrent_context, run_short_conv, split_conv_applies
-from hybridlm.model.layers.init import init_A_log, init_dt_bias, init_short_conv_uniform
+from hybridlm.model.layers.init import init_A_log, init_dt_bias, init_residual_out_proj, init_short_conv_uniform
 from hybridlm.model.layers.mixing_flops import CHUNK_SIZE, simple_gla_flops
-from hybridlm.model.registry import MixerCosts
+from hybridlm.model.registry import RECURRENT, MixerCosts, check_divides, check_positive, register_mixer
+from hybridlm.model.runtime import RuntimeSettings
 from hybridlm.ops.backend import use_triton, use_triton_elementwise
 from hybridlm.ops.causal_conv import causal_conv_split
 from hybridlm.ops.chunked_recurrence import chunk_gated_recurrence, gated_recurrence_with_state
@@ -33,15 +41,45 @@ from hybridlm.ops.mamba2_inputs import compiled_ssd_inputs, repeat_heads, ssd_in
 from hybridlm.ops.mamba2_step import mamba2_decode_step
 
 
+@dataclass
+class Mamba2Args:
+    d_state: int = 64
+    head_dim: int = 64
+    n_groups: int = 8
+    expand: int = 2
+    d_inner: Optional[int] = None  # default expand * hidden_size
+    d_xb: Optional[int] = None     # MambaInLlama: x / B width before repeating across heads
+    conv_size: int = 4
+    conv_bias: bool = True
+    norm_eps: float = 1e-6
+    # a learned bias on the output gate's input z: lets an upcycled layer start with a constant gate
+    # (docs/upcycling_init.md); off for models trained from scratch, as in Mamba2
+    gate_bias: bool = False
+
+    def finalize(self, hidden: int, where: str) -> None:
+        check_positive(self, where, ("d_state", "head_dim", "n_groups", "expand", "d_inner", "d_xb", "conv_size"))
+        self.d_inner = self.d_inner or self.expand * hidden
+        check_divides(f"{where}.head_dim", "head_dim", self.head_dim, "d_inner", self.d_inner)
+        n_heads = self.d_inner // self.head_dim
+        check_divides(f"{where}.n_groups", "n_groups", self.n_groups, "the number of heads", n_heads)
+        if self.d_xb is not None:
+            check_divides(f"{where}.d_xb", "d_xb", self.d_xb, "d_inner", self.d_inner)
+            check_divides(f"{where}.d_xb", "head_dim", self.head_dim, "d_xb", self.d_xb)
+            check_divides(f"{where}.d_xb", "d_inner / d_xb", self.d_inner // self.d_xb,
+                          "n_groups * d_state", self.n_groups * self.d_state)
+
+
 class Mamba2(nn.Module):
     chunk_size: int = 64  # torch path's chunk length (tests shrink it)
 
-    def __init__(self, config, layer_idx: int = 0):
+    def __init__(self, args: Mamba2Args, hidden_size: int, layer_idx: int = 0,
+                 runtime: Optional[RuntimeSettings] = None):
+        """``args``: finalized settings (``args.finalize(hidden_size, "mamba2")``); ``runtime``: the model's settings,
+        read when it runs (None: the defaults)."""
         super().__init__()
-        a = config.mixer_args("mamba2")
-        d = config.hidden_size
+        a, d = args, hidden_size
         self.layer_idx = layer_idx
-        self.runtime = config.runtime  # read when it runs: model.set_runtime changes it
+        self.runtime = RuntimeSettings() if runtime is None else runtime  # model.set_runtime replaces it
         self.d_inner = a.expand * d if a.d_inner is None else a.d_inner
         self.head_dim, self.d_state, self.n_groups = a.head_dim, a.d_state, a.n_groups
         self.num_heads = self.d_inner // self.head_dim
@@ -189,3 +227,18 @@ def mamba2_activations(a) -> float:
 
 
 MAMBA2_COSTS = MixerCosts(flops=mamba2_flops, state_per_sequence=mamba2_state, activations=mamba2_activations)
+
+
+def init_mamba2(module: Mamba2, config) -> None:
+    """Mamba2's out_proj depth-scaled as in fla's Mamba2 (every sublayer adds to the residual stream: fla's
+    num_hidden_layers for a pure Mamba2 stack, mamba_ssm's 2 x n_layer with MLPs) and its conv at PyTorch's
+    Conv1d default as in mamba_ssm, not fla's small normal."""
+    init_residual_out_proj(module.out_proj, len(config.layer_plan))
+    init_short_conv_uniform(module.conv1d)
+
+
+MAMBA2 = register_mixer("mamba2", symbol="S", args=Mamba2Args, module=Mamba2, cache=RECURRENT, init=init_mamba2,
+                        save_unused=True, costs=MAMBA2_COSTS, title="Mamba2",
+                        from_attention="upcycle.init_mamba2:FROM_ATTENTION",
+                        serve_layer="hybridlm.serve.model:ServedMamba2",
+                        serve_weights="hybridlm.serve.mapping:mamba2_weights")

@@ -18,8 +18,15 @@ masked, an eager step over the slots written so far, as the dynamic cache does (
 cache takes the expanded form over its own tokens). With ``runtime.mla_split_k_decode`` the absorbed
 attention of a decode step runs :func:`hybridlm.ops.latent_decode.latent_attention_decode` on CUDA instead of
 SDPA: the cache split along its length over the whole GPU (SDPA walks it with one thread block at batch 1).
+
+This file is the whole mixer: its settings (:class:`MLAArgs`, the ``mla`` section of a config), the module, its
+costs and its registry entry; the entry names its vLLM twin (``hybridlm/serve``). Its upcycling from attention
+(SVD, ``upcycle/init_mla.py``) is the route's attention student, not a linear mixer's ``from_attention``.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +36,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from hybridlm.model.layers.norm import RMSNorm
 from hybridlm.model.layers.mixing_flops import causal_attention_flops
 from hybridlm.model.layers.rope import apply_rope, rope_cos_sin
-from hybridlm.model.registry import MixerCosts
+from hybridlm.config.errors import ConfigError
+from hybridlm.model.registry import LATENT, MixerCosts, check_divides, check_positive, register_mixer
+from hybridlm.model.runtime import RuntimeSettings
 from hybridlm.ops.backend import use_triton
 from hybridlm.ops.latent_decode import MAX_ROWS, latent_attention_decode
 
@@ -40,13 +49,48 @@ from hybridlm.ops.latent_decode import MAX_ROWS, latent_attention_decode
 _CACHE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+@dataclass
+class MLAArgs:
+    num_heads: int = 16
+    q_lora_rank: Optional[int] = 672   # 0 / null: a full-rank q projection
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 32
+    v_head_dim: Optional[int] = None  # default hidden_size / num_heads
+    rope_theta: float = 500000.0
+    # per-pair inverse frequencies (qk_rope_head_dim / 2 floats; pair i rotates by position * rope_inv_freq[i]);
+    # set, they replace the rope_theta progression (an upcycled layer keeps a scaled teacher's frequencies)
+    rope_inv_freq: Optional[List[float]] = None
+    latent_norm: bool = True           # RMSNorm on the q / kv latents (off for exact SVD upcycling)
+    norm_eps: float = 1e-6
+
+    def finalize(self, hidden: int, where: str) -> None:
+        if self.v_head_dim is None:
+            check_divides(where, "num_heads", self.num_heads, "hidden_size", hidden)
+            self.v_head_dim = hidden // self.num_heads
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim < 0:
+            raise ConfigError(f"{where}.qk_rope_head_dim: {self.qk_rope_head_dim} must be even and >= 0 "
+                              "(RoPE rotates pairs; 0 means no position encoding)")
+        check_positive(self, where, ("num_heads", "kv_lora_rank", "v_head_dim"))
+        if self.rope_inv_freq is not None:
+            f = self.rope_inv_freq
+            if (not isinstance(f, (list, tuple)) or len(f) != self.qk_rope_head_dim // 2
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+                               for v in f)):
+                raise ConfigError(f"{where}.rope_inv_freq: expected {self.qk_rope_head_dim // 2} positive finite "
+                                  f"numbers (one per rotation pair), got {f!r}")
+            self.rope_inv_freq = [float(v) for v in f]
+
+
 class MultiHeadLatentAttention(nn.Module):
-    def __init__(self, config, layer_idx: int = 0):
+    def __init__(self, args: MLAArgs, hidden_size: int, layer_idx: int = 0, runtime: Optional[RuntimeSettings] = None):
+        """``args``: finalized settings (``args.finalize(hidden_size, "mla")``); ``runtime``: the model's settings, read
+        when it runs (None: the defaults)."""
         super().__init__()
-        a = config.mixer_args("mla")
-        d = config.hidden_size
+        a, d = args, hidden_size
+        runtime = RuntimeSettings() if runtime is None else runtime
         self.layer_idx = layer_idx
-        self.runtime = config.runtime  # read when it runs: model.set_runtime changes it
+        self.runtime = runtime  # model.set_runtime replaces it
         self.num_heads = a.num_heads
         self.nope, self.rope, self.v_dim = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
         self.kv_lora_rank, self.q_lora_rank = a.kv_lora_rank, a.q_lora_rank
@@ -56,12 +100,12 @@ class MultiHeadLatentAttention(nn.Module):
         qk_head = self.nope + self.rope
         if self.q_lora_rank:
             self.q_a_proj = nn.Linear(d, self.q_lora_rank, bias=False)
-            self.q_a_norm = RMSNorm(self.q_lora_rank, a.norm_eps, config.runtime) if a.latent_norm else nn.Identity()
+            self.q_a_norm = RMSNorm(self.q_lora_rank, a.norm_eps, runtime) if a.latent_norm else nn.Identity()
             self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * qk_head, bias=False)
         else:
             self.q_proj = nn.Linear(d, self.num_heads * qk_head, bias=False)
         self.kv_a_proj = nn.Linear(d, self.kv_lora_rank + self.rope, bias=False)
-        self.kv_a_norm = RMSNorm(self.kv_lora_rank, a.norm_eps, config.runtime) if a.latent_norm else nn.Identity()
+        self.kv_a_norm = RMSNorm(self.kv_lora_rank, a.norm_eps, runtime) if a.latent_norm else nn.Identity()
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, d, bias=False)
 
@@ -183,3 +227,6 @@ def mla_activations(a) -> float:
 
 
 MLA_COSTS = MixerCosts(flops=mla_flops, cache_per_token=mla_cache_per_token, activations=mla_activations)
+
+MLA = register_mixer("mla", symbol="*", args=MLAArgs, module=MultiHeadLatentAttention, cache=LATENT, linear=False,
+                     save_unused=True, costs=MLA_COSTS, title="MLA", serve_layer="hybridlm.serve.model:served_mla")

@@ -1,20 +1,24 @@
 """SwiGLU feed-forward sublayer: down(silu(gate(x)) * up(x))."""
+from typing import Optional
+
 import torch
 from torch import nn
 
 from hybridlm.model.layers.projections import fused_linear
+from hybridlm.model.runtime import RuntimeSettings
 from hybridlm.ops.backend import use_triton_elementwise
 from hybridlm.ops.elementwise import swiglu, swiglu_packed
 
 
 class SwiGLUMLP(nn.Module):
-    def __init__(self, config, layer_idx: int = 0):
+    def __init__(self, hidden_size: int, intermediate_size: int, runtime: Optional[RuntimeSettings] = None):
+        """``runtime``: the model's settings, read when it runs (None: the defaults)."""
         super().__init__()
-        d, f = config.hidden_size, config.intermediate_size
+        d, f = hidden_size, intermediate_size
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
-        self.runtime = config.runtime  # read when it runs: model.set_runtime changes it
+        self.runtime = RuntimeSettings() if runtime is None else runtime  # model.set_runtime replaces it
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:  # position-wise: nothing to cache or mask
         triton = use_triton_elementwise(self.runtime.backend, x)
