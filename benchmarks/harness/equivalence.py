@@ -35,7 +35,8 @@ from typing import Dict, List
 REPO = Path(__file__).resolve().parents[2]
 # figures that measure the machine, not the computation
 VOLATILE = re.compile(r"time|elapsed|second|minute|hour|_s$|per_s|tok_s|tokens_per|throughput|mfu|mem|eta$|wall|"
-                      r"date|pid|speed|duration|started|finished_at|_at$|bytes_free|gib|mib", re.I)
+                      r"date|pid|speed|duration|started|finished_at|_at$|bytes_free|gib|mib|^files$", re.I)
+# ("files": name / size / mtime stamps of the files a record was made from)
 SKIP_JSON = re.compile(r"tokenizer|vocab|special_tokens|generation_config|\.lock")
 
 PRETRAIN = ["--config", "configs/experiments/default_cpu.yaml", "data.val_max_batches=2", "optim.warmup_steps=2",
