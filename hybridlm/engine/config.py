@@ -52,7 +52,7 @@ class OptimConfig(Section):
     # it is made (DeepSpeed's bf16.immediate_grad_update), rather than in a loop over all parameters after it
     immediate_grad_update: bool = False
     # bf16 ZeRO-1: decide on the device whether a non-finite step is skipped, so that no step waits on the host
-    # for its backward (hybridlm/engine/device_step.py); the results are the same, the host learns of a skip when
+    # for its backward (hybridlm/engine/deepspeed_adapter.py); the results are the same, the host learns of a skip when
     # it reads the step's results (at the latest before the next step's optimizer)
     step_on_device: bool = False
     # a learning rate per named parameter group of the run (the distillation stages name theirs: inherited,
