@@ -117,61 +117,51 @@ def finished_record(out: Path, batch: int) -> Optional[Dict[str, Any]]:
     return rec if isinstance(rec, dict) and rec.get("sha256") == sha256_of(shard) else None
 
 
-def teacher_files(teacher: str) -> List[Path]:
-    """The teacher's weight files: a ``.gguf`` file, or a directory's ``*.safetensors`` / ``*.bin`` in name order."""
-    p = resolve_teacher(teacher)
-    files = [p] if p.is_file() else sorted(f for f in p.iterdir() if f.suffix in (".safetensors", ".bin"))
+def teacher_identity(teacher: str, known: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The teacher as a samples directory records it: its spec, path, the sha256 over its weight files (a ``.gguf``
+    file, or a directory's ``*.safetensors`` / ``*.bin`` in name order: another checkpoint under the same path is
+    another teacher) and each file's name, size and modification time (ns). ``known`` (the manifest's ``teacher``
+    entry) spares reading gigabytes again when its path and file stamps are these."""
+    path = resolve_teacher(teacher)
+    files = [path] if path.is_file() else sorted(f for f in path.iterdir() if f.suffix in (".safetensors", ".bin"))
     if not files:
-        raise ConfigError(f"teacher {teacher!r}: no weight files in {p}")
-    return files
-
-
-def file_stamps(files: List[Path]) -> List[List[Any]]:
-    """Name, size and modification time (ns) of each file: what tells, without reading them, that they are the
-    files an earlier run hashed."""
-    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-
-
-def teacher_digest(teacher: str, known: Optional[Dict[str, Any]] = None) -> str:
-    """sha256 over the teacher's weight files: another checkpoint under the same path is another teacher. ``known``
-    (a manifest's ``teacher`` entry) spares reading gigabytes again when its path and file stamps are the same."""
-    files = teacher_files(teacher)
-    if known and known.get("path") == str(resolve_teacher(teacher)) and known.get("files") == file_stamps(files):
-        return str(known.get("sha256"))
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f"{f.name}:{sha256_of(f)}\n".encode())
-    return h.hexdigest()
+        raise ConfigError(f"teacher {teacher!r}: no weight files in {path}")
+    stamps = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    known = known if isinstance(known, dict) else {}
+    if known.get("path") == str(path) and known.get("files") == stamps and known.get("sha256"):
+        digest = str(known["sha256"])
+    else:
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f"{f.name}:{sha256_of(f)}\n".encode())
+        digest = h.hexdigest()
+    return {"spec": str(teacher), "path": str(path), "sha256": digest, "files": stamps}
 
 
 def _identity(cfg: SampleConfig, teacher: str, prompts_meta: Dict[str, Any],
-              known: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+              old: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     return {"format": "hybridlm-teacher-samples", "version": 1,
-            "teacher": {"spec": str(teacher), "path": str(resolve_teacher(teacher)),
-                        "sha256": teacher_digest(teacher, known),
-                        "files": file_stamps(teacher_files(teacher))},
+            "teacher": teacher_identity(teacher, known=(old or {}).get("teacher")),
             "prompts": {"path": str(Path(cfg.prompts).expanduser().resolve()), "digest": prompts_meta.get("digest"),
                         "split": "train"},
             "settings": cfg.identity()}
 
 
-def _manifest_teacher(out: Path) -> Optional[Dict[str, Any]]:
-    """The ``teacher`` entry of ``out``'s manifest, when there is a readable one."""
-    try:
-        entry = json.loads((out / MANIFEST).read_text(encoding="utf-8")).get("teacher")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return entry if isinstance(entry, dict) else None
-
-
-def _check_or_write_identity(out: Path, ident: Dict[str, Any], rank: int) -> None:
-    """The directory's identity, written on first use; another teacher, prompt set or setting is refused."""
+def _read_manifest(out: Path) -> Optional[Dict[str, Any]]:
+    """``out``'s manifest, None when there is none yet; one line when it is not readable JSON."""
     manifest = out / MANIFEST
-    if manifest.is_file():
-        try:
-            old = json.loads(manifest.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            raise ConfigError(f"{manifest}: not readable JSON; delete {out} or choose another sample.out") from None
+    if not manifest.is_file():
+        return None
+    try:
+        return json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise ConfigError(f"{manifest}: not readable JSON; delete {out} or choose another sample.out") from None
+
+
+def _check_or_write_identity(out: Path, ident: Dict[str, Any], old: Optional[Dict[str, Any]], rank: int) -> None:
+    """The directory's identity (``old``: its manifest), written on first use; another teacher, prompt set or
+    setting is refused."""
+    if old is not None:
         if old.get("teacher", {}).get("sha256") != ident["teacher"]["sha256"]:
             raise ConfigError(f"sample.out: {out} holds samples of teacher {old.get('teacher', {}).get('path')} "
                               f"(sha256 {str(old.get('teacher', {}).get('sha256'))[:12]}), not of "
@@ -187,7 +177,7 @@ def _check_or_write_identity(out: Path, ident: Dict[str, Any], rank: int) -> Non
         return
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        write_json(manifest, {**ident, "complete": False})
+        write_json(out / MANIFEST, {**ident, "complete": False})
 
 
 # ------------------------------------------------------------------------------------------ sampling
@@ -227,8 +217,9 @@ def sample(cfg: SampleConfig, teacher: str, progress: bool = True) -> Dict[str, 
                           f"by `python -m pretrain.prepare` or a route's ild.data)")
     meta = read_meta(prompts_dir)
     dist = init_distributed()
-    ident = _identity(cfg, teacher, meta, known=_manifest_teacher(out))
-    _check_or_write_identity(out, ident, dist.rank)
+    manifest = _read_manifest(out)
+    ident = _identity(cfg, teacher, meta, manifest)
+    _check_or_write_identity(out, ident, manifest, dist.rank)
     barrier()
     tokenizer = load_teacher_tokenizer(teacher)
     eos_id = int(meta["tokenizer"]["eos_id"])
