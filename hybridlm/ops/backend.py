@@ -5,7 +5,7 @@ tensor is on CUDA and fla imports, else torch), ``triton`` (required: error if i
 e.g. to compare paths on GPU).
 fla is imported lazily: importing it loads every op up front (10-26 s on a CPU machine).
 The functions here only answer: the shipped kernel tuning is put in place when a model is built
-(hybridlm/ops/tuning.py ``apply_shipped_tuning``), before any kernel launches.
+(hybridlm/ops/tuning.py ``install_shipped_tuning``), before any kernel launches.
 """
 from __future__ import annotations
 
