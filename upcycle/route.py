@@ -33,16 +33,16 @@ from upcycle.init_students import InitConfig, init_students
 from upcycle.route_inputs import check_route_inputs
 from upcycle.route_progress import RouteProgress, training_plan
 from upcycle.route_report import route_report, ruler_options
-from upcycle.stages import check_route, hybrid_stages, pure_stages, route_stage_sections
+from upcycle.stages import check_route, hybrid_stages, hybrid_steps, pure_stages, route_stage_sections
 
 
 def route_sections() -> Tuple[str, ...]:
     """The sections of a route config: its own, the fixed steps' and every registered training stage's, in the
     route's order."""
-    hybrid = [s.name for s in hybrid_stages()]
-    first_reader = next((i for i, s in enumerate(hybrid_stages()) if s.reads_samples), len(hybrid))
-    return ("output_dir", "teacher", "init", *(s.name for s in pure_stages()), "smart", *hybrid[:first_reader],
-            "sample", *hybrid[first_reader:], "report")
+    steps = hybrid_steps(hybrid_stages(), samples=True)
+    if "sample" not in steps:  # a section every route config may hold, even with no stage reading it
+        steps.append("sample")
+    return ("output_dir", "teacher", "init", *(s.name for s in pure_stages()), "smart", *steps, "report")
 
 
 def pure_run_sections(built: Dict[str, Any], student: Path, output_dir: Path) -> Dict[str, Any]:
@@ -113,15 +113,12 @@ def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, 
     pure_runs = {f"{spec.name}_{kind}": (spec, pure_run_sections(built[spec.name], init_dir / f"{kind}_student",
                                                                   out / f"{spec.name}_{kind}"))
                  for spec in pure_stages() if spec.name in built for kind in ("mla", linear)}
-    hybrid_runs = [spec for spec in hybrid_stages() if spec.name in built]
-    first_reader = next((spec.name for spec in hybrid_runs if spec.reads_samples), None) if samples else None
+    hybrid_runs = {spec.name: spec for spec in hybrid_stages() if spec.name in built}
+    after_compose = hybrid_steps(list(hybrid_runs.values()), samples=bool(samples))
     steps: Dict[str, Any] = {"init": None}
     steps.update({name: training_plan(spec.name, configs) for name, (spec, configs) in pure_runs.items()})
     steps.update({"smart": None, "compose": None})
-    for spec in hybrid_runs:
-        if spec.name == first_reader:
-            steps["sample"] = None
-        steps[spec.name] = training_plan(spec.name, built[spec.name])
+    steps.update({name: None if name == "sample" else training_plan(name, built[name]) for name in after_compose})
     steps["report"] = None
     progress = RouteProgress(steps, enabled=dist.rank == 0)
     summary: Dict[str, Any] = {"teacher": teacher}
@@ -163,13 +160,13 @@ def _run_stages(cfg, out: Path, teacher: str, init_cfg, smart_cfg, linear: str, 
                           overwrite=True)
     barrier()
 
-    for spec in hybrid_runs:
-        if spec.name == first_reader:  # the teacher's continuations, before the first mix that names them
-            start("sample")
+    for name in after_compose:
+        start(name)
+        if name == "sample":  # the teacher's continuations, before the first mix that names them
             summary["sample"] = sample(samples, teacher)
-        start(spec.name)
-        summary[spec.name] = spec.run(built[spec.name])
-        progress.finished(spec.name, summary[spec.name])
+            continue
+        summary[name] = hybrid_runs[name].run(built[name])
+        progress.finished(name, summary[name])
     start("report")
     if dist.rank == 0:
         summary["report"] = route_report(out, ild_data.path, device=dist.device, **report_opts)

@@ -83,6 +83,14 @@ def hybrid_stages() -> List[StageSpec]:
     return [s for s in STAGES.values() if s.students == "hybrid"]
 
 
+def hybrid_steps(specs: List[StageSpec], samples: bool) -> List[str]:
+    """The route's steps after compose: the names of ``specs`` in order, with the teacher's ``sample`` step (when
+    ``samples``) right before the first stage that reads them."""
+    names = [spec.name for spec in specs]
+    first_reader = next((i for i, spec in enumerate(specs) if spec.reads_samples), None) if samples else None
+    return names if first_reader is None else [*names[:first_reader], "sample", *names[first_reader:]]
+
+
 # ------------------------------------------------------------------------------------------- route
 def stage_sections(section: Dict[str, Any], where: str, **fixed) -> Dict[str, Any]:
     """A route section's own sections with the route's ``fixed`` values (``student__path=...``: section
